@@ -1,0 +1,48 @@
+"""Entry point of `rolloutctl`.
+
+Each command module exposes ``register(app)``; heavy imports (torch, SQLAlchemy) happen inside the
+commands so that ``rolloutctl --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import typer
+
+from rollout_worker.errors import UserError
+
+app = typer.Typer(
+    name="rolloutctl",
+    help="elastic-rollout: adaptive tensor parallelism for RL rollouts.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+def _register_all() -> None:
+    from rollout_operator.cli import engine_cmds, profiler_cmds
+
+    engine_cmds.register(app)
+    profiler_cmds.register(app)
+
+
+_register_all()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        app()
+    except UserError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""The profile: measured (or modelled) decode-step latency and reconfiguration costs of one model on one
+kind of device. It is the contract between the profiler (which writes it), the database (which stores it),
+and the latency model, planner and simulator (which read it).
+
+JSON form (``Profile.to_json`` / ``Profile.from_json``)::
+
+    {
+      "schema": "elastic-rollout/profile/v1",
+      "name": "tiny-cpu-2",
+      "model": {"name": "tiny", "architecture": "LlamaForCausalLM", "shape_hash": "...",
+                "hidden_size": 128, "num_layers": 4, "num_heads": 8, "num_kv_heads": 2,
+                "head_dim": 16, "intermediate_size": 384, "vocab_size": 512},
+      "engine": "elastic-rollout 0.1.0",
+      "device": {"kind": "cpu", "count": 2, "name": "2-core x86-64"},
+      "dtype": "float32",
+      "method": "measured" | "shard-equivalent" | "modelled",
+      "provenance": {"measured": ["step_latency", ...], "modelled": [...], "notes": "...", "command": "..."},
+      "created": "2026-11-21T20:00:00+00:00",
+      "step_latency": [{"replicas": 2, "tp": 1, "batch": 8, "context": 256, "ms": 4.4}, ...],
+      "reconfig_cost": [{"src": "2x1", "dst": "1x2", "method": "migrate", "tokens": 3000,
+                         "bytes": 1200000, "ms": 12.5}, ...],
+      "costs": {"migrate_bytes_per_ms": 1.0e6, "migrate_fixed_ms": 2.0,
+                "recompute_tokens_per_ms": 50.0, "recompute_fixed_ms": 5.0,
+                "reshard_grow_ms": 1.0, "reshard_shrink_ms": 50.0, "sync_ms": 5.0}
+    }
+
+``step_latency`` is the latency of one decode step of *one replica* of TP size ``tp`` while the pod runs
+``replicas`` such replicas, at ``batch`` running requests on that replica and mean ``context`` tokens.
+``costs`` is the linear reconfiguration cost model fitted from ``reconfig_cost`` (or given).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from rollout_worker.errors import UserError
+
+SCHEMA = "elastic-rollout/profile/v1"
+METHODS = ("measured", "shard-equivalent", "modelled")
+KV_METHODS = ("migrate", "recompute")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    name: str
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+
+    @property
+    def shape_hash(self) -> str:
+        key = json.dumps({k: v for k, v in asdict(self).items() if k != "name"}, sort_keys=True)
+        return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return self.num_layers * self.num_kv_heads * self.head_dim * 2 * dtype_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class StepPoint:
+    replicas: int
+    tp: int
+    batch: int
+    context: int
+    ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReconfigPoint:
+    src: str  # layout "DxT"
+    dst: str
+    method: str  # "migrate" | "recompute"
+    tokens: int  # KV tokens moved or recomputed
+    bytes: int  # bytes moved (0 for recompute)
+    ms: float  # whole switch, wall clock
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Linear reconfiguration cost model: ms = fixed + size / rate."""
+
+    migrate_bytes_per_ms: float
+    migrate_fixed_ms: float
+    recompute_tokens_per_ms: float
+    recompute_fixed_ms: float
+    reshard_grow_ms: float
+    reshard_shrink_ms: float
+    sync_ms: float
+
+
+@dataclass(slots=True)
+class Profile:
+    name: str
+    model: ModelShape
+    engine: str
+    device_kind: str
+    device_count: int
+    device_name: str
+    dtype: str
+    method: str
+    step_latency: list[StepPoint]
+    reconfig_cost: list[ReconfigPoint]
+    costs: CostModel
+    provenance: dict[str, Any] = field(default_factory=dict)
+    created: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
+
+    @property
+    def dtype_bytes(self) -> int:
+        return {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "name": self.name,
+            "model": {**asdict(self.model), "shape_hash": self.model.shape_hash},
+            "engine": self.engine,
+            "device": {"kind": self.device_kind, "count": self.device_count, "name": self.device_name},
+            "dtype": self.dtype,
+            "method": self.method,
+            "provenance": self.provenance,
+            "created": self.created,
+            "step_latency": [asdict(p) for p in self.step_latency],
+            "reconfig_cost": [asdict(p) for p in self.reconfig_cost],
+            "costs": asdict(self.costs),
+        }
+
+    def to_json(self, path: str | Path) -> None:
+        tmp = Path(f"{path}.tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        tmp.replace(path)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "profile") -> Profile:
+        try:
+            if d.get("schema") != SCHEMA:
+                raise UserError(f"{where}: schema must be {SCHEMA!r}, got {d.get('schema')!r}")
+            model = dict(d["model"])
+            model.pop("shape_hash", None)
+            prof = cls(
+                name=str(d["name"]),
+                model=ModelShape(**model),
+                engine=str(d["engine"]),
+                device_kind=str(d["device"]["kind"]),
+                device_count=int(d["device"]["count"]),
+                device_name=str(d["device"].get("name", "")),
+                dtype=str(d["dtype"]),
+                method=str(d["method"]),
+                step_latency=[StepPoint(**p) for p in d["step_latency"]],
+                reconfig_cost=[ReconfigPoint(**p) for p in d.get("reconfig_cost", [])],
+                costs=CostModel(**d["costs"]),
+                provenance=dict(d.get("provenance", {})),
+                created=str(d.get("created", "")),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UserError(f"{where}: malformed profile ({type(exc).__name__}: {exc})") from exc
+        prof.validate(where)
+        return prof
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> Profile:
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError as exc:
+            raise UserError(f"profile file not found: {path}") from exc
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") from exc
+        return cls.from_dict(data, where=str(path))
+
+    def validate(self, where: str = "profile") -> None:
+        if self.method not in METHODS:
+            raise UserError(f"{where}: method must be one of {METHODS}, got {self.method!r}")
+        if self.dtype not in ("float64", "float32", "bfloat16", "float16"):
+            raise UserError(f"{where}: unknown dtype {self.dtype!r}")
+        if not self.step_latency:
+            raise UserError(f"{where}: step_latency is empty")
+        for i, p in enumerate(self.step_latency):
+            if p.replicas < 1 or p.tp < 1 or p.batch < 1 or p.context < 0 or not p.ms > 0:
+                raise UserError(f"{where}: step_latency[{i}] out of range: {p}")
+        for i, r in enumerate(self.reconfig_cost):
+            if r.method not in KV_METHODS or r.ms < 0 or r.tokens < 0 or r.bytes < 0:
+                raise UserError(f"{where}: reconfig_cost[{i}] out of range: {r}")
