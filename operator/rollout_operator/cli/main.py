@@ -23,10 +23,10 @@ app = typer.Typer(
 
 
 def _register_all() -> None:
-    from rollout_operator.cli import engine_cmds, profiler_cmds
+    from rollout_operator.cli import db_cmds, engine_cmds, profile_cmds, sim_cmds
 
-    engine_cmds.register(app)
-    profiler_cmds.register(app)
+    for module in (engine_cmds, profile_cmds, db_cmds, sim_cmds):
+        module.register(app)
 
 
 _register_all()

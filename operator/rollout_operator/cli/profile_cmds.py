@@ -1,0 +1,9 @@
+"""rolloutctl commands: profile_cmds (placeholder until its issue fills it)."""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    del app
