@@ -1,0 +1,132 @@
+"""Pure planning of a reconfiguration: where each unfinished request goes, which KV heads move from
+which rank to which, and whether migrating or recomputing the KV cache is cheaper.
+
+Every rank computes the same plan from the same gathered metadata, so no plan is ever sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rollout_worker.config import ModelConfig
+from rollout_worker.kvcache import kv_elements
+from rollout_worker.layout import Layout
+from rollout_worker.sharding import kv_head_range
+
+
+@dataclass(frozen=True, slots=True)
+class Unfinished:
+    """A request before the switch: its old replica, its slot there (None while waiting), its size."""
+
+    id: str
+    src_replica: int
+    src_slot: int | None
+    kv_len: int
+    reserved: int  # prompt + max_new_tokens
+    remaining: int  # max_new_tokens - generated (an upper bound on the work left)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    id: str
+    src_replica: int
+    src_slot: int | None
+    dst_replica: int
+    dst_slot: int | None  # None: waits on the new replica (its KV is dropped, rebuilt at admission)
+    kv_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """KV heads of one request moving from ``src`` to ``dst`` (ranks); head ranges are rank-local."""
+
+    src: int
+    dst: int
+    id: str
+    src_slot: int
+    dst_slot: int
+    src_heads: tuple[int, int]
+    dst_heads: tuple[int, int]
+    kv_len: int
+
+
+def place(
+    reqs: list[Unfinished], replicas: int, max_batch: int, kv_budget: int | None
+) -> list[Placement]:
+    """Balance requests over ``replicas`` by remaining work (longest first onto the least loaded replica).
+
+    Requests that held a slot keep running if the new replica has room (batch and KV budget); the rest
+    wait there. Order inside each replica follows the input order, so slots are deterministic.
+    """
+    load = [0] * replicas
+    target: dict[str, int] = {}
+    for r in sorted(reqs, key=lambda r: (-r.remaining, r.id)):
+        d = min(range(replicas), key=lambda i: (load[i], i))
+        target[r.id] = d
+        load[d] += r.remaining
+    slots = [0] * replicas
+    reserved = [0] * replicas
+    out = []
+    for r in sorted(reqs, key=lambda r: (r.src_slot is None, r.src_replica, r.src_slot or 0, r.id)):
+        d = target[r.id]
+        fits = slots[d] < max_batch and (kv_budget is None or reserved[d] + r.reserved <= kv_budget)
+        if r.src_slot is not None and fits:
+            out.append(Placement(r.id, r.src_replica, r.src_slot, d, slots[d], r.kv_len))
+            slots[d] += 1
+            reserved[d] += r.reserved
+        else:
+            out.append(Placement(r.id, r.src_replica, r.src_slot, d, None, r.kv_len))
+    return out
+
+
+def kv_migration_plan(cfg: ModelConfig, old: Layout, new: Layout, placements: list[Placement]) -> list[Transfer]:
+    """For every running request, every destination rank gets each KV head it needs from one rank of the
+    old replica that holds it: itself when it can (a local copy), else the lowest shard holding it."""
+    plan = []
+    for p in placements:
+        if p.src_slot is None or p.dst_slot is None:
+            continue
+        sources = [(r, kv_head_range(cfg, old.tp, old.shard_of(r))) for r in old.ranks_of(p.src_replica)]
+        for dst in new.ranks_of(p.dst_replica):
+            lo, hi = kv_head_range(cfg, new.tp, new.shard_of(dst))
+            h = lo
+            while h < hi:
+                src, (slo, shi) = next(
+                    ((r, rng) for r, rng in sources if r == dst and rng[0] <= h < rng[1]),
+                    next((r, rng) for r, rng in sources if rng[0] <= h < rng[1]),
+                )
+                end = min(hi, shi)
+                plan.append(Transfer(src, dst, p.id, p.src_slot, p.dst_slot, (h - slo, end - slo),
+                                     (h - lo, end - lo), p.kv_len))
+                h = end
+    return plan
+
+
+def transfer_bytes(t: Transfer, cfg: ModelConfig, dtype_bytes: int) -> int:
+    heads = t.src_heads[1] - t.src_heads[0]
+    return kv_elements(cfg.num_layers, heads, t.kv_len, cfg.head_dim) * dtype_bytes
+
+
+def migrate_bytes(plan: list[Transfer], cfg: ModelConfig, dtype_bytes: int) -> int:
+    """Bytes that cross between ranks (local copies are free)."""
+    return sum(transfer_bytes(t, cfg, dtype_bytes) for t in plan if t.src != t.dst)
+
+
+def recompute_tokens(placements: list[Placement], replicas: int) -> int:
+    """Tokens to re-prefill on the busiest new replica (replicas prefill in parallel)."""
+    per = [0] * replicas
+    for p in placements:
+        if p.dst_slot is not None:
+            per[p.dst_replica] += p.kv_len
+    return max(per)
+
+
+def choose_method(
+    requested: str, moved_bytes: int, tokens: int, bytes_per_ms: float, tokens_per_ms: float
+) -> tuple[str, float, float]:
+    """Resolve ``auto`` by the cost model; returns (method, predicted migrate ms, predicted recompute ms)."""
+    migrate_ms = moved_bytes / max(bytes_per_ms, 1e-9)
+    recompute_ms = tokens / max(tokens_per_ms, 1e-9)
+    if requested != "auto":
+        return requested, migrate_ms, recompute_ms
+    return ("migrate" if migrate_ms <= recompute_ms else "recompute"), migrate_ms, recompute_ms

@@ -1,0 +1,145 @@
+"""The decoder (Llama 3.x, Qwen2, Qwen3) as plain functions over a dict of (sharded) tensors.
+
+Attention is written out explicitly and shared by prefill and decode: both write K/V into the slab at the
+tokens' positions and attend over the slab with a causal mask. The only TP code is two all-reduces per
+layer (after o_proj and down_proj) and one all-gather of the vocab-parallel logits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rollout_worker.config import ModelConfig
+from rollout_worker.kvcache import KVSlab
+from rollout_worker.parallel import ParallelState
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies as Hugging Face computes them (float32), with llama3 / linear scaling."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    sc = cfg.rope_scaling
+    kind = None if sc is None else sc.get("rope_type", sc.get("type"))
+    if sc is not None and kind == "linear":
+        inv = inv / float(sc["factor"])
+    elif sc is not None and kind == "llama3":
+        factor, lo_f, hi_f = float(sc["factor"]), float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+        old = float(sc["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo_f, inv / factor, inv)
+        smooth = (old / wavelen - lo_f) / (hi_f - lo_f)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / hi_f) & ~(wavelen > old / lo_f)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
+
+
+@dataclass(slots=True)
+class Layer:
+    ln1: torch.Tensor
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    bq: torch.Tensor | None
+    bk: torch.Tensor | None
+    bv: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    wo: torch.Tensor
+    ln2: torch.Tensor
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+
+
+class Decoder:
+    """Forward passes of one TP shard. Rebuilt (cheaply) whenever the weights or the layout change."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], ps: ParallelState) -> None:
+        self.cfg, self.ps = cfg, ps
+        self.heads = cfg.num_heads // ps.tp
+        self.kv_heads = cfg.kv_heads_per_rank(ps.tp)
+        self.embed = weights["model.embed_tokens.weight"]
+        self.norm = weights["model.norm.weight"]
+        self.lm_head = weights["lm_head.weight"]
+        self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
+        dev = self.embed.device
+        self.inv_freq = rope_inv_freq(cfg).to(dev)
+        self.dtype = self.embed.dtype
+        self.norm_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+
+    @staticmethod
+    def _layer(w: dict[str, torch.Tensor], i: int) -> Layer:
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        return Layer(
+            ln1=w[p + "input_layernorm.weight"], wq=w[a + "q_proj.weight"], wk=w[a + "k_proj.weight"],
+            wv=w[a + "v_proj.weight"], bq=w.get(a + "q_proj.bias"), bk=w.get(a + "k_proj.bias"),
+            bv=w.get(a + "v_proj.bias"), q_norm=w.get(a + "q_norm.weight"), k_norm=w.get(a + "k_norm.weight"),
+            wo=w[a + "o_proj.weight"], ln2=w[p + "post_attention_layernorm.weight"],
+            w_gate=w[p + "mlp.gate_proj.weight"], w_up=w[p + "mlp.up_proj.weight"],
+            w_down=w[p + "mlp.down_proj.weight"],
+        )
+
+    def rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = x.to(self.norm_dtype)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
+        return w * h.to(x.dtype)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq  # [B, S, hd/2], float32 as in HF
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype)[:, :, None], emb.sin().to(self.dtype)[:, :, None]
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rot * sin
+
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, slab: KVSlab, last: torch.Tensor, slot0: int = 0
+    ) -> torch.Tensor:
+        """Logits [B, vocab] at index ``last[b]`` of each row; K/V of row b go to slab slot ``slot0 + b``.
+
+        tokens, positions: [B, S] (right-padded rows; padding is written past the row's length and is
+        never attended to by its real tokens).
+        """
+        bsz, seq = tokens.shape
+        cos, sin = self.rope(positions)
+        max_len = int(positions.max().item()) + 1
+        key_pos = torch.arange(max_len, device=tokens.device)
+        mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, S, L]
+        bias = torch.zeros(mask.shape, dtype=self.dtype, device=tokens.device)
+        bias = bias.masked_fill(~mask, float("-inf"))[:, None, None]  # [B, 1, 1, S, L]
+        rows = torch.arange(slot0, slot0 + bsz, device=tokens.device)[:, None].expand(bsz, seq)
+        hd, group = self.cfg.head_dim, self.heads // self.kv_heads
+        scale = 1.0 / math.sqrt(hd)
+        x = F.embedding(tokens, self.embed)
+        for i, lw in enumerate(self.layers):
+            h = self.rms(x, lw.ln1)
+            q = F.linear(h, lw.wq, lw.bq).view(bsz, seq, self.heads, hd)
+            k = F.linear(h, lw.wk, lw.bk).view(bsz, seq, self.kv_heads, hd)
+            v = F.linear(h, lw.wv, lw.bv).view(bsz, seq, self.kv_heads, hd)
+            if lw.q_norm is not None and lw.k_norm is not None:
+                q, k = self.rms(q, lw.q_norm), self.rms(k, lw.k_norm)
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            slab.k[i][rows, :, positions] = k
+            slab.v[i][rows, :, positions] = v
+            keys = slab.k[i][slot0 : slot0 + bsz, :, :max_len].unsqueeze(2)  # [B, KVh, 1, L, hd]
+            vals = slab.v[i][slot0 : slot0 + bsz, :, :max_len].unsqueeze(2)
+            qh = q.view(bsz, seq, self.kv_heads, group, hd).permute(0, 2, 3, 1, 4)  # [B, KVh, g, S, hd]
+            scores = torch.matmul(qh, keys.transpose(-1, -2)) * scale + bias
+            probs = torch.softmax(scores.to(self.norm_dtype), dim=-1).to(self.dtype)
+            attn = torch.matmul(probs, vals).permute(0, 3, 1, 2, 4).reshape(bsz, seq, self.heads * hd)
+            x = x + self.ps.all_reduce(F.linear(attn, lw.wo))
+            h = self.rms(x, lw.ln2)
+            mlp = F.linear(F.silu(F.linear(h, lw.w_gate)) * F.linear(h, lw.w_up), lw.w_down)
+            x = x + self.ps.all_reduce(mlp)
+        x_last = x[torch.arange(bsz, device=x.device), last]
+        logits = F.linear(self.rms(x_last, self.norm), self.lm_head)
+        return self.ps.all_gather_cat(logits, dim=-1)

@@ -1,0 +1,98 @@
+"""Model shapes for ``rolloutctl make-model``. Weights are random; latency depends only on the shape."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollout_worker.errors import UserError
+
+_LLAMA: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu"}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Tests: tiny enough that a 4- or 8-rank rollout runs in seconds; 8 heads / 2 KV heads / vocab 512
+    # admit every TP size up to 8 (KV heads are duplicated when TP exceeds them).
+    "tiny": {
+        **_LLAMA,
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "vocab_size": 512,
+        "max_position_embeddings": 2048,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    },
+    "small": {
+        **_LLAMA,
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "vocab_size": 4096,
+        "max_position_embeddings": 4096,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+    },
+    # ~0.9 GB of float32 weights: memory-bound at batch 1 on a 2-core CPU, where TP=2 beats TP=1.
+    "medium": {
+        **_LLAMA,
+        "hidden_size": 1024,
+        "intermediate_size": 3584,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "vocab_size": 32000,
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+    },
+    "llama-3.1-8b": {
+        **_LLAMA,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "tie_word_embeddings": False,
+    },
+    "qwen3-14b": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_act": "silu",
+        "hidden_size": 5120,
+        "intermediate_size": 17408,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+    },
+}
+
+
+def preset_config(name: str) -> dict[str, Any]:
+    if name not in PRESETS:
+        raise UserError(f"--preset: unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+    cfg = dict(PRESETS[name])
+    cfg.setdefault("rms_norm_eps", 1e-5)
+    cfg.setdefault("attention_bias", False)
+    cfg.setdefault("bos_token_id", 256)
+    cfg.setdefault("eos_token_id", 257)
+    cfg.setdefault("pad_token_id", 258)
+    return cfg

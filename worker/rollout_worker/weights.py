@@ -1,0 +1,90 @@
+"""Loading one rank's shard of every tensor, and resharding it in place when the TP size changes."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from rollout_worker.checkpoint import CheckpointReader, tensor_shapes
+from rollout_worker.config import ModelConfig
+from rollout_worker.parallel import ParallelState
+from rollout_worker.sharding import ReshardStep, assemble, reshard_plan, shard_range
+
+Weights = dict[str, torch.Tensor]
+
+
+def load_shard(
+    reader: CheckpointReader, cfg: ModelConfig, tp: int, shard: int, dtype: torch.dtype, device: torch.device
+) -> Weights:
+    """Read only this shard's slices from the checkpoint. Tied embeddings share the embedding rows."""
+    out: Weights = {}
+    for name, _ in tensor_shapes(cfg):
+        out[name] = reader.read(name, shard_range(name, cfg, tp, shard), dtype).to(device)
+    _tie(out, cfg, tp, shard)
+    return out
+
+
+def _tie(weights: Weights, cfg: ModelConfig, tp: int, shard: int) -> None:
+    """Tied embeddings: the vocab-parallel lm_head is a view of this shard's rows of the embedding."""
+    if cfg.tie_word_embeddings:
+        rng = shard_range("lm_head.weight", cfg, tp, shard)
+        emb = weights["model.embed_tokens.weight"]
+        weights["lm_head.weight"] = emb if rng is None else emb[rng.start : rng.stop]
+
+
+def reshard(
+    weights: Weights, cfg: ModelConfig, old: ParallelState, new_tp: int, new_shard: int
+) -> tuple[Weights, dict[str, int]]:
+    """New shards for (new_tp, new_shard), leaving ``weights`` untouched (so a failure can roll back).
+
+    Growing TP slices the held shard (no communication). Shrinking all-gathers each tensor inside the
+    *old* TP group, whose members hold every piece this rank now needs, then slices.
+    Returns the new weights and counters: tensors sliced/gathered and bytes received.
+    """
+    names = [n for n, _ in tensor_shapes(cfg)]
+    plan = reshard_plan(names, cfg, (old.tp, old.shard), (new_tp, new_shard))
+    out: Weights = {}
+    stats = {"sliced": 0, "gathered": 0, "bytes_received": 0}
+    for step in plan:
+        held = weights[step.name]
+        if step.op == "keep":
+            out[step.name] = held
+        elif step.op == "slice":
+            assert step.local is not None
+            out[step.name] = _slice(held, step)
+            stats["sliced"] += 1
+        else:
+            out[step.name] = _gather(held, step, cfg, old)
+            stats["gathered"] += 1
+            stats["bytes_received"] += held.numel() * held.element_size() * (old.tp - 1)
+    _tie(out, cfg, new_tp, new_shard)
+    return out, stats
+
+
+def _slice(held: torch.Tensor, step: ReshardStep) -> torch.Tensor:
+    assert step.local is not None
+    lo, hi = step.local.start, step.local.stop
+    part = held[lo:hi] if step.local.dim == 0 else held[:, lo:hi]
+    return part.clone(memory_format=torch.contiguous_format)  # own storage: the old shard can be freed
+
+
+def _gather(held: torch.Tensor, step: ReshardStep, cfg: ModelConfig, old: ParallelState) -> torch.Tensor:
+    """All-gather the old group's shards of one tensor, rebuild the full tensor, cut the new range."""
+    src = held.cpu() if old.stage_cpu else held
+    parts = [torch.empty_like(src) for _ in range(old.tp)]
+    dist.all_gather(parts, src.contiguous(), group=old.group)
+    ranges = [shard_range(step.name, cfg, old.tp, s) for s in range(old.tp)]
+    dim = ranges[0].dim if ranges[0] is not None else 0
+    full_len = _full_len(step.name, cfg, dim)
+    pieces = [(r, p) for r, p in zip(ranges, parts, strict=True) if r is not None]
+    order = assemble(pieces, full_len)  # type: ignore[arg-type]
+    full = torch.cat([pieces[i][1] for i, _, _ in order], dim=dim)
+    if step.local is None:
+        return full.to(held.device)
+    lo, hi = step.local.start, step.local.stop
+    part = full[lo:hi] if dim == 0 else full[:, lo:hi]
+    return part.contiguous().to(held.device)
+
+
+def _full_len(name: str, cfg: ModelConfig, dim: int) -> int:
+    return dict(tensor_shapes(cfg))[name][dim]
