@@ -75,10 +75,20 @@ def _random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, dtyp
 
 
 def make_model(preset: str, seed: int, out: str | Path, dtype: str = "float32") -> ModelConfig:
-    """Write a seeded random checkpoint (config.json, safetensors, tokenizer.json) to ``out`` atomically."""
-    raw = preset_config(preset)
-    raw["torch_dtype"] = dtype
-    cfg = ModelConfig.from_dict(raw, where=f"preset {preset}")
+    """Write a seeded random checkpoint of a named preset to ``out``."""
+    return write_random_checkpoint(preset_config(preset), seed, out, dtype, where=f"preset {preset}")
+
+
+def write_random_checkpoint(
+    raw: dict[str, Any], seed: int, out: str | Path, dtype: str = "float32", where: str = "config"
+) -> ModelConfig:
+    """Write config.json, seeded random safetensors and tokenizer.json to ``out`` atomically."""
+    raw = {**raw, "torch_dtype": dtype}
+    raw.setdefault("rms_norm_eps", 1e-5)
+    raw.setdefault("bos_token_id", 256)
+    raw.setdefault("eos_token_id", 257)
+    raw.setdefault("pad_token_id", 258)
+    cfg = ModelConfig.from_dict(raw, where=where)
     tdtype = parse_dtype(dtype)
     out = Path(out)
     if out.exists() and any(out.iterdir()):
@@ -88,14 +98,12 @@ def make_model(preset: str, seed: int, out: str | Path, dtype: str = "float32") 
     try:
         _write_weights(cfg, tmp, seed, tdtype)
         (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-        (tmp / "generation_config.json").write_text(
-            json.dumps({"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"]}) + "\n"
-        )
+        gen_cfg = {"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"]}
+        (tmp / "generation_config.json").write_text(json.dumps(gen_cfg) + "\n")
         byte_level_tokenizer(cfg.vocab_size).save(str(tmp / "tokenizer.json"))
-        (tmp / "tokenizer_config.json").write_text(
-            json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
-                        "eos_token": "<|end_of_text|>", "pad_token": "<|pad|>"}) + "\n"
-        )
+        tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
+                   "eos_token": "<|end_of_text|>", "pad_token": "<|pad|>"}
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg) + "\n")
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
@@ -154,6 +162,18 @@ class CheckpointReader:
             raise UserError(f"--model: no model.safetensors or model.safetensors.index.json in {self.dir}")
         self.expected = dict(tensor_shapes(cfg))
         self._handles: dict[str, Any] = {}
+
+    def verify(self) -> None:
+        """Every tensor the config implies is present with its shape (reads headers only)."""
+        for name, shape in self.expected.items():
+            file = self.weight_map.get(name)
+            if file is None:
+                raise UserError(f"checkpoint {self.dir}: missing tensor {name!r}")
+            got = tuple(self._handle(file).get_slice(name).get_shape())
+            if got != shape:
+                raise UserError(
+                    f"checkpoint {self.dir}: tensor {name!r} has shape {list(got)}, config.json implies {list(shape)}"
+                )
 
     def _handle(self, file: str) -> Any:
         if file not in self._handles:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollout_worker.checkpoint import CheckpointReader
+from rollout_worker.config import ModelConfig
 from rollout_worker.engine_config import EngineConfig
 from rollout_worker.errors import EngineError
 from rollout_worker.launcher import OnEvent, run_ranks
@@ -27,6 +29,7 @@ class GenerateResult:
 
 def generate(cfg: EngineConfig, specs: list[RequestSpec], on_event: OnEvent | None = None) -> GenerateResult:
     t0 = time.perf_counter()
+    CheckpointReader(cfg.model_dir, ModelConfig.load(cfg.model_dir)).verify()  # fail before starting ranks
     results = run_ranks(cfg, specs, on_event)
     by_id: dict[str, dict[str, Any]] = {}
     for res in results:

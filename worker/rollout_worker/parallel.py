@@ -12,6 +12,24 @@ import torch
 import torch.distributed as dist
 
 
+SMALL = 1 << 16  # elements: below this an all-reduce is an all-gather plus a local sum
+
+
+def gather_sum(t: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+    """Sum over ranks by all-gather + a local sum in rank order.
+
+    On gloo a small all-gather costs about a third of an all-reduce (one round instead of a
+    reduce-scatter and an all-gather), and summing in a fixed order gives bit-identical results
+    on every rank.
+    """
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    out = parts[0]
+    for p in parts[1:]:
+        out = out + p
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class ParallelState:
     tp: int
@@ -22,12 +40,13 @@ class ParallelState:
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.tp == 1:
             return t
-        if self.stage_cpu and t.device.type != "cpu":
-            c = t.cpu()
-            dist.all_reduce(c, group=self.group)
-            return c.to(t.device)
-        dist.all_reduce(t, group=self.group)
-        return t
+        src = t.cpu() if self.stage_cpu else t
+        if src.device.type == "cpu" and src.numel() <= SMALL:
+            out = gather_sum(src, self.group, self.tp)
+        else:
+            dist.all_reduce(src, group=self.group)
+            out = src
+        return out.to(t.device) if self.stage_cpu else out
 
     def all_gather_cat(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         if self.tp == 1:

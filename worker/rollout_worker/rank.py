@@ -25,7 +25,7 @@ from rollout_worker.engine_config import EngineConfig
 from rollout_worker.kvcache import KVSlab
 from rollout_worker.layout import Layout
 from rollout_worker.model import Decoder
-from rollout_worker.parallel import ParallelState
+from rollout_worker.parallel import ParallelState, gather_sum
 from rollout_worker.replica import Replica
 from rollout_worker.requests import RequestSpec, Sequence
 from rollout_worker.weights import Weights, load_shard
@@ -97,6 +97,8 @@ class RankEngine:
     def global_unfinished(self) -> int:
         mine = self.replica.unfinished if self.layout.shard_of(self.rank) == 0 else 0
         t = torch.tensor([mine], dtype=torch.int64, device=self.sync_device)
+        if self.backend == "gloo":
+            return int(gather_sum(t, None, self.cfg.world).item())
         dist.all_reduce(t)
         return int(t.item())
 

@@ -11,7 +11,7 @@ import sys
 
 import typer
 
-from rollout_worker.errors import UserError
+from rollout_worker.errors import EngineError, UserError
 
 app = typer.Typer(
     name="rolloutctl",
@@ -39,6 +39,9 @@ def main() -> None:
     except UserError as exc:
         typer.echo(f"error: {exc}", err=True)
         sys.exit(2)
+    except EngineError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(1)
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         sys.exit(130)

@@ -1,0 +1,35 @@
+"""Shared fixtures: seeded random checkpoints made once per session, one torch thread per process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollout_worker.checkpoint import make_model, write_random_checkpoint
+from rollout_worker.presets import PRESETS
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny64(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny preset in float64: exact-token tests."""
+    out = tmp_path_factory.mktemp("models") / "tiny64"
+    make_model("tiny", 0, out, "float64")
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("models") / "tiny32"
+    make_model("tiny", 1, out, "float32")
+    return out
+
+
+def tiny_variant(out: Path, **overrides: object) -> Path:
+    """A tiny checkpoint of another architecture (e.g. Qwen2 with biases, Qwen3 with q/k norms)."""
+    raw = {**PRESETS["tiny"], **overrides}
+    write_random_checkpoint(raw, 3, out, "float64")
+    return out

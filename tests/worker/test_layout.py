@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+import pytest
+
+from rollout_worker.errors import UserError
+from rollout_worker.layout import Layout, candidate_layouts, parse_candidates, tp_fits_heads
+
+
+def test_rank_layout_replica_is_rank_mod_d() -> None:
+    lay = Layout(2, 2)
+    assert [lay.replica_of(r) for r in range(4)] == [0, 1, 0, 1]
+    assert [lay.shard_of(r) for r in range(4)] == [0, 0, 1, 1]
+    assert lay.groups() == [[0, 2], [1, 3]]
+    assert Layout(4, 2).ranks_of(1) == [1, 5]
+
+
+def test_parse_and_errors() -> None:
+    assert Layout.parse(" 4x2 ") == Layout(4, 2)
+    with pytest.raises(UserError, match="DxT"):
+        Layout.parse("4by2")
+    with pytest.raises(UserError, match="does not divide"):
+        Layout.for_tp(4, 3)
+    with pytest.raises(UserError, match="item 2"):
+        parse_candidates("4x1,3x1", 4)
+
+
+def test_candidates_respect_heads() -> None:
+    assert [str(x) for x in candidate_layouts(8, 8, 2)] == ["8x1", "4x2", "2x4", "1x8"]
+    assert [str(x) for x in candidate_layouts(6, 12, 4)] == ["6x1", "3x2"]  # TP 3: KV 4 neither way; 6: no
+    assert tp_fits_heads(3, 8, 2) is not None

@@ -1,0 +1,83 @@
+"""Pure reconfiguration planning: placement, KV migration plan, cost model."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from rollout_worker.config import ModelConfig
+from rollout_worker.layout import Layout
+from rollout_worker.migration import (
+    Unfinished,
+    choose_method,
+    kv_migration_plan,
+    migrate_bytes,
+    place,
+    recompute_tokens,
+)
+from rollout_worker.presets import preset_config
+from rollout_worker.sharding import kv_head_range
+
+CFG = ModelConfig.from_dict(preset_config("tiny"))
+
+
+def _reqs(n: int, replicas: int) -> list[Unfinished]:
+    return [Unfinished(f"r{i}", i % replicas, i // replicas, 10 + i, 100, 5 * (i + 1)) for i in range(n)]
+
+
+def test_place_balances_remaining_work() -> None:
+    reqs = _reqs(8, 4)
+    placed = place(reqs, 2, max_batch=8, kv_budget=None)
+    load = Counter()
+    for p in placed:
+        load[p.dst_replica] += next(r.remaining for r in reqs if r.id == p.id)
+    assert abs(load[0] - load[1]) <= 5  # LPT on 5..40: within the smallest item
+    assert sorted(p.id for p in placed) == sorted(r.id for r in reqs)
+    for d in (0, 1):
+        slots = sorted(p.dst_slot for p in placed if p.dst_replica == d and p.dst_slot is not None)
+        assert slots == list(range(len(slots)))
+
+
+def test_place_overflow_waits() -> None:
+    placed = place(_reqs(8, 4), 1, max_batch=3, kv_budget=None)
+    assert sum(p.dst_slot is not None for p in placed) == 3
+    placed = place(_reqs(8, 4), 1, max_batch=8, kv_budget=250)
+    assert sum(p.dst_slot is not None for p in placed) == 2  # 100 reserved tokens each
+
+
+@pytest.mark.parametrize(("src", "dst"), [("4x1", "1x4"), ("4x1", "2x2"), ("2x2", "1x4"), ("1x4", "4x1"),
+                                          ("2x2", "4x1"), ("4x2", "1x8"), ("1x8", "8x1")])
+def test_kv_plan_delivers_every_needed_head_once(src: str, dst: str) -> None:
+    old, new = Layout.parse(src), Layout.parse(dst)
+    placed = place(_reqs(2 * old.replicas, old.replicas), new.replicas, max_batch=64, kv_budget=None)
+    plan = kv_migration_plan(CFG, old, new, placed)
+    for p in placed:
+        for rank in new.ranks_of(p.dst_replica):
+            lo, hi = kv_head_range(CFG, new.tp, new.shard_of(rank))
+            got = sorted(h for t in plan if t.id == p.id and t.dst == rank
+                         for h in range(t.dst_heads[0] + lo, t.dst_heads[1] + lo))
+            assert got == list(range(lo, hi)), (p.id, rank)
+        for t in (t for t in plan if t.id == p.id):
+            assert t.src in old.ranks_of(p.src_replica)
+            slo, _ = kv_head_range(CFG, old.tp, old.shard_of(t.src))
+            dlo, _ = kv_head_range(CFG, new.tp, new.shard_of(t.dst))
+            assert t.src_heads[0] + slo == t.dst_heads[0] + dlo  # same global head
+
+
+def test_kv_plan_prefers_local_copies() -> None:
+    # 2x2 -> 1x4: replica 0 was ranks 0 (KV head 0) and 2 (KV head 1); in 1x4 ranks 0, 1 need head 0
+    # and ranks 2, 3 need head 1: ranks 0 and 2 copy locally, 1 and 3 receive
+    old, new = Layout.parse("2x2"), Layout.parse("1x4")
+    placed = place([Unfinished("a", 0, 0, 7, 50, 10)], 1, 64, None)
+    plan = kv_migration_plan(CFG, old, new, placed)
+    assert {(t.src, t.dst) for t in plan} == {(0, 0), (0, 1), (2, 2), (2, 3)}
+    assert migrate_bytes(plan, CFG, 8) == 2 * 4 * 1 * 7 * 16 * 8 * 2  # ranks 1, 3 receive one head each
+
+
+def test_choose_method_by_cost() -> None:
+    assert choose_method("auto", 1_000_000, 100, bytes_per_ms=1e5, tokens_per_ms=100)[0] == "recompute"
+    assert choose_method("auto", 1_000, 10_000, bytes_per_ms=1e5, tokens_per_ms=100)[0] == "migrate"
+    assert choose_method("migrate", 1_000_000, 1, 1.0, 1e9)[0] == "migrate"
+    placed = place(_reqs(4, 2), 1, 64, None)
+    assert recompute_tokens(placed, 1) == sum(r.kv_len for r in _reqs(4, 2))
