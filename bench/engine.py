@@ -1,6 +1,6 @@
 """Engine benchmark; same as `rolloutctl bench engine`. Example:
 
-    python bench/engine.py --preset medium --ranks 2 --batch 1,8 --context 128 --json out/bench-medium.json
+python bench/engine.py --preset medium --ranks 2 --batch 1,8 --context 128 --json out/bench-medium.json
 """
 
 import sys

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from rollout_worker.checkpoint import make_model, write_random_checkpoint
 from rollout_worker.presets import PRESETS
 

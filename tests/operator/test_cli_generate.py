@@ -14,14 +14,27 @@ from safetensors.torch import save_file
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "rollout_operator.cli.main", *args], capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "rollout_operator.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _prompts(path: Path, lines: list[str] | None = None) -> Path:
-    rows = lines or [json.dumps({"id": f"p{i}", "prompt": f"Question {i}: what is {i} + {i}?",
-                                 "max_new_tokens": 6 + 3 * i, "ignore_eos": True,
-                                 **({"temperature": 0.7, "seed": i} if i % 2 else {})}) for i in range(8)]
+    rows = lines or [
+        json.dumps(
+            {
+                "id": f"p{i}",
+                "prompt": f"Question {i}: what is {i} + {i}?",
+                "max_new_tokens": 6 + 3 * i,
+                "ignore_eos": True,
+                **({"temperature": 0.7, "seed": i} if i % 2 else {}),
+            }
+        )
+        for i in range(8)
+    ]
     path.write_text("\n".join(rows) + "\n")
     return path
 
@@ -29,9 +42,27 @@ def _prompts(path: Path, lines: list[str] | None = None) -> Path:
 @pytest.mark.multiproc
 def test_generate_with_reconfigurations(tmp_path: Path, tiny64: Path) -> None:
     out = tmp_path / "out.jsonl"
-    r = cli("generate", "--model", str(tiny64), "--ranks", "4", "--layout", "4x1", "--reconfigure", "6:2:migrate",
-            "--reconfigure", "3:4:recompute", "--prompts", str(_prompts(tmp_path / "in.jsonl")), "--out", str(out),
-            "--dtype", "float64", "--log-every", "5")
+    r = cli(
+        "generate",
+        "--model",
+        str(tiny64),
+        "--ranks",
+        "4",
+        "--layout",
+        "4x1",
+        "--reconfigure",
+        "6:2:migrate",
+        "--reconfigure",
+        "3:4:recompute",
+        "--prompts",
+        str(_prompts(tmp_path / "in.jsonl")),
+        "--out",
+        str(out),
+        "--dtype",
+        "float64",
+        "--log-every",
+        "5",
+    )
     assert r.returncode == 0, r.stderr
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["id"] for x in rows] == [f"p{i}" for i in range(8)]
@@ -47,15 +78,20 @@ def test_generate_with_reconfigurations(tmp_path: Path, tiny64: Path) -> None:
 def test_make_model_cli(tmp_path: Path) -> None:
     r = cli("make-model", "--preset", "tiny", "--seed", "3", "--out", str(tmp_path / "m"))
     assert r.returncode == 0, r.stderr
-    assert {p.name for p in (tmp_path / "m").iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json"}
+    assert {p.name for p in (tmp_path / "m").iterdir()} >= {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    }
     again = cli("make-model", "--preset", "tiny", "--out", str(tmp_path / "m"))
     assert again.returncode == 2 and "exists and is not empty" in again.stderr
     bad = cli("make-model", "--preset", "huge", "--out", str(tmp_path / "x"))
     assert bad.returncode == 2 and "unknown preset 'huge'" in bad.stderr
 
 
-def _broken_checkpoint(src: Path, dst: Path, drop: str | None = None, reshape: str | None = None,
-                       arch: str | None = None) -> Path:
+def _broken_checkpoint(
+    src: Path, dst: Path, drop: str | None = None, reshape: str | None = None, arch: str | None = None
+) -> Path:
     dst.mkdir()
     raw = json.loads((src / "config.json").read_text())
     if arch:
@@ -76,10 +112,14 @@ CASES = {
     "tp-not-dividing-G": (["--ranks", "4", "--reconfigure", "3:3:migrate"], "TP 3 does not divide --ranks 4"),
     "layout-vs-ranks": (["--ranks", "4", "--layout", "1x3"], "--layout 1x3: 3 ranks, but --ranks is 4"),
     "tp-not-dividing-heads": (["--ranks", "3", "--layout", "1x3"], "does not divide num_attention_heads=8"),
-    "layout-not-candidate": (["--ranks", "4", "--layout", "2x2", "--candidates", "4x1,1x4"],
-                             "--layout 2x2 is not among the candidate layouts (4x1, 1x4)"),
-    "trigger-not-candidate": (["--ranks", "4", "--candidates", "4x1,1x4", "--reconfigure", "2:2:migrate"],
-                              "layout 2x2 is not among the candidate layouts"),
+    "layout-not-candidate": (
+        ["--ranks", "4", "--layout", "2x2", "--candidates", "4x1,1x4"],
+        "--layout 2x2 is not among the candidate layouts (4x1, 1x4)",
+    ),
+    "trigger-not-candidate": (
+        ["--ranks", "4", "--candidates", "4x1,1x4", "--reconfigure", "2:2:migrate"],
+        "layout 2x2 is not among the candidate layouts",
+    ),
     "bad-trigger": (["--ranks", "2", "--reconfigure", "2:2:teleport"], "method must be one of"),
     "bad-dtype": (["--dtype", "float8"], "--dtype: unknown dtype 'float8'"),
 }
@@ -89,45 +129,89 @@ CASES = {
 def test_bad_flags(tmp_path: Path, tiny64: Path, case: str) -> None:
     flags, message = CASES[case]
     out = tmp_path / "out.jsonl"
-    r = cli("generate", "--model", str(tiny64), "--prompts", str(_prompts(tmp_path / "in.jsonl")),
-            "--out", str(out), *flags)
+    r = cli(
+        "generate",
+        "--model",
+        str(tiny64),
+        "--prompts",
+        str(_prompts(tmp_path / "in.jsonl")),
+        "--out",
+        str(out),
+        *flags,
+    )
     assert r.returncode == 2, r.stderr
     assert message in r.stderr and "Traceback" not in r.stderr
     assert not out.exists()
 
 
-@pytest.mark.parametrize(("kind", "message"), [
-    ("drop", "missing tensor 'model.layers.3.mlp.gate_proj.weight'"),
-    ("reshape", "tensor 'model.layers.0.self_attn.v_proj.weight' has shape [2, 2], config.json implies [32, 128]"),
-    ("arch", "unknown architecture ['GPT2LMHeadModel']"),
-])
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("drop", "missing tensor 'model.layers.3.mlp.gate_proj.weight'"),
+        (
+            "reshape",
+            "tensor 'model.layers.0.self_attn.v_proj.weight' has shape [2, 2], config.json implies [32, 128]",
+        ),
+        ("arch", "unknown architecture ['GPT2LMHeadModel']"),
+    ],
+)
 def test_bad_checkpoints(tmp_path: Path, tiny64: Path, kind: str, message: str) -> None:
     model = _broken_checkpoint(
-        tiny64, tmp_path / "broken",
+        tiny64,
+        tmp_path / "broken",
         drop="model.layers.3.mlp.gate_proj.weight" if kind == "drop" else None,
         reshape="model.layers.0.self_attn.v_proj.weight" if kind == "reshape" else None,
         arch="GPT2LMHeadModel" if kind == "arch" else None,
     )
     out = tmp_path / "out.jsonl"
-    r = cli("generate", "--model", str(model), "--ranks", "2", "--prompts", str(_prompts(tmp_path / "in.jsonl")),
-            "--out", str(out))
+    r = cli(
+        "generate",
+        "--model",
+        str(model),
+        "--ranks",
+        "2",
+        "--prompts",
+        str(_prompts(tmp_path / "in.jsonl")),
+        "--out",
+        str(out),
+    )
     assert r.returncode == 2, r.stderr
     assert message in r.stderr and "Traceback" not in r.stderr
     assert not out.exists()
 
 
-@pytest.mark.parametrize(("line", "message"), [
-    ("{not json", "in.jsonl:3: invalid JSON"),
-    ('{"id": "x", "max_new_tokens": 4}', "in.jsonl:3: give exactly one of 'prompt' (text) or 'input_ids'"),
-    ('{"id": "x", "prompt": "hi", "max_new_tokens": 0}', "in.jsonl:3: field 'max_new_tokens' must be"),
-    ('{"id": "x", "input_ids": [1, 9999], "max_new_tokens": 2}', "in.jsonl:3: token id 9999 out of range"),
-    ('{"id": "x", "prompt": "hi", "max_new_tokens": 2, "temprature": 1}', "in.jsonl:3: unknown field(s) temprature"),
-    ('{"id": "a", "prompt": "hi", "max_new_tokens": 2}', "in.jsonl:3: duplicate id 'a' (first on line 1)"),
-    ('{"id": "x", "prompt": "hi", "max_new_tokens": 2, "top_p": 1.5}', "in.jsonl:3: field 'top_p' must be in (0, 1]"),
-])
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("{not json", "in.jsonl:3: invalid JSON"),
+        (
+            '{"id": "x", "max_new_tokens": 4}',
+            "in.jsonl:3: give exactly one of 'prompt' (text) or 'input_ids'",
+        ),
+        ('{"id": "x", "prompt": "hi", "max_new_tokens": 0}', "in.jsonl:3: field 'max_new_tokens' must be"),
+        (
+            '{"id": "x", "input_ids": [1, 9999], "max_new_tokens": 2}',
+            "in.jsonl:3: token id 9999 out of range",
+        ),
+        (
+            '{"id": "x", "prompt": "hi", "max_new_tokens": 2, "temprature": 1}',
+            "in.jsonl:3: unknown field(s) temprature",
+        ),
+        (
+            '{"id": "a", "prompt": "hi", "max_new_tokens": 2}',
+            "in.jsonl:3: duplicate id 'a' (first on line 1)",
+        ),
+        (
+            '{"id": "x", "prompt": "hi", "max_new_tokens": 2, "top_p": 1.5}',
+            "in.jsonl:3: field 'top_p' must be in (0, 1]",
+        ),
+    ],
+)
 def test_malformed_prompt_lines(tmp_path: Path, tiny64: Path, line: str, message: str) -> None:
-    good = [json.dumps({"id": "a", "prompt": "x", "max_new_tokens": 2}),
-            json.dumps({"id": "b", "input_ids": [1, 2], "max_new_tokens": 2})]
+    good = [
+        json.dumps({"id": "a", "prompt": "x", "max_new_tokens": 2}),
+        json.dumps({"id": "b", "input_ids": [1, 2], "max_new_tokens": 2}),
+    ]
     prompts = _prompts(tmp_path / "in.jsonl", [*good, line])
     out = tmp_path / "out.jsonl"
     r = cli("generate", "--model", str(tiny64), "--prompts", str(prompts), "--out", str(out))

@@ -8,9 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
-
 from rollout_worker.checkpoint import CheckpointReader, tensor_shapes
 from rollout_worker.config import ModelConfig
 from rollout_worker.errors import UserError
@@ -19,6 +16,9 @@ from rollout_worker.model import Decoder
 from rollout_worker.parallel import SINGLE
 from rollout_worker.sharding import shard_range
 from rollout_worker.weights import load_shard
+from safetensors import safe_open
+from safetensors.torch import save_file
+
 from tests.conftest import tiny_variant
 
 
@@ -36,7 +36,11 @@ def test_rank_slice_equals_slice_of_full_tensor(tiny64: Path, tp: int) -> None:
         for shard in range(tp):
             rng = shard_range(name, cfg, tp, shard)
             got = reader.read(name, rng, torch.float64)
-            want = full if rng is None else (full[rng.start:rng.stop] if rng.dim == 0 else full[:, rng.start:rng.stop])
+            want = (
+                full
+                if rng is None
+                else (full[rng.start : rng.stop] if rng.dim == 0 else full[:, rng.start : rng.stop])
+            )
             assert torch.equal(got, want), (name, shard)
 
 
@@ -57,8 +61,15 @@ def test_matches_transformers(tmp_path: Path, tiny64: Path, arch: str) -> None:
     transformers = pytest.importorskip("transformers")
     variants = {
         "llama": None,
-        "llama3-rope": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32}},
+        "llama3-rope": {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        },
         "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "attention_bias": True},
         "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 32},
         "tied": {"tie_word_embeddings": True},

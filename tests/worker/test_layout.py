@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import pytest
-
 from rollout_worker.errors import UserError
 from rollout_worker.layout import Layout, candidate_layouts, parse_candidates, tp_fits_heads
 

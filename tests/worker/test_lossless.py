@@ -37,8 +37,9 @@ def _check(res, static, src: str, chain: list[str]) -> None:  # type: ignore[no-
 
 @pytest.mark.parametrize("method", ["migrate", "recompute"])
 @pytest.mark.parametrize(("src", "dst"), [(a, b) for a in LAYOUTS for b in LAYOUTS if a != b])
-def test_single_transition_is_lossless(tiny64: Path, static4: dict[str, list[int]], src: str, dst: str,
-                                       method: str) -> None:
+def test_single_transition_is_lossless(
+    tiny64: Path, static4: dict[str, list[int]], src: str, dst: str, method: str
+) -> None:
     tp = int(dst.split("x")[1])
     res = run(tiny64, 4, src, [f"10:{tp}:{method}"])
     _check(res, static4, src, [dst])

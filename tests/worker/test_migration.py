@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-
 from rollout_worker.config import ModelConfig
 from rollout_worker.layout import Layout
 from rollout_worker.migration import (
@@ -46,8 +45,18 @@ def test_place_overflow_waits() -> None:
     assert sum(p.dst_slot is not None for p in placed) == 2  # 100 reserved tokens each
 
 
-@pytest.mark.parametrize(("src", "dst"), [("4x1", "1x4"), ("4x1", "2x2"), ("2x2", "1x4"), ("1x4", "4x1"),
-                                          ("2x2", "4x1"), ("4x2", "1x8"), ("1x8", "8x1")])
+@pytest.mark.parametrize(
+    ("src", "dst"),
+    [
+        ("4x1", "1x4"),
+        ("4x1", "2x2"),
+        ("2x2", "1x4"),
+        ("1x4", "4x1"),
+        ("2x2", "4x1"),
+        ("4x2", "1x8"),
+        ("1x8", "8x1"),
+    ],
+)
 def test_kv_plan_delivers_every_needed_head_once(src: str, dst: str) -> None:
     old, new = Layout.parse(src), Layout.parse(dst)
     placed = place(_reqs(2 * old.replicas, old.replicas), new.replicas, max_batch=64, kv_budget=None)
@@ -55,8 +64,12 @@ def test_kv_plan_delivers_every_needed_head_once(src: str, dst: str) -> None:
     for p in placed:
         for rank in new.ranks_of(p.dst_replica):
             lo, hi = kv_head_range(CFG, new.tp, new.shard_of(rank))
-            got = sorted(h for t in plan if t.id == p.id and t.dst == rank
-                         for h in range(t.dst_heads[0] + lo, t.dst_heads[1] + lo))
+            got = sorted(
+                h
+                for t in plan
+                if t.id == p.id and t.dst == rank
+                for h in range(t.dst_heads[0] + lo, t.dst_heads[1] + lo)
+            )
             assert got == list(range(lo, hi)), (p.id, rank)
         for t in (t for t in plan if t.id == p.id):
             assert t.src in old.ranks_of(p.src_replica)

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 import torch
-
 from rollout_worker.errors import EngineError
 from rollout_worker.launcher import run_ranks
 from rollout_worker.measure import probe_logits
+
 from tests.worker.engine_util import config, run, tokens
 
 pytestmark = pytest.mark.multiproc
@@ -52,7 +52,9 @@ def test_rank_crash_is_reported_and_no_orphans(tiny64: Path) -> None:
 def test_float32_logits_agree_across_tp(tiny32: Path) -> None:
     prompts = [[1, 2, 3, 4, 5], [200, 100, 7], [9] * 11]
     cfg = config(tiny32, 4, "4x1", dtype="float32")
-    out = run_ranks(cfg, [], task=probe_logits, task_args={"prompts": prompts, "layouts": ["4x1", "2x2", "1x4"]})
+    out = run_ranks(
+        cfg, [], task=probe_logits, task_args={"prompts": prompts, "layouts": ["4x1", "2x2", "1x4"]}
+    )
     ref = torch.tensor(out[0]["4x1"])
     assert ref.shape == (3, 512) and ref.abs().max() > 0.1
     for lay in ("2x2", "1x4"):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from rollout_worker.config import ModelConfig
 from rollout_worker.layout import Layout
 from rollout_worker.presets import preset_config
@@ -32,8 +31,12 @@ def test_kinds() -> None:
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_shards_partition_every_tensor(tp: int) -> None:
-    for name, full in [("model.layers.0.self_attn.q_proj.weight", 128), ("model.layers.0.mlp.up_proj.weight", 384),
-                       ("model.layers.0.mlp.down_proj.weight", 384), ("lm_head.weight", 512)]:
+    for name, full in [
+        ("model.layers.0.self_attn.q_proj.weight", 128),
+        ("model.layers.0.mlp.up_proj.weight", 384),
+        ("model.layers.0.mlp.down_proj.weight", 384),
+        ("lm_head.weight", 512),
+    ]:
         ranges = [shard_range(name, CFG, tp, s) for s in range(tp)]
         if tp == 1:
             assert ranges == [None]
@@ -58,8 +61,12 @@ def test_kv_heads_duplicate_beyond_their_number() -> None:
 @pytest.mark.parametrize(("src", "dst"), [("4x1", "2x2"), ("2x2", "1x4"), ("4x1", "1x4"), ("4x2", "1x8")])
 def test_growing_only_slices_held_shards(src: str, dst: str) -> None:
     a, b = Layout.parse(src), Layout.parse(dst)
-    names = ["model.layers.0.self_attn.k_proj.weight", "model.layers.0.mlp.down_proj.weight", "lm_head.weight",
-             "model.norm.weight"]
+    names = [
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        "lm_head.weight",
+        "model.norm.weight",
+    ]
     for rank in range(a.world):
         plan = reshard_plan(names, CFG, (a.tp, a.shard_of(rank)), (b.tp, b.shard_of(rank)))
         assert {s.op for s in plan} <= {"slice", "keep"}, (rank, plan)
@@ -81,8 +88,12 @@ def test_shrinking_gathers() -> None:
 
 
 def test_assemble_skips_duplicate_kv_shards_and_checks_coverage() -> None:
-    pieces = [(ShardRange(0, 0, 16), "a"), (ShardRange(0, 0, 16), "a"), (ShardRange(0, 16, 32), "b"),
-              (ShardRange(0, 16, 32), "b")]
+    pieces = [
+        (ShardRange(0, 0, 16), "a"),
+        (ShardRange(0, 0, 16), "a"),
+        (ShardRange(0, 16, 32), "b"),
+        (ShardRange(0, 16, 32), "b"),
+    ]
     assert assemble(pieces, 32) == [(0, 0, 16), (2, 16, 32)]  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="cover"):
         assemble(pieces[:2], 32)  # type: ignore[arg-type]

@@ -24,7 +24,12 @@ from rollout_worker.presets import preset_config
 from rollout_worker.sharding import ShardRange
 from rollout_worker.tokenizer import byte_level_tokenizer
 
-DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 SHARD_BYTES = 2 * 1024**3  # split checkpoints larger than this into model-0000i-of-0000n files
 
 
@@ -62,7 +67,9 @@ def tensor_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
         yield "lm_head.weight", (cfg.vocab_size, h)
 
 
-def _random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+def _random_tensor(
+    name: str, shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype
+) -> torch.Tensor:
     if name.endswith("norm.weight"):
         t = 1.0 + 0.1 * torch.randn(shape, generator=gen, dtype=torch.float32)
     elif name.endswith(".bias"):
@@ -101,8 +108,12 @@ def write_random_checkpoint(
         gen_cfg = {"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"]}
         (tmp / "generation_config.json").write_text(json.dumps(gen_cfg) + "\n")
         byte_level_tokenizer(cfg.vocab_size).save(str(tmp / "tokenizer.json"))
-        tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
-                   "eos_token": "<|end_of_text|>", "pad_token": "<|pad|>"}
+        tok_cfg = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": "<|begin_of_text|>",
+            "eos_token": "<|end_of_text|>",
+            "pad_token": "<|pad|>",
+        }
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg) + "\n")
         if out.exists():
             out.rmdir()
@@ -172,7 +183,8 @@ class CheckpointReader:
             got = tuple(self._handle(file).get_slice(name).get_shape())
             if got != shape:
                 raise UserError(
-                    f"checkpoint {self.dir}: tensor {name!r} has shape {list(got)}, config.json implies {list(shape)}"
+                    f"checkpoint {self.dir}: tensor {name!r} has shape {list(got)}, "
+                    f"config.json implies {list(shape)}"
                 )
 
     def _handle(self, file: str) -> Any:

@@ -51,7 +51,9 @@ class ModelConfig:
         heads = int(need("num_attention_heads"))
         hidden = int(need("hidden_size"))
         eos = raw.get("eos_token_id")
-        eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        eos_ids = (
+            tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        )
         cfg = cls(
             architecture=arch,
             family=family,

@@ -11,8 +11,14 @@ import torch
 
 class KVSlab:
     def __init__(
-        self, layers: int, slots: int, kv_heads: int, capacity: int, head_dim: int,
-        dtype: torch.dtype, device: torch.device,
+        self,
+        layers: int,
+        slots: int,
+        kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         shape = (slots, kv_heads, capacity, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
@@ -31,7 +37,9 @@ class KVSlab:
     def extract(self, slot: int, heads: tuple[int, int], length: int) -> torch.Tensor:
         """K and V of local heads [lo, hi) for ``length`` tokens, flattened (for migration)."""
         lo, hi = heads
-        parts = [c[slot, lo:hi, :length].reshape(-1) for pair in zip(self.k, self.v, strict=True) for c in pair]
+        parts = [
+            c[slot, lo:hi, :length].reshape(-1) for pair in zip(self.k, self.v, strict=True) for c in pair
+        ]
         return torch.cat(parts)
 
     def insert(self, slot: int, heads: tuple[int, int], length: int, flat: torch.Tensor) -> None:

@@ -50,7 +50,9 @@ def run_ranks(
     q = ctx.Queue()
     init = f"tcp://127.0.0.1:{_free_port()}"
     procs = [
-        ctx.Process(target=rank_main, args=(r, cfg, specs, init, q, task, task_args), name=f"rank{r}", daemon=True)
+        ctx.Process(
+            target=rank_main, args=(r, cfg, specs, init, q, task, task_args), name=f"rank{r}", daemon=True
+        )
         for r in range(cfg.world)
     ]
     results: dict[int, dict[str, Any]] = {}

@@ -45,8 +45,13 @@ def _fake_running(eng: RankEngine, batch: int, context: int, tag: str, seed: int
         rng = random.Random(seed * 1000 + d)
         for i in range(batch):
             rid = f"{tag}-{d}-{i}"
-            spec = RequestSpec(rid, tuple(rng.randrange(eng.model.vocab_size) for _ in range(context)),
-                               max_new_tokens=eng.capacity - context, sampling=SamplingParams(), ignore_eos=True)
+            spec = RequestSpec(
+                rid,
+                tuple(rng.randrange(eng.model.vocab_size) for _ in range(context)),
+                max_new_tokens=eng.capacity - context,
+                sampling=SamplingParams(),
+                ignore_eos=True,
+            )
             eng.specs[rid] = spec
             if d == mine:
                 rep.running.append(Sequence(spec=spec, output=[rng.randrange(eng.model.vocab_size)]))
@@ -88,15 +93,25 @@ def measure_grid(eng: RankEngine, args: dict[str, Any]) -> dict[str, Any]:
                     _fake_running(eng, batch, ctx, f"g{lay}{batch}x{ctx}", seed=batch * 7 + ctx)
                     active = mode == "all" or lay.replica_of(eng.rank) == 0
                     ms = _timed_steps(eng, steps, warmup, active)
-                    points.append({"layout": str(lay), "replicas": lay.replicas, "tp": lay.tp, "batch": batch,
-                                   "context": ctx, "active": mode, "ms": statistics.median(ms),
-                                   "ms_min": min(ms), "ms_max": max(ms)})
+                    points.append(
+                        {
+                            "layout": str(lay),
+                            "replicas": lay.replicas,
+                            "tp": lay.tp,
+                            "batch": batch,
+                            "context": ctx,
+                            "active": mode,
+                            "ms": statistics.median(ms),
+                            "ms_min": min(ms),
+                            "ms_max": max(ms),
+                        }
+                    )
         eng.replica.running.clear()
     return {"points": points}
 
 
 def measure_reconfig(eng: RankEngine, args: dict[str, Any]) -> dict[str, Any]:
-    """Real reconfigurations between layout pairs with ``batch`` requests per replica of ``context`` tokens."""
+    """Real reconfigurations between layout pairs, ``batch`` requests per replica of ``context`` tokens."""
     from rollout_worker.reconfig import reconfigure
 
     pairs = [(Layout.parse(a), Layout.parse(b)) for a, b in args["pairs"]]
@@ -127,13 +142,18 @@ def probe_logits(eng: RankEngine, args: dict[str, Any]) -> dict[str, Any]:
     for name in args["layouts"]:
         _switch(eng, Layout.parse(name))
         rep = eng.replica
-        seqs = [Sequence(spec=RequestSpec(f"p{i}", tuple(r[:-1]), 2, SamplingParams()), output=[r[-1]])
-                for i, r in enumerate(rows)]
+        seqs = [
+            Sequence(spec=RequestSpec(f"p{i}", tuple(r[:-1]), 2, SamplingParams()), output=[r[-1]])
+            for i, r in enumerate(rows)
+        ]
         rep.prefill(seqs, sample_fresh=False)
         dev = rep.decoder.embed.device
-        logits = rep.decoder.forward(torch.tensor([[r[-1]] for r in rows], device=dev),
-                                     torch.tensor([[len(r) - 1] for r in rows], device=dev), rep.slab,
-                                     torch.zeros(len(rows), dtype=torch.long, device=dev))
+        logits = rep.decoder.forward(
+            torch.tensor([[r[-1]] for r in rows], device=dev),
+            torch.tensor([[len(r) - 1] for r in rows], device=dev),
+            rep.slab,
+            torch.zeros(len(rows), dtype=torch.long, device=dev),
+        )
         out[name] = logits.cpu().to(torch.float64).tolist()
         rep.running.clear()
     return out

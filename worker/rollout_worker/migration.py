@@ -50,9 +50,7 @@ class Transfer:
     kv_len: int
 
 
-def place(
-    reqs: list[Unfinished], replicas: int, max_batch: int, kv_budget: int | None
-) -> list[Placement]:
+def place(reqs: list[Unfinished], replicas: int, max_batch: int, kv_budget: int | None) -> list[Placement]:
     """Balance requests over ``replicas`` by remaining work (longest first onto the least loaded replica).
 
     Requests that held a slot keep running if the new replica has room (batch and KV budget); the rest
@@ -79,7 +77,9 @@ def place(
     return out
 
 
-def kv_migration_plan(cfg: ModelConfig, old: Layout, new: Layout, placements: list[Placement]) -> list[Transfer]:
+def kv_migration_plan(
+    cfg: ModelConfig, old: Layout, new: Layout, placements: list[Placement]
+) -> list[Transfer]:
     """For every running request, every destination rank gets each KV head it needs from one rank of the
     old replica that holds it: itself when it can (a local copy), else the lowest shard holding it."""
     plan = []
@@ -96,8 +96,18 @@ def kv_migration_plan(cfg: ModelConfig, old: Layout, new: Layout, placements: li
                     next((r, rng) for r, rng in sources if rng[0] <= h < rng[1]),
                 )
                 end = min(hi, shi)
-                plan.append(Transfer(src, dst, p.id, p.src_slot, p.dst_slot, (h - slo, end - slo),
-                                     (h - lo, end - lo), p.kv_len))
+                plan.append(
+                    Transfer(
+                        src,
+                        dst,
+                        p.id,
+                        p.src_slot,
+                        p.dst_slot,
+                        (h - slo, end - slo),
+                        (h - lo, end - lo),
+                        p.kv_len,
+                    )
+                )
                 h = end
     return plan
 

@@ -77,11 +77,19 @@ class Decoder:
         p = f"model.layers.{i}."
         a = p + "self_attn."
         return Layer(
-            ln1=w[p + "input_layernorm.weight"], wq=w[a + "q_proj.weight"], wk=w[a + "k_proj.weight"],
-            wv=w[a + "v_proj.weight"], bq=w.get(a + "q_proj.bias"), bk=w.get(a + "k_proj.bias"),
-            bv=w.get(a + "v_proj.bias"), q_norm=w.get(a + "q_norm.weight"), k_norm=w.get(a + "k_norm.weight"),
-            wo=w[a + "o_proj.weight"], ln2=w[p + "post_attention_layernorm.weight"],
-            w_gate=w[p + "mlp.gate_proj.weight"], w_up=w[p + "mlp.up_proj.weight"],
+            ln1=w[p + "input_layernorm.weight"],
+            wq=w[a + "q_proj.weight"],
+            wk=w[a + "k_proj.weight"],
+            wv=w[a + "v_proj.weight"],
+            bq=w.get(a + "q_proj.bias"),
+            bk=w.get(a + "k_proj.bias"),
+            bv=w.get(a + "v_proj.bias"),
+            q_norm=w.get(a + "q_norm.weight"),
+            k_norm=w.get(a + "k_norm.weight"),
+            wo=w[a + "o_proj.weight"],
+            ln2=w[p + "post_attention_layernorm.weight"],
+            w_gate=w[p + "mlp.gate_proj.weight"],
+            w_up=w[p + "mlp.up_proj.weight"],
             w_down=w[p + "mlp.down_proj.weight"],
         )
 

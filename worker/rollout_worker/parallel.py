@@ -11,7 +11,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-
 SMALL = 1 << 16  # elements: below this an all-reduce is an all-gather plus a local sum
 
 

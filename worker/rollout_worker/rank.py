@@ -67,23 +67,41 @@ class RankEngine:
 
     def pstate(self, lay: Layout) -> ParallelState:
         return ParallelState(
-            tp=lay.tp, shard=lay.shard_of(self.rank), group=self.groups[lay][lay.replica_of(self.rank)],
+            tp=lay.tp,
+            shard=lay.shard_of(self.rank),
+            group=self.groups[lay][lay.replica_of(self.rank)],
             stage_cpu=self.stage_cpu,
         )
 
     def load(self) -> None:
         reader = CheckpointReader(self.cfg.model_dir, self.model)
         lay = self.layout
-        self.weights = load_shard(reader, self.model, lay.tp, lay.shard_of(self.rank), self.dtype, self.device)
+        self.weights = load_shard(
+            reader, self.model, lay.tp, lay.shard_of(self.rank), self.dtype, self.device
+        )
         self.replica = self.make_replica(lay, self.weights)
 
     def make_replica(self, lay: Layout, weights: Weights) -> Replica:
         decoder = Decoder(self.model, weights, self.pstate(lay))
-        slab = KVSlab(self.model.num_layers, self.cfg.max_batch, self.model.kv_heads_per_rank(lay.tp),
-                      self.capacity, self.model.head_dim, self.dtype, self.device)
+        slab = KVSlab(
+            self.model.num_layers,
+            self.cfg.max_batch,
+            self.model.kv_heads_per_rank(lay.tp),
+            self.capacity,
+            self.model.head_dim,
+            self.dtype,
+            self.device,
+        )
         is_leader = lay.shard_of(self.rank) == 0
-        return Replica(decoder, slab, self.cfg.max_batch, self.cfg.kv_budget_tokens, self.cfg.max_prefill_tokens,
-                       self.model.eos_token_ids, self.finished.append if is_leader else (lambda s: None))
+        return Replica(
+            decoder,
+            slab,
+            self.cfg.max_batch,
+            self.cfg.kv_budget_tokens,
+            self.cfg.max_prefill_tokens,
+            self.model.eos_token_ids,
+            self.finished.append if is_leader else (lambda s: None),
+        )
 
     def assign_initial(self, specs: list[RequestSpec]) -> None:
         """Request i goes to replica i % D (every rank computes the same assignment)."""
@@ -126,20 +144,32 @@ class RankEngine:
                 trig = triggers.pop(0)
                 target = Layout.for_tp(self.cfg.world, trig.tp)
                 if target != self.layout:
-                    ev = reconfigure(self, target, trig.method, reason=f"unfinished {unfinished} <= {trig.unfinished}")
+                    ev = reconfigure(
+                        self, target, trig.method, reason=f"unfinished {unfinished} <= {trig.unfinished}"
+                    )
                     events.append(ev)
                     if self.rank == 0:
                         self.emit("reconfig", ev)
             if self.rank == 0 and self.step_no % self.cfg.log_every == 0:
                 window = step_ms[-self.cfg.log_every :]
-                self.emit("progress", {
-                    "step": self.step_no, "layout": str(self.layout), "unfinished": unfinished,
-                    "finished": total - unfinished, "total": total, "last": kind,
-                    "step_ms_median": sorted(window)[len(window) // 2],
-                    "elapsed_s": time.perf_counter() - window_t0,
-                })
+                self.emit(
+                    "progress",
+                    {
+                        "step": self.step_no,
+                        "layout": str(self.layout),
+                        "unfinished": unfinished,
+                        "finished": total - unfinished,
+                        "total": total,
+                        "last": kind,
+                        "step_ms_median": sorted(window)[len(window) // 2],
+                        "elapsed_s": time.perf_counter() - window_t0,
+                    },
+                )
         return {
-            "rank": self.rank, "steps": self.step_no, "step_ms": step_ms, "reconfigs": events,
+            "rank": self.rank,
+            "steps": self.step_no,
+            "step_ms": step_ms,
+            "reconfigs": events,
             "finished": [(s.spec.id, s.output, s.finish, s.history) for s in self.finished],
             "layout": str(self.layout),
         }
@@ -169,7 +199,11 @@ def _die_with_parent() -> None:
 
 
 def rank_main(
-    rank: int, cfg: EngineConfig, specs: list[RequestSpec], init_method: str, queue: Any,
+    rank: int,
+    cfg: EngineConfig,
+    specs: list[RequestSpec],
+    init_method: str,
+    queue: Any,
     task: Callable[[RankEngine, dict[str, Any]], dict[str, Any]] | None = None,
     task_args: dict[str, Any] | None = None,
 ) -> None:
@@ -185,8 +219,9 @@ def rank_main(
     try:
         timeout = timedelta(seconds=cfg.collective_timeout_s)
         eng = RankEngine(rank, cfg, specs, emit)
-        dist.init_process_group(eng.backend, init_method=init_method, rank=rank, world_size=cfg.world,
-                                timeout=timeout)
+        dist.init_process_group(
+            eng.backend, init_method=init_method, rank=rank, world_size=cfg.world, timeout=timeout
+        )
         eng.create_groups()
         eng.load()
         if task is None:
@@ -196,8 +231,10 @@ def rank_main(
             result = task(eng, task_args or {})
         dist.barrier()
         queue.put(("done", rank, result))
-    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
-        queue.put(("error", rank, {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}))
+    except BaseException as exc:
+        queue.put(
+            ("error", rank, {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
+        )
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

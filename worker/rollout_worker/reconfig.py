@@ -62,21 +62,30 @@ def reconfigure(eng: RankEngine, target: Layout, method: str, reason: str) -> di
     elem = torch.empty((), dtype=eng.dtype).element_size()
     moved = migrate_bytes(transfers, eng.model, elem)
     tokens = recompute_tokens(placements, target.replicas)
-    chosen, pred_mig, pred_rec = choose_method(method, moved, tokens, states[0]["bytes_per_ms"],
-                                               states[0]["tokens_per_ms"])
+    chosen, pred_mig, pred_rec = choose_method(
+        method, moved, tokens, states[0]["bytes_per_ms"], states[0]["tokens_per_ms"]
+    )
     phases["plan_ms"] = _lap(t)
 
     event: dict[str, Any] = {
-        "step": eng.step_no, "from": str(old), "to": str(target), "requested": method, "method": chosen,
-        "reason": reason, "requests_moved": sum(p.dst_slot is not None for p in placements),
+        "step": eng.step_no,
+        "from": str(old),
+        "to": str(target),
+        "requested": method,
+        "method": chosen,
+        "reason": reason,
+        "requests_moved": sum(p.dst_slot is not None for p in placements),
         "requests_waiting": sum(p.dst_slot is None for p in placements),
-        "predicted_migrate_ms": round(pred_mig, 3), "predicted_recompute_ms": round(pred_rec, 3),
+        "predicted_migrate_ms": round(pred_mig, 3),
+        "predicted_recompute_ms": round(pred_rec, 3),
     }
     error: str | None = None
     new_weights, new_replica = None, None
     try:
         t = time.perf_counter()
-        new_weights, wstats = reshard(eng.weights, eng.model, eng.pstate(old), target.tp, target.shard_of(eng.rank))
+        new_weights, wstats = reshard(
+            eng.weights, eng.model, eng.pstate(old), target.tp, target.shard_of(eng.rank)
+        )
         phases["reshard_ms"] = _lap(t)
         event["reshard"] = wstats
         new_replica = eng.make_replica(target, new_weights)
@@ -96,7 +105,7 @@ def reconfigure(eng: RankEngine, target: Layout, method: str, reason: str) -> di
             event["kv_tokens_recomputed"] = sum(s.kv_len for s in running)
             phases["kv_recompute_ms"] = _lap(t)
         _maybe_fault(eng, "commit")
-    except Exception as exc:  # noqa: BLE001 - any rank's failure rolls every rank back
+    except Exception as exc:
         error = f"rank {eng.rank}: {type(exc).__name__}: {exc}"
     t = time.perf_counter()
     ok = _vote(error is None, eng.sync_device)
@@ -132,7 +141,9 @@ def _unfinished(eng: RankEngine, states: dict[int, Any]) -> tuple[list[Unfinishe
     return reqs, outputs
 
 
-def _fill(eng: RankEngine, rep: Replica, target: Layout, placements: list[Placement], outputs: dict[str, Any]) -> None:
+def _fill(
+    eng: RankEngine, rep: Replica, target: Layout, placements: list[Placement], outputs: dict[str, Any]
+) -> None:
     """Populate the new replica (this rank's) with its requests: running ones in slot order, then waiting."""
     d = target.replica_of(eng.rank)
     mine = [p for p in placements if p.dst_replica == d]
@@ -157,7 +168,9 @@ def _migrate(eng: RankEngine, old: Replica, new: Replica, plan: list[Transfer]) 
     recvs: dict[int, list[Transfer]] = {}
     for t in plan:
         if t.src == me and t.dst == me:
-            new.slab.insert(t.dst_slot, t.dst_heads, t.kv_len, old.slab.extract(t.src_slot, t.src_heads, t.kv_len))
+            new.slab.insert(
+                t.dst_slot, t.dst_heads, t.kv_len, old.slab.extract(t.src_slot, t.src_heads, t.kv_len)
+            )
         elif t.src == me:
             sends.setdefault(t.dst, []).append(t)
         elif t.dst == me:

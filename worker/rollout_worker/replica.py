@@ -20,8 +20,14 @@ from rollout_worker.sampling import sample
 
 class Replica:
     def __init__(
-        self, decoder: Decoder, slab: KVSlab, max_batch: int, kv_budget: int | None, max_prefill_tokens: int,
-        eos_ids: tuple[int, ...], on_finish: Callable[[Sequence], None],
+        self,
+        decoder: Decoder,
+        slab: KVSlab,
+        max_batch: int,
+        kv_budget: int | None,
+        max_prefill_tokens: int,
+        eos_ids: tuple[int, ...],
+        on_finish: Callable[[Sequence], None],
     ) -> None:
         self.decoder, self.slab = decoder, slab
         self.max_batch, self.kv_budget, self.max_prefill_tokens = max_batch, kv_budget, max_prefill_tokens
@@ -72,7 +78,9 @@ class Replica:
         continues decoding from its last token.
         """
         slot0 = len(self.running)
-        rows = [list(s.spec.prompt_ids) + s.output[:-1] if s.output else list(s.spec.prompt_ids) for s in seqs]
+        rows = [
+            list(s.spec.prompt_ids) + s.output[:-1] if s.output else list(s.spec.prompt_ids) for s in seqs
+        ]
         width = max(len(r) for r in rows)
         dev = self.decoder.embed.device
         tokens = torch.zeros((len(rows), width), dtype=torch.long)

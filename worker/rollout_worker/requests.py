@@ -11,8 +11,18 @@ from typing import Any
 from rollout_worker.errors import UserError
 from rollout_worker.sampling import SamplingParams
 
-FIELDS = {"id", "prompt", "input_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed",
-          "ignore_eos", "stop_token_ids"}
+FIELDS = {
+    "id",
+    "prompt",
+    "input_ids",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "ignore_eos",
+    "stop_token_ids",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +86,7 @@ def parse_request(obj: Any, where: str, encode: Any, vocab_size: int) -> Request
     if bad:
         raise UserError(f"{where}: token id {bad[0]} out of range [0, {vocab_size})")
     max_new = obj.get("max_new_tokens")
-    if not _is_int(max_new) or max_new < 1:
+    if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
         raise UserError(f"{where}: field 'max_new_tokens' must be an integer >= 1")
     temp = _number(obj, "temperature", 0.0, where, lo=0.0)
     top_p = _number(obj, "top_p", 1.0, where, lo=0.0)
@@ -95,9 +105,12 @@ def parse_request(obj: Any, where: str, encode: Any, vocab_size: int) -> Request
     if not isinstance(stops, list) or not all(_is_int(t) for t in stops):
         raise UserError(f"{where}: field 'stop_token_ids' must be a list of integers")
     return RequestSpec(
-        id=rid, prompt_ids=tuple(ids), max_new_tokens=max_new,
+        id=rid,
+        prompt_ids=tuple(ids),
+        max_new_tokens=max_new,
         sampling=SamplingParams(temperature=temp, top_p=top_p, top_k=max(top_k, 0), seed=seed),
-        ignore_eos=ignore_eos, stop_token_ids=tuple(stops),
+        ignore_eos=ignore_eos,
+        stop_token_ids=tuple(stops),
     )
 
 

@@ -47,5 +47,7 @@ def _draw(row: torch.Tensor, p: SamplingParams, u: float) -> int:
         keep = int(torch.searchsorted(cum, torch.tensor([p.top_p], dtype=cum.dtype)).item()) + 1
         probs = probs[:keep]
     cum = torch.cumsum(probs, dim=0)
-    pick = int(torch.searchsorted(cum, torch.tensor([u * float(cum[-1])], dtype=cum.dtype), right=True).item())
+    pick = int(
+        torch.searchsorted(cum, torch.tensor([u * float(cum[-1])], dtype=cum.dtype), right=True).item()
+    )
     return int(order[min(pick, probs.numel() - 1)].item())

@@ -77,7 +77,9 @@ class ReshardStep:
     local: ShardRange | None  # for "slice": the range inside the held tensor; for "gather": the new range
 
 
-def reshard_plan(names: list[str], cfg: ModelConfig, old: tuple[int, int], new: tuple[int, int]) -> list[ReshardStep]:
+def reshard_plan(
+    names: list[str], cfg: ModelConfig, old: tuple[int, int], new: tuple[int, int]
+) -> list[ReshardStep]:
     """Per tensor: keep it, slice the held shard (TP grows), or gather the old group's shards (TP shrinks).
 
     ``old`` and ``new`` are (tp, shard) of this rank.

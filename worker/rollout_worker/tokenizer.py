@@ -1,4 +1,4 @@
-"""A byte-level tokenizer (``tokenizers`` library) for the random checkpoints, and loading any tokenizer.json."""
+"""A byte-level tokenizer for the random checkpoints, and loading a checkpoint's tokenizer.json."""
 
 from __future__ import annotations
 

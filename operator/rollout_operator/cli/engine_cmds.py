@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-
 from rollout_worker.errors import UserError
 
 
@@ -23,26 +22,35 @@ def make_model_cmd(
     preset: Annotated[str, typer.Option(help="tiny | small | medium | llama-3.1-8b | qwen3-14b")],
     out: Annotated[Path, typer.Option(help="Directory to create (must not exist or be empty).")],
     seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
-    dtype: Annotated[str, typer.Option(help="Checkpoint dtype: float32 | bfloat16 | float64 | float16.")] = "float32",
+    dtype: Annotated[
+        str, typer.Option(help="Checkpoint dtype: float32 | bfloat16 | float64 | float16.")
+    ] = "float32",
 ) -> None:
     """Write a seeded random checkpoint in Hugging Face layout plus a byte-level tokenizer.json."""
     from rollout_worker.checkpoint import make_model
 
     cfg = make_model(preset, seed, out, dtype)
-    typer.echo(f"wrote {out}: {cfg.architecture}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-               f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads, vocab {cfg.vocab_size}, {dtype}")
+    typer.echo(
+        f"wrote {out}: {cfg.architecture}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+        f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads, vocab {cfg.vocab_size}, {dtype}"
+    )
 
 
 def generate_cmd(
-    model: Annotated[Path, typer.Option(help="Checkpoint directory (config.json, safetensors, tokenizer.json).")],
+    model: Annotated[
+        Path, typer.Option(help="Checkpoint directory (config.json, safetensors, tokenizer.json).")
+    ],
     prompts: Annotated[Path, typer.Option(help="Input JSONL: id, prompt|input_ids, max_new_tokens, ...")],
     out: Annotated[Path, typer.Option(help="Output JSONL (written atomically at the end).")],
     ranks: Annotated[int, typer.Option(help="Number of rank processes G.")] = 1,
     layout: Annotated[str | None, typer.Option(help="Initial layout DxT with D*T = G (default Gx1).")] = None,
     reconfigure: Annotated[
-        list[str] | None, typer.Option(help="RUNNING:TP:METHOD, e.g. 12:4:migrate (method migrate|recompute|auto).")
+        list[str] | None,
+        typer.Option(help="RUNNING:TP:METHOD, e.g. 12:4:migrate (method migrate|recompute|auto)."),
     ] = None,
-    candidates: Annotated[str | None, typer.Option(help="Candidate layouts, e.g. 4x1,2x2,1x4 (default: all).")] = None,
+    candidates: Annotated[
+        str | None, typer.Option(help="Candidate layouts, e.g. 4x1,2x2,1x4 (default: all).")
+    ] = None,
     dtype: Annotated[str, typer.Option(help="float32 | float64 | bfloat16 | float16")] = "float32",
     device: Annotated[str, typer.Option(help="cpu | cuda")] = "cpu",
     max_batch: Annotated[int, typer.Option(help="Max running requests per replica.")] = 64,
@@ -53,14 +61,27 @@ def generate_cmd(
     """Generate with G ranks, optionally changing the TP layout while requests run."""
     from rollout_worker.engine_config import Trigger
     from rollout_worker.generate import generate, write_jsonl
-    from rollout_worker.tokenizer import load_tokenizer
 
-    cfg, model_cfg = _engine_config(model, ranks, layout, candidates, dtype, device, max_batch, kv_budget,
-                                    [Trigger.parse(t) for t in reconfigure or []], log_every, timeout)
+    cfg, model_cfg = _engine_config(
+        model,
+        ranks,
+        layout,
+        candidates,
+        dtype,
+        device,
+        max_batch,
+        kv_budget,
+        [Trigger.parse(t) for t in reconfigure or []],
+        log_every,
+        timeout,
+    )
     specs, tok = _read_prompts(prompts, model, model_cfg)
     _check_writable(out)
-    typer.echo(f"generate: {len(specs)} requests, {ranks} ranks, layout {cfg.layout}, "
-               f"candidates {', '.join(map(str, cfg.candidates))}, {dtype} on {device}", err=True)
+    typer.echo(
+        f"generate: {len(specs)} requests, {ranks} ranks, layout {cfg.layout}, "
+        f"candidates {', '.join(map(str, cfg.candidates))}, {dtype} on {device}",
+        err=True,
+    )
     res = generate(cfg, specs, on_event=_print_event)
     for row in res.outputs:
         row["text"] = tok.decode(row["output_ids"], skip_special_tokens=False) if tok else None
@@ -69,8 +90,17 @@ def generate_cmd(
 
 
 def _engine_config(
-    model: Path, ranks: int, layout: str | None, candidates: str | None, dtype: str, device: str,
-    max_batch: int, kv_budget: int | None, triggers: list[Any], log_every: int, timeout: float,
+    model: Path,
+    ranks: int,
+    layout: str | None,
+    candidates: str | None,
+    dtype: str,
+    device: str,
+    max_batch: int,
+    kv_budget: int | None,
+    triggers: list[Any],
+    log_every: int,
+    timeout: float,
 ) -> tuple[Any, Any]:
     from rollout_worker.config import ModelConfig
     from rollout_worker.engine_config import EngineConfig
@@ -85,12 +115,25 @@ def _engine_config(
     why = model_cfg.tp_problem(lay.tp)
     if why:
         raise UserError(f"--layout {lay}: {why}")
-    cands = (parse_candidates(candidates, ranks) if candidates
-             else candidate_layouts(ranks, model_cfg.num_heads, model_cfg.num_kv_heads))
+    cands = (
+        parse_candidates(candidates, ranks)
+        if candidates
+        else candidate_layouts(ranks, model_cfg.num_heads, model_cfg.num_kv_heads)
+    )
     cands = [c for c in cands if model_cfg.tp_problem(c.tp) is None] if not candidates else cands
-    cfg = EngineConfig(model_dir=str(model), world=ranks, layout=lay, candidates=tuple(cands), dtype=dtype,
-                       device=device, max_batch=max_batch, kv_budget_tokens=kv_budget, triggers=tuple(triggers),
-                       log_every=max(1, log_every), collective_timeout_s=timeout)
+    cfg = EngineConfig(
+        model_dir=str(model),
+        world=ranks,
+        layout=lay,
+        candidates=tuple(cands),
+        dtype=dtype,
+        device=device,
+        max_batch=max_batch,
+        kv_budget_tokens=kv_budget,
+        triggers=tuple(triggers),
+        log_every=max(1, log_every),
+        collective_timeout_s=timeout,
+    )
     cfg.validate(model_cfg)
     return cfg, model_cfg
 
@@ -123,8 +166,11 @@ def _check_writable(out: Path) -> None:
 
 def _print_event(kind: str, rank: int, ev: dict[str, Any]) -> None:
     if kind == "progress":
-        typer.echo(f"step {ev['step']:>6} | layout {ev['layout']:>5} | finished {ev['finished']}/{ev['total']}"
-                   f" | unfinished {ev['unfinished']} | step {ev['step_ms_median']:.2f} ms (median)", err=True)
+        typer.echo(
+            f"step {ev['step']:>6} | layout {ev['layout']:>5} | finished {ev['finished']}/{ev['total']}"
+            f" | unfinished {ev['unfinished']} | step {ev['step_ms_median']:.2f} ms (median)",
+            err=True,
+        )
     elif kind == "reconfig":
         phases = ", ".join(f"{k[:-3]} {v:.1f} ms" for k, v in ev["phases"].items())
         extra = ""
@@ -132,8 +178,11 @@ def _print_event(kind: str, rank: int, ev: dict[str, Any]) -> None:
             extra = f", {ev['kv_bytes_moved'] / 1e6:.2f} MB KV moved"
         elif "kv_tokens_recomputed" in ev:
             extra = f", {ev['kv_tokens_recomputed']} KV tokens recomputed"
-        typer.echo(f"reconfigure at step {ev['step']}: {ev['from']} -> {ev['to']} ({ev['method']}, "
-                   f"requested {ev['requested']}; {ev['reason']}) {ev['outcome'].upper()}: {phases}{extra}", err=True)
+        typer.echo(
+            f"reconfigure at step {ev['step']}: {ev['from']} -> {ev['to']} ({ev['method']}, "
+            f"requested {ev['requested']}; {ev['reason']}) {ev['outcome'].upper()}: {phases}{extra}",
+            err=True,
+        )
         if ev["outcome"] != "committed":
             typer.echo(f"  rolled back: {ev.get('error')}", err=True)
 
@@ -142,14 +191,19 @@ def _print_summary(res: Any, out: Path) -> None:
     ms = sorted(res.step_ms)
     pct = (lambda q: ms[min(len(ms) - 1, int(q * len(ms)))]) if ms else (lambda q: 0.0)
     toks = sum(r["completion_tokens"] for r in res.outputs)
-    typer.echo(f"done: {len(res.outputs)} requests, {toks} tokens, {res.steps} steps in {res.wall_s:.2f} s "
-               f"(step p50 {pct(0.5):.2f} ms, p90 {pct(0.9):.2f} ms, max {ms[-1] if ms else 0:.2f} ms); "
-               f"{len(res.reconfigs)} reconfiguration(s); wrote {out}", err=True)
+    typer.echo(
+        f"done: {len(res.outputs)} requests, {toks} tokens, {res.steps} steps in {res.wall_s:.2f} s "
+        f"(step p50 {pct(0.5):.2f} ms, p90 {pct(0.9):.2f} ms, max {ms[-1] if ms else 0:.2f} ms); "
+        f"{len(res.reconfigs)} reconfiguration(s); wrote {out}",
+        err=True,
+    )
     sys.stderr.flush()
 
 
 def bench_engine_cmd(
-    preset: Annotated[str, typer.Option(help="Model preset to benchmark (made under --work if missing).")] = "tiny",
+    preset: Annotated[
+        str, typer.Option(help="Model preset to benchmark (made under --work if missing).")
+    ] = "tiny",
     ranks: Annotated[int, typer.Option(help="Ranks G.")] = 2,
     batch: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,4,16",
     context: Annotated[str, typer.Option(help="Comma-separated context lengths.")] = "64,256",
@@ -163,9 +217,19 @@ def bench_engine_cmd(
     """Per-step latency by layout x batch x context, and reconfiguration phases with bytes moved."""
     from rollout_worker.bench import run_engine_bench
 
-    run_engine_bench(preset=preset, ranks=ranks, batches=_ints(batch, "--batch"),
-                     contexts=_ints(context, "--context"), steps=steps, runs=runs, dtype=dtype, device=device,
-                     work=work, json_out=json_out, echo=typer.echo)
+    run_engine_bench(
+        preset=preset,
+        ranks=ranks,
+        batches=_ints(batch, "--batch"),
+        contexts=_ints(context, "--context"),
+        steps=steps,
+        runs=runs,
+        dtype=dtype,
+        device=device,
+        work=work,
+        json_out=json_out,
+        echo=typer.echo,
+    )
 
 
 def _ints(text: str, flag: str) -> list[int]:

@@ -10,7 +10,6 @@ import logging
 import sys
 
 import typer
-
 from rollout_worker.errors import EngineError, UserError
 
 app = typer.Typer(

@@ -1,0 +1,50 @@
+# elastic-rollout developer entry points. `make run` and `make test` are the README's two commands.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+MODEL   = build/models/tiny-float32-seed0
+
+.PHONY: setup run test test-fast lint typecheck check bench-engine bench-planner clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0   # CPU wheel; other versions pull CUDA
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+setup: $(BIN)/.installed
+
+$(MODEL)/config.json: | setup
+	$(BIN)/rolloutctl make-model --preset tiny --seed 0 --out $(MODEL)
+
+# The main job with embedded defaults: 4 CPU ranks start as 4 replicas of TP=1 and consolidate the
+# long tail onto 2x2, then 1x4, while generating (KV migrated or recomputed, whichever is cheaper).
+run: $(MODEL)/config.json
+	$(BIN)/rolloutctl generate --model $(MODEL) --prompts examples/prompts.jsonl --out build/out.jsonl \
+	  --ranks 4 --layout 4x1 --reconfigure 16:2:auto --reconfigure 6:4:auto
+
+test: setup
+	$(BIN)/pytest
+
+test-fast: setup
+	$(BIN)/pytest -m "not multiproc and not slow"
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: setup
+	$(BIN)/mypy
+
+check: lint typecheck
+
+bench-engine: setup
+	$(BIN)/rolloutctl bench engine --preset tiny --ranks 2 --json build/bench-engine-tiny.json
+	$(BIN)/rolloutctl bench engine --preset medium --ranks 2 --batch 1,4 --context 128 --json build/bench-engine-medium.json
+
+bench-planner: setup
+	$(BIN)/python bench/planner.py --json build/bench-planner.json
+
+clean:
+	rm -rf build .pytest_cache .mypy_cache .ruff_cache
