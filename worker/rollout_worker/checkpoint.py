@@ -67,7 +67,7 @@ def tensor_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
         yield "lm_head.weight", (cfg.vocab_size, h)
 
 
-def _random_tensor(
+def random_tensor(
     name: str, shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype
 ) -> torch.Tensor:
     if name.endswith("norm.weight"):
@@ -136,7 +136,7 @@ def _write_weights(cfg: ModelConfig, out: Path, seed: int, dtype: torch.dtype) -
         if current and size + nbytes > SHARD_BYTES:
             parts.append(_save_part(current, out, len(parts)))
             current, size = {}, 0
-        current[name] = _random_tensor(name, shape, gen, dtype)
+        current[name] = random_tensor(name, shape, gen, dtype)
         size += nbytes
     parts.append(_save_part(current, out, len(parts)))
     if len(parts) == 1:

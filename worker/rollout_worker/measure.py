@@ -157,3 +157,33 @@ def probe_logits(eng: RankEngine, args: dict[str, Any]) -> dict[str, Any]:
         out[name] = logits.cpu().to(torch.float64).tolist()
         rep.running.clear()
     return out
+
+
+def measure_prefill(eng: RankEngine, args: dict[str, Any]) -> dict[str, Any]:
+    """Prefill throughput (tokens/ms) of one batched prefill of ``batch`` prompts of ``context`` tokens."""
+    batch, ctx, runs = int(args["batch"]), int(args["context"]), int(args.get("runs", 3))
+    eng.capacity = ctx + 2
+    eng.replica = eng.make_replica(eng.layout, eng.weights)
+    rng = random.Random(0)
+    rates = []
+    for i in range(runs + 1):
+        seqs = [
+            Sequence(
+                spec=RequestSpec(
+                    f"pf{i}-{j}",
+                    tuple(rng.randrange(eng.model.vocab_size) for _ in range(ctx)),
+                    1,
+                    SamplingParams(),
+                )
+            )
+            for j in range(batch)
+        ]
+        eng.replica.running.clear()
+        dist.barrier()
+        t0 = time.perf_counter()
+        eng.replica.prefill(seqs, sample_fresh=False)
+        eng.global_unfinished()
+        if i:  # the first is a warm-up
+            rates.append(batch * ctx / ((time.perf_counter() - t0) * 1e3))
+    eng.replica.running.clear()
+    return {"tokens_per_ms": statistics.median(rates)}

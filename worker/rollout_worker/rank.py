@@ -28,7 +28,7 @@ from rollout_worker.model import Decoder
 from rollout_worker.parallel import ParallelState, gather_sum
 from rollout_worker.replica import Replica
 from rollout_worker.requests import RequestSpec, Sequence
-from rollout_worker.weights import Weights, load_shard
+from rollout_worker.weights import Weights, load_shard, random_shard
 
 Emit = Callable[[str, dict[str, Any]], None]
 
@@ -74,11 +74,12 @@ class RankEngine:
         )
 
     def load(self) -> None:
-        reader = CheckpointReader(self.cfg.model_dir, self.model)
-        lay = self.layout
-        self.weights = load_shard(
-            reader, self.model, lay.tp, lay.shard_of(self.rank), self.dtype, self.device
-        )
+        lay, shard = self.layout, self.layout.shard_of(self.rank)
+        if self.cfg.extra.get("weights") == "random":  # profiling a shape: no checkpoint needed
+            self.weights = random_shard(self.model, lay.tp, shard, self.dtype, self.device)
+        else:
+            reader = CheckpointReader(self.cfg.model_dir, self.model)
+            self.weights = load_shard(reader, self.model, lay.tp, shard, self.dtype, self.device)
         self.replica = self.make_replica(lay, self.weights)
 
     def make_replica(self, lay: Layout, weights: Weights) -> Replica:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rollout_worker.checkpoint import CheckpointReader, tensor_shapes
+from rollout_worker.checkpoint import CheckpointReader, random_tensor, tensor_shapes
 from rollout_worker.config import ModelConfig
 from rollout_worker.parallel import ParallelState
 from rollout_worker.sharding import ReshardStep, assemble, reshard_plan, shard_range
@@ -20,6 +20,19 @@ def load_shard(
     out: Weights = {}
     for name, _ in tensor_shapes(cfg):
         out[name] = reader.read(name, shard_range(name, cfg, tp, shard), dtype).to(device)
+    _tie(out, cfg, tp, shard)
+    return out
+
+
+def random_shard(cfg: ModelConfig, tp: int, shard: int, dtype: torch.dtype, device: torch.device) -> Weights:
+    """Seeded random tensors of this shard's shapes, made on the device (latency depends on shape only)."""
+    gen = torch.Generator().manual_seed(shard)
+    out: Weights = {}
+    for name, shape in tensor_shapes(cfg):
+        rng = shard_range(name, cfg, tp, shard)
+        if rng is not None:
+            shape = tuple(rng.size if d == rng.dim else n for d, n in enumerate(shape))
+        out[name] = random_tensor(name, shape, gen, dtype).to(device)
     _tie(out, cfg, tp, shard)
     return out
 
