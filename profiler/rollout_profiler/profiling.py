@@ -24,7 +24,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from rollout_profiler.profile import CostModel, ModelShape, Profile, ReconfigPoint, StepPoint
 from rollout_worker import __version__
 from rollout_worker.config import ModelConfig
 from rollout_worker.engine_config import EngineConfig
@@ -32,6 +31,8 @@ from rollout_worker.errors import UserError
 from rollout_worker.launcher import run_ranks
 from rollout_worker.layout import Layout
 from rollout_worker.measure import measure_grid, measure_prefill, measure_reconfig
+
+from rollout_profiler.profile import CostModel, ModelShape, Profile, ReconfigPoint, StepPoint
 
 Echo = Callable[[str], Any]
 
