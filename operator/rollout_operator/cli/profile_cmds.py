@@ -1,9 +1,154 @@
-"""rolloutctl commands: profile_cmds (placeholder until its issue fills it)."""
+"""rolloutctl profile: show, import, export and list profiles (see ``rollout_profiler.profile``)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
 import typer
+
+from rollout_operator.cli.db_cmds import DbOption, quiet_alembic
+
+if TYPE_CHECKING:
+    from rollout_profiler.profile import Profile
+    from sqlalchemy.orm import Session
+
+profile_app = typer.Typer(help="Profiles of a model on a device: step latency and reconfiguration costs.")
+
+
+@profile_app.callback(invoke_without_command=True)
+def profile(ctx: typer.Context) -> None:
+    """Profiles of a model on a device: step latency and reconfiguration costs."""
+    # >>> MEASUREMENT (engine owner): add the measurement options (model, layouts, batches, --out, ...) to
+    # this callback's signature and run the profiler here when they are given. Until then a bare
+    # `rolloutctl profile` only prints this group's help. <<<
+    if ctx.invoked_subcommand is None:
+        typer.echo(ctx.get_help())
+        raise typer.Exit(0)
+
+
+@contextmanager
+def _session(db: str | None) -> Iterator[tuple[Session, str]]:
+    """A session (in one transaction) on a database migrated to head, and its masked URL."""
+    quiet_alembic()  # before alembic is imported: it logs its plugins at INFO then
+    from rollout_profiler.db import engine, migrate
+    from sqlalchemy.orm import Session
+
+    url = engine.resolve_url(db)
+    eng = engine.make_engine(url)
+    try:
+        migrate.require_head(eng, url)
+        with engine.reachable(url), Session(eng) as session, session.begin():
+            yield session, engine.mask_url(url)
+    finally:
+        eng.dispose()
+
+
+def _parse_id(text: str) -> int | None:
+    return int(text) if text.strip().isdigit() else None
+
+
+def _load(source: str, db: str | None) -> Profile:
+    from rollout_profiler.db import repo
+    from rollout_profiler.show import read_profile_file
+
+    profile_id = _parse_id(source)
+    if profile_id is None:
+        return read_profile_file(Path(source))
+    with _session(db) as (session, _):
+        return repo.load_profile(session, profile_id)
+
+
+@profile_app.command("show")
+def show(
+    source: Annotated[str, typer.Argument(metavar="ID|FILE", help="Database id (an integer) or JSON file.")],
+    db: DbOption = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option(
+            "--plot",
+            metavar="FILE.png",
+            help="Also write a PNG plot here (a folder, e.g. `.`, writes <name>.png in it).",
+        ),
+    ] = None,
+) -> None:
+    """Print a profile as tables; optionally plot step latency against batch."""
+    from rollout_profiler.show import plot_path, render_table, write_plot
+
+    prof = _load(source, db)
+    typer.echo(render_table(prof), nl=False)
+    if plot is not None:
+        written = write_plot(prof, plot_path(plot, prof))
+        typer.echo(f"plot written to {written}", err=True)
+
+
+@profile_app.command("import")
+def import_(
+    file: Annotated[Path, typer.Argument(metavar="FILE", help="Profile JSON file.")],
+    db: DbOption = None,
+) -> None:
+    """Validate a profile JSON file and store it; prints its new id."""
+    from rollout_profiler.db import repo
+    from rollout_profiler.show import read_profile_file
+
+    prof = read_profile_file(file)
+    with _session(db) as (session, where):
+        new_id = repo.save_profile(session, prof)
+    typer.echo(f"stored profile {prof.name!r} in {where}", err=True)
+    typer.echo(str(new_id))
+
+
+@profile_app.command("export")
+def export(
+    profile_id: Annotated[int, typer.Argument(metavar="ID", help="Database id.")],
+    out: Annotated[Path, typer.Option("--out", metavar="FILE", help="JSON file to write.")],
+    db: DbOption = None,
+) -> None:
+    """Write a stored profile as a JSON file."""
+    from rollout_profiler.db import repo
+    from rollout_worker.errors import UserError
+
+    with _session(db) as (session, _):
+        prof = repo.load_profile(session, profile_id)
+    try:
+        prof.to_json(out)
+    except OSError as exc:
+        raise UserError(f"cannot write {out}: {exc.strerror or exc}") from exc
+    typer.echo(f"wrote profile {profile_id} ({prof.name!r}) to {out}")
+
+
+@profile_app.command("list")
+def list_(db: DbOption = None) -> None:
+    """List the stored profiles."""
+    from rollout_profiler.db import repo
+
+    with _session(db) as (session, where):
+        rows = repo.list_profiles(session)
+    if not rows:
+        typer.echo(f"no profiles in {where}")
+        return
+    table = [["id", "name", "model", "shape", "device", "dtype", "method", "steps", "reconfigs", "created"]]
+    for r in rows:
+        table.append(
+            [
+                str(r.id),
+                r.name,
+                r.model_name,
+                r.shape_hash,
+                f"{r.device_count}x{r.device_kind}",
+                r.dtype,
+                r.method,
+                str(r.step_points),
+                str(r.reconfig_points),
+                r.created or "-",
+            ]
+        )
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    for row in table:
+        typer.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
 
 
 def register(app: typer.Typer) -> None:
-    del app
+    app.add_typer(profile_app, name="profile")
