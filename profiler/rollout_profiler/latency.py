@@ -6,8 +6,9 @@ tokens.
 
 Interpolation, per profiled layout, on its (batch x context) grid:
 
-* the grid values are first made monotone: a running maximum along batch, then along context, so a noisy
-  measurement can only be raised (the model is exact on the grid points of a monotone profile);
+* the grid values are first made monotone by isotonic regression (pool-adjacent-violators, alternating
+  along batch and context), so noise is averaged rather than amplified, and the model is exact on the
+  grid points of a monotone profile;
 * bilinear inside the grid, *linear in batch* (not in log2(batch)): at a fixed context a decode step is
   close to affine in batch (weights read once + per-request KV and overheads), and linear interpolation
   is exact on affine segments where log2 interpolation overestimates between grid points;
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from bisect import bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from statistics import median
 from typing import Any
 
@@ -42,6 +43,34 @@ from rollout_profiler.profile import Profile
 log = logging.getLogger(__name__)
 
 LayoutLike = Layout | tuple[int, int]
+
+
+def _pav(y: list[float]) -> list[float]:
+    """Pool-adjacent-violators: the least-squares non-decreasing fit of ``y``."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for x in y:
+        blocks.append([x, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, n = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += n
+    out: list[float] = []
+    for s, n in blocks:
+        out += [s / n] * int(n)
+    return out
+
+
+def _isotonic_2d(v: list[list[float]], rounds: int = 8) -> list[list[float]]:
+    """Monotone (non-decreasing in batch and in context) fit of a noisy grid: alternating 1-D isotonic
+    regressions along both axes. A monotone grid is returned unchanged; noise is averaged, not maxed."""
+    v = [row[:] for row in v]
+    for _ in range(rounds):
+        for j in range(len(v[0])):
+            col = _pav([row[j] for row in v])
+            for i, x in enumerate(col):
+                v[i][j] = x
+        v = [_pav(row) for row in v]
+    return v
 
 
 @dataclass(slots=True)
@@ -66,8 +95,8 @@ class _Table:
             raise UserError(
                 f"{where}: step_latency grid is not rectangular, missing (batch, context) {missing[:3]}"
             )
-        v = [[points[(b, c)] for c in contexts] for b in batches]
-        for i in range(len(batches)):  # running max along batch, then context
+        v = _isotonic_2d([[points[(b, c)] for c in contexts] for b in batches])
+        for i in range(len(batches)):  # exact monotonicity after the fit: running max along batch, context
             for j in range(len(contexts)):
                 if i:
                     v[i][j] = max(v[i][j], v[i - 1][j])
@@ -186,26 +215,31 @@ class LatencyModel:
 
 
 def holdout_error(profile: Profile) -> dict[str, Any]:
-    """Leave-one-out relative error of the interpolation on interior grid points.
+    """Held-out relative error of the latency model against the *raw* measurements.
 
-    For each profiled layout and each interior grid point, the point is predicted from its two neighbours
-    along the batch axis (linear in batch) and, separately, along the context axis; both errors are pooled.
-    Returns ``{"n", "median", "mean", "max", "per_layout": {"DxT": {...}}}`` (relative errors, 0.05 = 5%).
+    For each profiled layout, each interior batch row (and, separately, each interior context column)
+    is removed from the profile, a model is built from the remaining points, and the removed points are
+    predicted and compared with their measured values: ``|predicted - measured| / measured``.
+    Returns ``{"n", "median", "mean", "max", "per_layout": {"DxT": {...}}}`` (0.05 = 5%).
     """
-    model = LatencyModel(profile)
     pooled: list[float] = []
     per_layout: dict[str, dict[str, float]] = {}
-    for (d, t), tab in model._tables.items():
+    layouts = sorted({(p.replicas, p.tp) for p in profile.step_latency})
+    for d, t in layouts:
+        mine = [p for p in profile.step_latency if (p.replicas, p.tp) == (d, t)]
         errs: list[float] = []
-        bs, cs, v = tab.batches, tab.contexts, tab.v
-        for i in range(len(bs)):
-            for j in range(len(cs)):
-                if 0 < i < len(bs) - 1:
-                    f = (bs[i] - bs[i - 1]) / (bs[i + 1] - bs[i - 1])
-                    errs.append(abs(v[i - 1][j] + f * (v[i + 1][j] - v[i - 1][j]) - v[i][j]) / v[i][j])
-                if 0 < j < len(cs) - 1:
-                    f = (cs[j] - cs[j - 1]) / (cs[j + 1] - cs[j - 1])
-                    errs.append(abs(v[i][j - 1] + f * (v[i][j + 1] - v[i][j - 1]) - v[i][j]) / v[i][j])
+        for axis in ("batch", "context"):
+            values = sorted({getattr(p, axis) for p in mine})
+            for held in values[1:-1]:
+                keep = [
+                    p
+                    for p in profile.step_latency
+                    if (p.replicas, p.tp) != (d, t) or getattr(p, axis) != held
+                ]
+                model = LatencyModel(replace(profile, step_latency=keep))
+                for p in mine:
+                    if getattr(p, axis) == held:
+                        errs.append(abs(model.step_ms((d, t), p.batch, p.context) - p.ms) / p.ms)
         if errs:
             per_layout[f"{d}x{t}"] = {"n": len(errs), "median": median(errs), "max": max(errs)}
         pooled += errs

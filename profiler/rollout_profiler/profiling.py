@@ -81,6 +81,7 @@ def _engine(
 
 def profile_measured(
     name: str,
+    model_name: str,
     model_dir: Path,
     world: int,
     layouts: list[Layout],
@@ -145,23 +146,51 @@ def profile_measured(
         )
         for e in events
     ]
-    return Profile(
-        name=name,
-        model=model_shape(name, cfg),
-        engine=f"elastic-rollout {__version__}",
-        device_kind=device,
-        device_count=world,
-        device_name=_device_name(device),
-        dtype=dtype,
-        method="measured",
-        step_latency=points,
-        reconfig_cost=recs,
-        costs=fit_costs(events, cfg.num_layers),
-        provenance={
+    return _profile(
+        name,
+        cfg,
+        device,
+        world,
+        dtype,
+        "measured",
+        points,
+        recs,
+        fit_costs(events, cfg.num_layers),
+        {
             "measured": ["step_latency", "reconfig_cost", "costs"],
             "modelled": [],
-            "notes": f"decode steps timed with the real engine, median of {steps} steps per point",
+            "notes": f"decode steps timed with the real engine, trimmed mean of {steps} steps per point",
         },
+        model_name,
+    )
+
+
+def _profile(
+    name: str,
+    cfg: ModelConfig,
+    device: str,
+    count: int,
+    dtype: str,
+    method: str,
+    points: list[StepPoint],
+    recs: list[ReconfigPoint],
+    costs: CostModel,
+    provenance: dict[str, Any],
+    model_name: str,
+) -> Profile:
+    return Profile(
+        name=name,
+        model=model_shape(model_name, cfg),
+        engine=f"elastic-rollout {__version__}",
+        device_kind=device,
+        device_count=count,
+        device_name=_device_name(device),
+        dtype=dtype,
+        method=method,
+        step_latency=points,
+        reconfig_cost=recs,
+        costs=costs,
+        provenance=provenance,
     )
 
 
@@ -225,6 +254,7 @@ def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
 
 def profile_shard_equivalent(
     name: str,
+    model_name: str,
     model_dir: Path,
     gpus: int,
     tp_sizes: list[int],
@@ -290,19 +320,17 @@ def profile_shard_equivalent(
         reshard_shrink_ms=weight_bytes / H100_LINK_BYTES_PER_MS / max(1, gpus // 2),
         sync_ms=0.2,
     )
-    return Profile(
-        name=name,
-        model=model_shape(name, cfg),
-        engine=f"elastic-rollout {__version__}",
-        device_kind=device,
-        device_count=gpus,
-        device_name=_device_name(device),
-        dtype=dtype,
-        method="shard-equivalent",
-        step_latency=points,
-        reconfig_cost=[],
-        costs=costs,
-        provenance={
+    return _profile(
+        name,
+        cfg,
+        device,
+        gpus,
+        dtype,
+        "shard-equivalent",
+        points,
+        [],
+        costs,
+        {
             "measured": [
                 "per-rank compute of each TP size (1/T-width shard on one device)",
                 "prefill throughput of the shards (costs.recompute_tokens_per_ms: median over TP sizes)",
@@ -313,6 +341,7 @@ def profile_shard_equivalent(
             ],
             "kv_bytes_per_token": kv_token_bytes,
         },
+        model_name,
     )
 
 

@@ -21,13 +21,13 @@ to the largest length (or ``--cap``), ``prompt_len`` to 256. Errors name the fil
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from rollout_worker.errors import UserError
+from rollout_worker.jsonl import iter_jsonl
 
 DEFAULT_PROMPT_LEN = 256
 
@@ -115,21 +115,10 @@ def _int_field(obj: dict[str, Any], key: str, where: str) -> int | None:
 
 def load_jsonl(path: str | Path, cap: int | None = None) -> Workload:
     p = Path(path)
-    try:
-        text = p.read_text()
-    except FileNotFoundError as exc:
-        raise UserError(f"workload file not found: {p}") from exc
     lengths: list[int] = []
     caps: list[int | None] = []
     prompts: list[int] = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{p}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{where}: not valid JSON ({exc.msg})") from exc
+    for where, _, obj in iter_jsonl(p, "workload"):
         if not isinstance(obj, dict):
             raise UserError(f'{where}: expected an object like {{"length": 1234}}')
         length = _int_field(obj, "length", where)

@@ -47,7 +47,7 @@ def test_jsonl_loads(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "match"),
     [
-        ('{"length": 10}\n{"length": 3\n', r"lens\.jsonl:2: not valid JSON"),
+        ('{"length": 10}\n{"length": 3\n', r"lens\.jsonl:2: invalid JSON"),
         ('{"length": 10}\n\n{"cap": 3}\n', r"lens\.jsonl:3: missing 'length'"),
         ('{"length": 10}\n{"length": "7"}\n', r"lens\.jsonl:2: 'length' must be a positive integer"),
         ('{"length": 0}\n', r"lens\.jsonl:1: 'length' must be a positive integer"),

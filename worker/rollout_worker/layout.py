@@ -75,13 +75,13 @@ def candidate_layouts(world: int, num_heads: int, num_kv_heads: int) -> list[Lay
     return out
 
 
-def parse_candidates(text: str, world: int) -> list[Layout]:
+def parse_candidates(text: str, world: int, flag: str = "--candidates") -> list[Layout]:
     layouts = []
     for i, part in enumerate(p for p in text.split(",") if p.strip()):
-        lay = Layout.parse(part, what=f"--candidates item {i + 1}")
+        lay = Layout.parse(part, what=f"{flag} item {i + 1}")
         if lay.world != world:
-            raise UserError(f"--candidates item {i + 1}: {lay} has {lay.world} ranks, not {world}")
+            raise UserError(f"{flag} item {i + 1}: {lay} has {lay.world} ranks, not {world}")
         layouts.append(lay)
     if not layouts:
-        raise UserError("--candidates: no layout given")
+        raise UserError(f"{flag}: no layout given")
     return sorted(set(layouts), key=lambda lay: lay.tp)

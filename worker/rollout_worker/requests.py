@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rollout_worker.errors import UserError
+from rollout_worker.jsonl import iter_jsonl
 from rollout_worker.sampling import SamplingParams
 
 FIELDS = {
@@ -127,20 +127,9 @@ def _number(obj: dict[str, Any], key: str, default: float, where: str, lo: float
 
 def read_requests(path: str | Path, encode: Any, vocab_size: int, max_positions: int) -> list[RequestSpec]:
     """Parse a JSONL file; every error names the file and line. Ids must be unique."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except FileNotFoundError as exc:
-        raise UserError(f"--prompts: file not found: {path}") from exc
     specs: list[RequestSpec] = []
     seen: dict[str, int] = {}
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{n}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
+    for where, n, obj in iter_jsonl(path, "--prompts"):
         spec = parse_request(obj, where, encode, vocab_size)
         if spec.id in seen:
             raise UserError(f"{where}: duplicate id {spec.id!r} (first on line {seen[spec.id]})")

@@ -9,6 +9,8 @@ from typing import Annotated, Any
 import typer
 from rollout_worker.errors import UserError
 
+from rollout_operator.cli.args import int_list
+
 
 def register(app: typer.Typer) -> None:
     app.command("make-model")(make_model_cmd)
@@ -220,8 +222,8 @@ def bench_engine_cmd(
     run_engine_bench(
         preset=preset,
         ranks=ranks,
-        batches=_ints(batch, "--batch"),
-        contexts=_ints(context, "--context"),
+        batches=int_list(batch, "--batch"),
+        contexts=int_list(context, "--context"),
         steps=steps,
         runs=runs,
         dtype=dtype,
@@ -230,13 +232,3 @@ def bench_engine_cmd(
         json_out=json_out,
         echo=typer.echo,
     )
-
-
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as exc:
-        raise UserError(f"{flag}: {text!r} is not a comma-separated list of integers") from exc
-    if not vals or min(vals) < 1:
-        raise UserError(f"{flag}: values must be integers >= 1")
-    return vals

@@ -19,14 +19,71 @@ profile_app = typer.Typer(help="Profiles of a model on a device: step latency an
 
 
 @profile_app.callback(invoke_without_command=True)
-def profile(ctx: typer.Context) -> None:
-    """Profiles of a model on a device: step latency and reconfiguration costs."""
-    # >>> MEASUREMENT (engine owner): add the measurement options (model, layouts, batches, --out, ...) to
-    # this callback's signature and run the profiler here when they are given. Until then a bare
-    # `rolloutctl profile` only prints this group's help. <<<
-    if ctx.invoked_subcommand is None:
+def profile(
+    ctx: typer.Context,
+    model: Annotated[Path | None, typer.Option(help="Checkpoint directory to profile.")] = None,
+    preset: Annotated[
+        str | None, typer.Option(help="Or a preset (its checkpoint is made under --work).")
+    ] = None,
+    ranks: Annotated[int, typer.Option(help="Ranks G (measured mode).")] = 2,
+    layouts: Annotated[
+        str | None, typer.Option(help="Layouts, e.g. 2x1,1x2 (default: all candidates).")
+    ] = None,
+    batch: Annotated[str, typer.Option(help="Batch sizes per replica.")] = "1,2,4,8,16",
+    context: Annotated[str, typer.Option(help="Context lengths.")] = "32,64,128,256",
+    steps: Annotated[int, typer.Option(help="Timed decode steps per grid point (trimmed mean).")] = 40,
+    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float64")] = "float32",
+    device: Annotated[str, typer.Option(help="cpu | cuda")] = "cpu",
+    shard_equivalent: Annotated[
+        bool,
+        typer.Option("--shard-equivalent", help="One device: 1/T-width shards + modelled communication."),
+    ] = False,
+    gpus: Annotated[int, typer.Option(help="Pod size G for --shard-equivalent.")] = 8,
+    tp_sizes: Annotated[str, typer.Option(help="TP sizes for --shard-equivalent.")] = "1,2,4,8",
+    comm_table: Annotated[
+        Path | None, typer.Option(help="All-reduce latency JSON [[bytes, us], ...] (default: H100 figures).")
+    ] = None,
+    name: Annotated[str | None, typer.Option(help="Profile name (default from model, device, size).")] = None,
+    out: Annotated[Path | None, typer.Option(help="Also export the profile as JSON here.")] = None,
+    db: DbOption = None,
+    no_db: Annotated[bool, typer.Option("--no-db", help="Do not store the profile in the database.")] = False,
+    work: Annotated[Path, typer.Option(help="Where preset checkpoints are cached.")] = Path("build/models"),
+) -> None:
+    """Measure the real engine (step latency grid, reconfiguration costs) into a stored profile;
+    or show, import, export and list profiles (subcommands)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if model is None and preset is None:
         typer.echo(ctx.get_help())
         raise typer.Exit(0)
+    import shlex
+    import sys
+
+    from rollout_operator.cli.profile_measure import run_profile
+
+    run_profile(
+        {
+            "model": model,
+            "preset": preset,
+            "ranks": ranks,
+            "layouts": layouts,
+            "batch": batch,
+            "context": context,
+            "steps": steps,
+            "dtype": dtype,
+            "device": device,
+            "shard_equivalent": shard_equivalent,
+            "gpus": gpus,
+            "tp_sizes": tp_sizes,
+            "comm_table": comm_table,
+            "name": name,
+            "out": out,
+            "db": db,
+            "no_db": no_db,
+            "work": work,
+            "command": "rolloutctl " + shlex.join(sys.argv[1:]),
+        }
+    )
 
 
 @contextmanager

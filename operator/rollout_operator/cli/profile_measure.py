@@ -1,0 +1,117 @@
+"""`rolloutctl profile --model DIR|--preset NAME ...`: measure the real engine, store and export a profile."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+from rollout_worker.errors import UserError
+
+from rollout_operator.cli.args import int_list
+
+
+def resolve_model(model: Path | None, preset: str | None, work: Path) -> tuple[Path, str]:
+    from rollout_worker.bench import ensure_model
+
+    if (model is None) == (preset is None):
+        raise UserError("give exactly one of --model DIR or --preset NAME")
+    if preset is not None:
+        return ensure_model(preset, work), preset
+    assert model is not None
+    if not model.is_dir():
+        raise UserError(f"--model: {model} is not a directory")
+    return model, model.name
+
+
+def comm_table(path: Path | None) -> tuple[list[tuple[int, float]], str]:
+    """All-reduce latency table: a JSON list of [bytes, microseconds] pairs, or the H100 default."""
+    from rollout_profiler.profiling import H100_ALLREDUCE_US
+
+    if path is None:
+        return H100_ALLREDUCE_US, "published H100 NVLink all-reduce figures (field notes)"
+    try:
+        rows = json.loads(path.read_text())
+        table = sorted((int(b), float(us)) for b, us in rows)
+    except (OSError, ValueError, TypeError) as exc:
+        raise UserError(
+            f"--comm-table {path}: expected a JSON list of [bytes, microseconds] pairs ({exc})"
+        ) from exc
+    if len(table) < 2:
+        raise UserError(f"--comm-table {path}: needs at least two points")
+    return table, f"the table in {path.name}"
+
+
+def run_profile(opts: dict[str, Any]) -> None:
+    from rollout_profiler.profiling import profile_measured, profile_shard_equivalent
+    from rollout_worker.layout import Layout, candidate_layouts, parse_candidates
+
+    model_dir, name = resolve_model(opts["model"], opts["preset"], opts["work"])
+    batches, contexts = int_list(opts["batch"], "--batch"), int_list(opts["context"], "--context")
+    if opts["shard_equivalent"]:
+        table, source = comm_table(opts["comm_table"])
+        prof = profile_shard_equivalent(
+            opts["name"] or f"{name}-{opts['device']}-{opts['gpus']}-shard-equivalent",
+            name,
+            model_dir,
+            opts["gpus"],
+            int_list(opts["tp_sizes"], "--tp-sizes"),
+            batches,
+            contexts,
+            opts["dtype"],
+            opts["device"],
+            opts["steps"],
+            table,
+            source,
+            typer.echo,
+        )
+    else:
+        from rollout_worker.config import ModelConfig
+
+        mc = ModelConfig.load(model_dir)
+        layouts = (
+            parse_candidates(opts["layouts"], opts["ranks"], "--layouts")
+            if opts["layouts"]
+            else candidate_layouts(opts["ranks"], mc.num_heads, mc.num_kv_heads)
+        )
+        prof = profile_measured(
+            opts["name"] or f"{name}-{opts['device']}-{opts['ranks']}",
+            name,
+            model_dir,
+            opts["ranks"],
+            [Layout(x.replicas, x.tp) for x in layouts],
+            batches,
+            contexts,
+            opts["dtype"],
+            opts["device"],
+            opts["steps"],
+            typer.echo,
+        )
+    prof.provenance["command"] = opts["command"]
+    if opts["out"] is not None:
+        prof.to_json(opts["out"])
+        typer.echo(f"wrote {opts['out']}")
+    if not opts["no_db"]:
+        typer.echo(f"stored profile {store(prof, opts['db'])}")
+
+
+def store(prof: Any, db: str | None) -> str:
+    """Save to the database; the embedded SQLite database is migrated on first use."""
+    from rollout_operator.cli.db_cmds import quiet_alembic
+
+    quiet_alembic()
+    from rollout_profiler.db import engine, migrate, repo
+    from sqlalchemy.orm import Session
+
+    url = engine.resolve_url(db)
+    if url.startswith("sqlite"):
+        migrate.upgrade(url)
+    eng = engine.make_engine(url)
+    try:
+        migrate.require_head(eng, url)
+        with engine.reachable(url), Session(eng) as session, session.begin():
+            pid = repo.save_profile(session, prof)
+    finally:
+        eng.dispose()
+    return f"id {pid} in {engine.mask_url(url)}"
