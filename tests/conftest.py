@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 import torch
+from rollout_profiler.db.testing import PostgresUnavailable, fresh_database, skip_postgres_requested
 from rollout_worker.checkpoint import make_model, write_random_checkpoint
 from rollout_worker.presets import PRESETS
 
@@ -32,3 +35,19 @@ def tiny_variant(out: Path, **overrides: object) -> Path:
     raw = {**PRESETS["tiny"], **overrides}
     write_random_checkpoint(raw, 3, out, "float64")
     return out
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def empty_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """URL of an empty database: a SQLite file (in a folder still to create) or a fresh PostgreSQL schema.
+
+    An unreachable PostgreSQL fails the test; it skips only with ROLLOUT_SKIP_POSTGRES=1 set explicitly.
+    """
+    with ExitStack() as stack:
+        try:
+            url = stack.enter_context(fresh_database(request.param, tmp_path))
+        except PostgresUnavailable as exc:
+            if skip_postgres_requested():
+                pytest.skip(f"{exc} [ROLLOUT_SKIP_POSTGRES=1]")
+            pytest.fail(str(exc))
+        yield url

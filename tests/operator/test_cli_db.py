@@ -6,18 +6,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 from rollout_operator.cli.main import main
 from rollout_profiler.db import engine as db_engine
 from rollout_profiler.db.testing import (
-    PostgresUnavailable,
-    fresh_database,
     sample_profile,
-    skip_postgres_requested,
 )
 from rollout_worker.errors import UserError
 from sqlalchemy.engine import make_url
@@ -31,18 +26,6 @@ def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.delenv("ROLLOUT_DB_URL", raising=False)
     monkeypatch.setenv("ROLLOUT_HOME", str(tmp_path / "home"))
     return tmp_path / "home"
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def empty_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    with ExitStack() as stack:
-        try:
-            url = stack.enter_context(fresh_database(request.param, tmp_path))
-        except PostgresUnavailable as exc:
-            if skip_postgres_requested():
-                pytest.skip(f"{exc} [ROLLOUT_SKIP_POSTGRES=1]")
-            pytest.fail(str(exc))
-        yield url
 
 
 @pytest.fixture

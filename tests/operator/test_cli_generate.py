@@ -125,23 +125,19 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_bad_flags(tmp_path: Path, tiny64: Path, case: str) -> None:
-    flags, message = CASES[case]
+def _fails_cleanly(tmp_path: Path, model: Path, prompts: Path, flags: list[str], message: str) -> None:
+    """`generate` exits 2 with ``message``, no traceback, and no output file."""
     out = tmp_path / "out.jsonl"
-    r = cli(
-        "generate",
-        "--model",
-        str(tiny64),
-        "--prompts",
-        str(_prompts(tmp_path / "in.jsonl")),
-        "--out",
-        str(out),
-        *flags,
-    )
+    r = cli("generate", "--model", str(model), "--prompts", str(prompts), "--out", str(out), *flags)
     assert r.returncode == 2, r.stderr
     assert message in r.stderr and "Traceback" not in r.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_flags(tmp_path: Path, tiny64: Path, case: str) -> None:
+    flags, message = CASES[case]
+    _fails_cleanly(tmp_path, tiny64, _prompts(tmp_path / "in.jsonl"), flags, message)
 
 
 @pytest.mark.parametrize(
@@ -163,21 +159,7 @@ def test_bad_checkpoints(tmp_path: Path, tiny64: Path, kind: str, message: str) 
         reshape="model.layers.0.self_attn.v_proj.weight" if kind == "reshape" else None,
         arch="GPT2LMHeadModel" if kind == "arch" else None,
     )
-    out = tmp_path / "out.jsonl"
-    r = cli(
-        "generate",
-        "--model",
-        str(model),
-        "--ranks",
-        "2",
-        "--prompts",
-        str(_prompts(tmp_path / "in.jsonl")),
-        "--out",
-        str(out),
-    )
-    assert r.returncode == 2, r.stderr
-    assert message in r.stderr and "Traceback" not in r.stderr
-    assert not out.exists()
+    _fails_cleanly(tmp_path, model, _prompts(tmp_path / "in.jsonl"), ["--ranks", "2"], message)
 
 
 @pytest.mark.parametrize(
@@ -213,8 +195,4 @@ def test_malformed_prompt_lines(tmp_path: Path, tiny64: Path, line: str, message
         json.dumps({"id": "b", "input_ids": [1, 2], "max_new_tokens": 2}),
     ]
     prompts = _prompts(tmp_path / "in.jsonl", [*good, line])
-    out = tmp_path / "out.jsonl"
-    r = cli("generate", "--model", str(tiny64), "--prompts", str(prompts), "--out", str(out))
-    assert r.returncode == 2, r.stderr
-    assert message in r.stderr
-    assert not out.exists()
+    _fails_cleanly(tmp_path, tiny64, prompts, [], message)

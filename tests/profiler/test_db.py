@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Iterator
-from contextlib import ExitStack
 from datetime import UTC, datetime, timedelta, timezone
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,10 +15,7 @@ from rollout_profiler.db import engine as db_engine
 from rollout_profiler.db import migrate, repo
 from rollout_profiler.db.models import Base, ProfileRow, StepLatencyPointRow
 from rollout_profiler.db.testing import (
-    PostgresUnavailable,
-    fresh_database,
     sample_profile,
-    skip_postgres_requested,
 )
 from rollout_profiler.profile import Profile
 from rollout_worker.errors import UserError
@@ -29,19 +24,6 @@ from sqlalchemy import Engine, delete, inspect, select
 from sqlalchemy.orm import Session
 
 TABLES = {"profiles", "step_latency_points", "reconfig_cost_points", "jobs", "finished_lengths", "decisions"}
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def empty_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """URL of an empty database: a SQLite file (in a folder still to create) or a fresh PostgreSQL schema."""
-    with ExitStack() as stack:
-        try:
-            url = stack.enter_context(fresh_database(request.param, tmp_path))
-        except PostgresUnavailable as exc:
-            if skip_postgres_requested():
-                pytest.skip(f"{exc} [ROLLOUT_SKIP_POSTGRES=1]")
-            pytest.fail(str(exc))
-        yield url
 
 
 @pytest.fixture
