@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -28,6 +30,16 @@ def tiny32(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("models") / "tiny32"
     make_model("tiny", 1, out, "float32")
     return out
+
+
+def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """`rolloutctl ARGS` in a fresh interpreter, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "rollout_operator.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def tiny_variant(out: Path, **overrides: object) -> Path:

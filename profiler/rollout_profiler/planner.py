@@ -275,24 +275,10 @@ def decide(
     if not_ready:
         return Decision("keep", cur, None, 0.0, 0.0, f"ranks not ready: {not_ready}")
     if last_switch is not None:
-        if snapshot.step - last_switch.step < policy.cooldown_steps:
-            return Decision(
-                "keep",
-                cur,
-                None,
-                0.0,
-                0.0,
-                f"cooldown: {snapshot.step - last_switch.step} steps since switch",
-            )
-        if snapshot.time_s - last_switch.time_s < policy.cooldown_s:
-            return Decision(
-                "keep",
-                cur,
-                None,
-                0.0,
-                0.0,
-                f"cooldown: {snapshot.time_s - last_switch.time_s:.1f} s since switch",
-            )
+        steps, secs = snapshot.step - last_switch.step, snapshot.time_s - last_switch.time_s
+        if steps < policy.cooldown_steps or secs < policy.cooldown_s:
+            why = f"{steps} steps" if steps < policy.cooldown_steps else f"{secs:.1f} s"
+            return Decision("keep", cur, None, 0.0, 0.0, f"cooldown: {why} since switch")
     if not any(len(r.generated) or r.waiting for r in snapshot.replicas):
         return Decision("keep", cur, None, 0.0, 0.0, "no unfinished requests")
     plan = _plan(_model(profile_or_model), snapshot, policy, predictor)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,14 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-
-def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "rollout_operator.cli.main", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+from tests.conftest import run_cli as cli
 
 
 def _prompts(path: Path, lines: list[str] | None = None) -> Path:

@@ -4,8 +4,6 @@ held-out grid points; the shard-equivalent mode labels what it measured and what
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,14 +12,7 @@ from rollout_profiler.latency import holdout_error
 from rollout_profiler.profile import Profile
 from sqlalchemy.orm import Session
 
-
-def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "rollout_operator.cli.main", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+from tests.conftest import run_cli as cli
 
 
 @pytest.mark.multiproc

@@ -9,7 +9,7 @@ from typing import Any
 from rollout_worker.config import ModelConfig
 from rollout_worker.engine_config import EngineConfig, Trigger
 from rollout_worker.generate import GenerateResult, generate
-from rollout_worker.layout import Layout, candidate_layouts
+from rollout_worker.layout import Layout
 from rollout_worker.requests import RequestSpec, parse_request
 
 
@@ -36,7 +36,7 @@ def config(model: Path, world: int, layout: str, triggers: list[str] = (), **kw:
         model_dir=str(model),
         world=world,
         layout=Layout.parse(layout),
-        candidates=tuple(candidate_layouts(world, mc.num_heads, mc.num_kv_heads)),
+        candidates=tuple(mc.candidate_layouts(world)),
         dtype=kw.pop("dtype", "float64"),
         triggers=tuple(Trigger.parse(t) for t in triggers),
         collective_timeout_s=kw.pop("collective_timeout_s", 60.0),

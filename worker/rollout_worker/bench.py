@@ -20,7 +20,7 @@ from rollout_worker.checkpoint import make_model
 from rollout_worker.config import ModelConfig
 from rollout_worker.engine_config import EngineConfig
 from rollout_worker.launcher import run_ranks
-from rollout_worker.layout import Layout, candidate_layouts
+from rollout_worker.layout import Layout
 from rollout_worker.measure import measure_grid, measure_reconfig
 
 
@@ -33,7 +33,7 @@ def ensure_model(preset: str, work: Path, dtype: str = "float32", seed: int = 0)
 
 def engine_config(model_dir: Path, ranks: int, dtype: str, device: str) -> EngineConfig:
     mc = ModelConfig.load(model_dir)
-    cands = tuple(candidate_layouts(ranks, mc.num_heads, mc.num_kv_heads))
+    cands = tuple(mc.candidate_layouts(ranks))
     cfg = EngineConfig(
         model_dir=str(model_dir),
         world=ranks,

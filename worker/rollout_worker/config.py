@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollout_worker.errors import UserError
+
+if TYPE_CHECKING:
+    from rollout_worker.layout import Layout
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 
@@ -109,6 +112,16 @@ class ModelConfig:
         if why is None and self.vocab_size % tp:
             why = f"TP size {tp} does not divide vocab_size={self.vocab_size}"
         return why
+
+    def candidate_layouts(self, world: int) -> list[Layout]:
+        """Every layout of ``world`` ranks this model can run (heads and vocabulary), smallest TP first."""
+        from rollout_worker.layout import candidate_layouts
+
+        return [
+            lay
+            for lay in candidate_layouts(world, self.num_heads, self.num_kv_heads)
+            if self.tp_problem(lay.tp) is None
+        ]
 
     def kv_heads_per_rank(self, tp: int) -> int:
         return max(1, self.num_kv_heads // tp)

@@ -40,7 +40,7 @@ class RankEngine:
         self.dtype = parse_dtype(cfg.dtype)
         self.device, self.backend, self.stage_cpu = _device_for(rank, cfg)
         self.specs = {s.id: s for s in specs}
-        self.capacity = max((s.reserved_tokens for s in self._seqs(specs)), default=1)
+        self.capacity = max((s.reserved_tokens for s in specs), default=1)
         self.groups: dict[Layout, list[Any]] = {}
         self.finished: list[Sequence] = []  # finished while this rank was shard 0 of their replica
         self.step_no = 0
@@ -48,10 +48,6 @@ class RankEngine:
         self.layout = cfg.layout
         self.weights: Weights = {}
         self.replica: Replica
-
-    @staticmethod
-    def _seqs(specs: list[RequestSpec]) -> list[Sequence]:
-        return [Sequence(spec=s) for s in specs]
 
     # -- set-up -----------------------------------------------------------------------------------
     def create_groups(self) -> None:

@@ -128,15 +128,10 @@ def _lap(t: float) -> float:
 def _unfinished(eng: RankEngine, states: dict[int, Any]) -> tuple[list[Unfinished], dict[str, Any]]:
     reqs, outputs = [], {}
     for d, st in states.items():
-        for slot, (rid, out, hist) in enumerate(st["running"]):
-            spec = eng.specs[rid]
-            seq = Sequence(spec=spec, output=out)
+        slots: list[int | None] = [*range(len(st["running"])), *[None] * len(st["waiting"])]
+        for slot, (rid, out, hist) in zip(slots, [*st["running"], *st["waiting"]], strict=True):
+            seq = Sequence(spec=eng.specs[rid], output=out)
             reqs.append(Unfinished(rid, d, slot, seq.kv_len, seq.reserved_tokens, seq.remaining))
-            outputs[rid] = (out, hist)
-        for rid, out, hist in st["waiting"]:
-            spec = eng.specs[rid]
-            seq = Sequence(spec=spec, output=out)
-            reqs.append(Unfinished(rid, d, None, seq.kv_len, seq.reserved_tokens, seq.remaining))
             outputs[rid] = (out, hist)
     return reqs, outputs
 

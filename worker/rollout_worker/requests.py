@@ -34,6 +34,11 @@ class RequestSpec:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
 
+    @property
+    def reserved_tokens(self) -> int:
+        """KV tokens the request may need: prompt + max_new_tokens."""
+        return len(self.prompt_ids) + self.max_new_tokens
+
 
 @dataclass(slots=True)
 class Sequence:
@@ -55,7 +60,7 @@ class Sequence:
 
     @property
     def reserved_tokens(self) -> int:
-        return len(self.spec.prompt_ids) + self.spec.max_new_tokens
+        return self.spec.reserved_tokens
 
 
 def _default_seed(rid: str) -> int:

@@ -106,7 +106,7 @@ def _engine_config(
 ) -> tuple[Any, Any]:
     from rollout_worker.config import ModelConfig
     from rollout_worker.engine_config import EngineConfig
-    from rollout_worker.layout import Layout, candidate_layouts, parse_candidates
+    from rollout_worker.layout import Layout, parse_candidates
 
     model_cfg = ModelConfig.load(model)
     if ranks < 1:
@@ -117,12 +117,7 @@ def _engine_config(
     why = model_cfg.tp_problem(lay.tp)
     if why:
         raise UserError(f"--layout {lay}: {why}")
-    cands = (
-        parse_candidates(candidates, ranks)
-        if candidates
-        else candidate_layouts(ranks, model_cfg.num_heads, model_cfg.num_kv_heads)
-    )
-    cands = [c for c in cands if model_cfg.tp_problem(c.tp) is None] if not candidates else cands
+    cands = parse_candidates(candidates, ranks) if candidates else model_cfg.candidate_layouts(ranks)
     cfg = EngineConfig(
         model_dir=str(model),
         world=ranks,

@@ -45,7 +45,7 @@ def comm_table(path: Path | None) -> tuple[list[tuple[int, float]], str]:
 
 def run_profile(opts: dict[str, Any]) -> None:
     from rollout_profiler.profiling import profile_measured, profile_shard_equivalent
-    from rollout_worker.layout import Layout, candidate_layouts, parse_candidates
+    from rollout_worker.layout import Layout, parse_candidates
 
     model_dir, name = resolve_model(opts["model"], opts["preset"], opts["work"])
     batches, contexts = int_list(opts["batch"], "--batch"), int_list(opts["context"], "--context")
@@ -73,7 +73,7 @@ def run_profile(opts: dict[str, Any]) -> None:
         layouts = (
             parse_candidates(opts["layouts"], opts["ranks"], "--layouts")
             if opts["layouts"]
-            else candidate_layouts(opts["ranks"], mc.num_heads, mc.num_kv_heads)
+            else mc.candidate_layouts(opts["ranks"])
         )
         prof = profile_measured(
             opts["name"] or f"{name}-{opts['device']}-{opts['ranks']}",
