@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rollout_worker.layout import Layout
+from rollout_worker.api.layout import Layout
 
 from rollout_profiler.latency import LatencyModel
 from rollout_profiler.modelled import LLAMA_31_8B, build

@@ -27,7 +27,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rollout_worker.layout import Layout
+from rollout_worker.api.layout import Layout
 
 from rollout_profiler.profile import CostModel, ModelShape, Profile, ReconfigPoint, StepPoint
 

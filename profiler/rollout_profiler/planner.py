@@ -24,17 +24,8 @@ Decision. Switch now only if the plan's first move is at chunk 0 *and*
 is kept to the end minus the plan's remaining time after switching (later switch costs included), and
 ``cost`` the switch's cost. Nothing happens while a rank is not ready or within the cooldown.
 
-Switch cost (:func:`switch_cost`): ``sync_ms`` + weight reshard (``reshard_grow_ms`` when T grows: ranks only
-slice weights they hold; ``reshard_shrink_ms`` when T shrinks: an all_gather) + the cheaper (under "auto")
-of two ways to give every unfinished request its KV cache in the new layout:
-
-* migrate: a rank keeps the KV heads it already holds; with ``T -> T'`` each request's new replica holds
-  ``min(T, T') / max(T, T')`` of its heads already (``rank r`` serves shard ``r // D``, so a rank's new shard
-  lies inside its old one when T grows, and contains it when T shrinks), so the pod moves
-  ``tokens * kv_bytes_per_token * (1 - min(T,T')/max(T,T'))`` bytes (T capped at the number of KV heads),
-  at ``migrate_bytes_per_ms`` (the pod's aggregate rate, all ranks sending at once) + ``migrate_fixed_ms``;
-* recompute: re-prefill prompt + generated tokens of every unfinished request:
-  ``tokens / recompute_tokens_per_ms`` (pod aggregate prefill rate) + ``recompute_fixed_ms``.
+Switch cost: :func:`switch_cost`, i.e. the one cost model of :mod:`rollout_worker.api.costs` that the engine
+uses too, with the moved KV bytes estimated by :func:`~rollout_worker.api.costs.estimated_moved_bytes`.
 """
 
 from __future__ import annotations
@@ -42,14 +33,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from rollout_worker.errors import UserError
-from rollout_worker.layout import Layout
+from rollout_worker.api.costs import METHODS, CostModel, KVMethod, estimated_moved_bytes
+from rollout_worker.api.errors import UserError
+from rollout_worker.api.layout import Layout
+from rollout_worker.api.plan import Trigger
 
 from rollout_profiler.latency import LatencyModel
 from rollout_profiler.predictor import LengthPredictor
-from rollout_profiler.profile import CostModel, Profile
+from rollout_profiler.profile import Profile
 
-METHODS = ("auto", "migrate", "recompute")
 _GEN_BIN = 16  # requests whose generated lengths differ by less than this are predicted alike
 _MAX_GEN_BINS = 64  # ... and at most this many such bins (wider bins when lengths are spread out)
 
@@ -98,18 +90,6 @@ class LastSwitch:
     time_s: float
 
 
-@dataclass(frozen=True, slots=True)
-class Trigger:
-    unfinished_at_most: int
-    layout: Layout
-    method: str
-    steps_ahead: int
-    cost_ms: float
-
-    def __str__(self) -> str:
-        return f"when unfinished <= {self.unfinished_at_most}, switch to {self.layout} ({self.method})"
-
-
 ForwardPlan = list[Trigger]
 
 
@@ -133,29 +113,19 @@ def switch_cost(
     tokens: float,
     method: str,
 ) -> tuple[str, float]:
-    """(method used, ms) of switching ``src -> dst`` with ``tokens`` KV tokens unfinished (see module doc)."""
-    base = costs.sync_ms + (costs.reshard_grow_ms if dst.tp > src.tp else costs.reshard_shrink_ms)
-    ts, td = min(src.tp, num_kv_heads), min(dst.tp, num_kv_heads)
-    moved = tokens * kv_bytes_per_token * (1.0 - min(ts, td) / max(ts, td))
-    mig = costs.migrate_fixed_ms + moved / costs.migrate_bytes_per_ms
-    rec = costs.recompute_fixed_ms + tokens / costs.recompute_tokens_per_ms
-    if method == "migrate" or (method == "auto" and mig <= rec):
-        return "migrate", base + mig
-    return "recompute", base + rec
+    """(method used, ms) of switching ``src -> dst`` with ``tokens`` KV tokens unfinished."""
+    moved = estimated_moved_bytes(tokens, kv_bytes_per_token, num_kv_heads, src.tp, dst.tp)
+    choice = costs.choose(method, moved, tokens)
+    return choice.method, costs.base_ms(src.tp, dst.tp) + choice.ms
 
 
 def _cost_row(
     costs: CostModel, kvb: int, kvh: int, src: Layout, dst: Layout, tokens: np.ndarray, method: str
 ) -> tuple[list[float], np.ndarray]:
     """:func:`switch_cost` for many token counts: (ms as floats, True where migrate is used)."""
-    base = costs.sync_ms + (costs.reshard_grow_ms if dst.tp > src.tp else costs.reshard_shrink_ms)
-    ts, td = min(src.tp, kvh), min(dst.tp, kvh)
-    mig = costs.migrate_fixed_ms + tokens * (
-        kvb * (1.0 - min(ts, td) / max(ts, td)) / costs.migrate_bytes_per_ms
-    )
-    rec = costs.recompute_fixed_ms + tokens / costs.recompute_tokens_per_ms
+    mig, rec = costs.kv_ms(estimated_moved_bytes(tokens, kvb, kvh, src.tp, dst.tp), tokens)
     use_mig = np.full(tokens.shape, method == "migrate") if method != "auto" else mig <= rec
-    return (base + np.where(use_mig, mig, rec)).tolist(), use_mig
+    return (costs.base_ms(src.tp, dst.tp) + np.where(use_mig, mig, rec)).tolist(), use_mig
 
 
 @dataclass(slots=True)
@@ -252,8 +222,16 @@ def _plan(model: LatencyModel, snap: PodSnapshot, policy: PlannerPolicy, pred: L
         t = choice[j][s]
         if t:
             ms, mig = cost[(s, t)]
-            meth = "migrate" if mig[j] else "recompute"
-            triggers.append(Trigger(round(float(n_tot[j])), states[t], meth, round(float(k[j])), ms[j]))
+            meth: KVMethod = "migrate" if mig[j] else "recompute"
+            triggers.append(
+                Trigger(
+                    unfinished_at_most=round(float(n_tot[j])),
+                    layout=states[t],
+                    method=meth,
+                    steps_ahead=round(float(k[j])),
+                    cost_ms=ms[j],
+                )
+            )
             s = t
     cost0 = [("", 0.0)] * n_s
     for t in allowed[0]:

@@ -38,11 +38,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from rollout_worker.errors import UserError
+from rollout_worker.api.costs import KV_METHODS, CostModel
+from rollout_worker.api.errors import UserError
 
 SCHEMA = "elastic-rollout/profile/v1"
 METHODS = ("measured", "shard-equivalent", "modelled")
-KV_METHODS = ("migrate", "recompute")
+__all__ = ["CostModel", "ModelShape", "Profile", "ReconfigPoint", "StepPoint"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,19 +84,6 @@ class ReconfigPoint:
     tokens: int  # KV tokens moved or recomputed
     bytes: int  # bytes moved (0 for recompute)
     ms: float  # whole switch, wall clock
-
-
-@dataclass(frozen=True, slots=True)
-class CostModel:
-    """Linear reconfiguration cost model: ms = fixed + size / rate."""
-
-    migrate_bytes_per_ms: float
-    migrate_fixed_ms: float
-    recompute_tokens_per_ms: float
-    recompute_fixed_ms: float
-    reshard_grow_ms: float
-    reshard_shrink_ms: float
-    sync_ms: float
 
 
 @dataclass(slots=True)

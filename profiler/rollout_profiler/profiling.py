@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from rollout_worker import __version__
-from rollout_worker.config import ModelConfig
-from rollout_worker.engine_config import EngineConfig
-from rollout_worker.errors import UserError
-from rollout_worker.launcher import run_ranks
-from rollout_worker.layout import Layout
-from rollout_worker.measure import measure_grid, measure_prefill, measure_reconfig
+from rollout_worker.api.errors import UserError
+from rollout_worker.api.layout import Layout
+from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.engine.config import EngineConfig
+from rollout_worker.engine.launcher import run_ranks
+from rollout_worker.engine.measure import measure_grid, measure_prefill, measure_reconfig
 
 from rollout_profiler.profile import CostModel, ModelShape, Profile, ReconfigPoint, StepPoint
 
@@ -346,7 +346,7 @@ def profile_shard_equivalent(
 
 
 def _shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
-    from rollout_worker.checkpoint import tensor_shapes
+    from rollout_worker.engine.checkpoint import tensor_shapes
 
     return [s for _, s in tensor_shapes(cfg)]
 

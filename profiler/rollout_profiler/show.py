@@ -8,8 +8,8 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from rollout_worker.errors import UserError
-from rollout_worker.layout import Layout
+from rollout_worker.api.errors import UserError
+from rollout_worker.api.layout import Layout
 
 from rollout_profiler.profile import Profile, StepPoint
 

@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
-from rollout_worker.errors import UserError
-from rollout_worker.layout import Layout, tp_fits_heads
+from rollout_worker.api.errors import UserError
+from rollout_worker.api.layout import Layout, candidate_layouts
 
 from rollout_profiler.latency import LatencyModel
 from rollout_profiler.planner import (
@@ -126,12 +126,9 @@ class Simulator:
 
     def candidates(self) -> list[Layout]:
         m = self.model.profile.model
-        tps = sorted({lay.tp for lay in self.model.layouts})
-        return [
-            Layout.for_tp(self.cfg.gpus, t)
-            for t in tps
-            if self.cfg.gpus % t == 0 and tp_fits_heads(t, m.num_heads, m.num_kv_heads) is None
-        ]
+        profiled = {lay.tp for lay in self.model.layouts}
+        fits = candidate_layouts(self.cfg.gpus, m.num_heads, m.num_kv_heads, m.vocab_size)
+        return [lay for lay in fits if lay.tp in profiled]
 
     def policy(self) -> PlannerPolicy:
         if self.cfg.planner is not None:

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rollout_worker.errors import UserError
-from rollout_worker.jsonl import iter_jsonl
+from rollout_worker.api.errors import UserError
+from rollout_worker.api.jsonl import iter_jsonl
 
 DEFAULT_PROMPT_LEN = 256
 

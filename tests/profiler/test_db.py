@@ -18,8 +18,8 @@ from rollout_profiler.db.testing import (
     sample_profile,
 )
 from rollout_profiler.profile import Profile
-from rollout_worker.errors import UserError
-from rollout_worker.layout import Layout
+from rollout_worker.api.errors import UserError
+from rollout_worker.api.layout import Layout
 from sqlalchemy import Engine, delete, inspect, select
 from sqlalchemy.orm import Session
 

@@ -11,8 +11,8 @@ import pytest
 from rollout_profiler import modelled
 from rollout_profiler.latency import LatencyModel, holdout_error
 from rollout_profiler.profile import CostModel, ModelShape, Profile, StepPoint
-from rollout_worker.errors import UserError
-from rollout_worker.layout import Layout
+from rollout_worker.api.errors import UserError
+from rollout_worker.api.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPE = ModelShape("toy", "LlamaForCausalLM", 64, 2, 8, 8, 8, 128, 100)

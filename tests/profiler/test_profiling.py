@@ -95,7 +95,7 @@ def test_shard_equivalent_profile(tmp_path: Path) -> None:
         (["--preset", "tiny", "--batch", "1,x"], "--batch: '1,x' is not a comma-separated list of integers"),
         (
             ["--preset", "tiny", "--ranks", "4", "--layouts", "2x1"],
-            "--layouts item 1: 2x1 has 2 ranks, not 4",
+            "--layouts[0]: 2x1 has 2 ranks, not 4",
         ),
     ],
 )

@@ -17,7 +17,7 @@ from rollout_profiler.show import (
     step_latency_source,
     write_plot,
 )
-from rollout_worker.errors import UserError
+from rollout_worker.api.errors import UserError
 
 LAYOUTS = ((4, 1), (2, 2), (1, 4))
 

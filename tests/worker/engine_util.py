@@ -6,11 +6,11 @@ import random
 from pathlib import Path
 from typing import Any
 
-from rollout_worker.config import ModelConfig
-from rollout_worker.engine_config import EngineConfig, Trigger
-from rollout_worker.generate import GenerateResult, generate
-from rollout_worker.layout import Layout
-from rollout_worker.requests import RequestSpec, parse_request
+from rollout_worker.api.layout import Layout
+from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.api.requests import RequestSpec, parse_request
+from rollout_worker.engine.config import EngineConfig, Trigger
+from rollout_worker.engine.generate import GenerateResult, generate
 
 
 def requests(n: int = 16, seed: int = 0, vocab: int = 512) -> list[RequestSpec]:

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from rollout_worker.checkpoint import CheckpointReader, tensor_shapes
-from rollout_worker.config import ModelConfig
-from rollout_worker.errors import UserError
-from rollout_worker.kvcache import KVSlab
-from rollout_worker.model import Decoder
-from rollout_worker.parallel import SINGLE
-from rollout_worker.sharding import shard_range
-from rollout_worker.weights import load_shard
+from rollout_worker.api.errors import UserError
+from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.engine.checkpoint import CheckpointReader, tensor_shapes
+from rollout_worker.engine.kvcache import KVSlab
+from rollout_worker.engine.model import Decoder
+from rollout_worker.engine.parallel import SINGLE
+from rollout_worker.engine.sharding import shard_range
+from rollout_worker.engine.weights import load_shard
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -87,7 +87,7 @@ def test_matches_transformers(tmp_path: Path, tiny64: Path, arch: str) -> None:
 
 
 def test_tokenizer_roundtrip_and_transformers_tokenizer(tiny64: Path) -> None:
-    from rollout_worker.tokenizer import load_tokenizer
+    from rollout_worker.engine.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tiny64)
     ids = tok.encode("héllo, world", add_special_tokens=False).ids
@@ -121,7 +121,7 @@ def test_unknown_architecture(tmp_path: Path, tiny64: Path) -> None:
 
 
 def test_sharded_index_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import rollout_worker.checkpoint as ck
+    import rollout_worker.engine.checkpoint as ck
 
     monkeypatch.setattr(ck, "SHARD_BYTES", 300_000)
     out = tmp_path / "sharded"

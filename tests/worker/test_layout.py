@@ -1,8 +1,8 @@
 from __future__ import annotations
 
 import pytest
-from rollout_worker.errors import UserError
-from rollout_worker.layout import Layout, candidate_layouts, parse_candidates, tp_fits_heads
+from rollout_worker.api.errors import UserError
+from rollout_worker.api.layout import Layout, candidate_layouts, parse_candidates, tp_problem
 
 
 def test_rank_layout_replica_is_rank_mod_d() -> None:
@@ -19,11 +19,14 @@ def test_parse_and_errors() -> None:
         Layout.parse("4by2")
     with pytest.raises(UserError, match="does not divide"):
         Layout.for_tp(4, 3)
-    with pytest.raises(UserError, match="item 2"):
+    with pytest.raises(UserError, match=r"candidates\[1\]"):
         parse_candidates("4x1,3x1", 4)
 
 
 def test_candidates_respect_heads() -> None:
-    assert [str(x) for x in candidate_layouts(8, 8, 2)] == ["8x1", "4x2", "2x4", "1x8"]
-    assert [str(x) for x in candidate_layouts(6, 12, 4)] == ["6x1", "3x2"]  # TP 3: KV 4 neither way; 6: no
-    assert tp_fits_heads(3, 8, 2) is not None
+    assert [str(x) for x in candidate_layouts(8, 8, 2, 512)] == ["8x1", "4x2", "2x4", "1x8"]
+    assert [str(x) for x in candidate_layouts(6, 12, 4, 516)] == ["6x1", "3x2"]  # TP 3: KV 4 neither way
+    assert tp_problem(3, 8, 2, 512) is not None
+    # the vocabulary is sharded too: TP 4 cannot split 514 logits
+    assert [str(x) for x in candidate_layouts(4, 8, 2, 514)] == ["4x1", "2x2"]
+    assert "vocab_size" in (tp_problem(4, 8, 2, 514) or "")

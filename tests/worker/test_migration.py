@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from rollout_worker.config import ModelConfig
-from rollout_worker.layout import Layout
-from rollout_worker.migration import (
+from rollout_worker.api.layout import Layout
+from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.engine.migration import (
     Unfinished,
     choose_method,
     kv_migration_plan,
@@ -15,8 +15,8 @@ from rollout_worker.migration import (
     place,
     recompute_tokens,
 )
-from rollout_worker.presets import preset_config
-from rollout_worker.sharding import kv_head_range
+from rollout_worker.engine.presets import preset_config
+from rollout_worker.engine.sharding import kv_head_range
 
 CFG = ModelConfig.from_dict(preset_config("tiny"))
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 import torch
-from rollout_worker.errors import EngineError
-from rollout_worker.launcher import run_ranks
-from rollout_worker.measure import probe_logits
+from rollout_worker.api.errors import EngineError
+from rollout_worker.engine.launcher import run_ranks
+from rollout_worker.engine.measure import probe_logits
 
 from tests.worker.engine_util import config, run, tokens
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from rollout_worker.config import ModelConfig
-from rollout_worker.layout import Layout
-from rollout_worker.presets import preset_config
-from rollout_worker.sharding import (
+from rollout_worker.api.layout import Layout
+from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.engine.presets import preset_config
+from rollout_worker.engine.sharding import (
     ShardRange,
     assemble,
     kind_of,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rollout_worker.errors import UserError
+from rollout_worker.api.errors import UserError
 
 
 def int_list(text: str, flag: str) -> list[int]:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rollout_worker.errors import UserError
+from rollout_worker.api.errors import UserError
 
 from rollout_operator.cli.args import int_list
 
@@ -29,7 +29,7 @@ def make_model_cmd(
     ] = "float32",
 ) -> None:
     """Write a seeded random checkpoint in Hugging Face layout plus a byte-level tokenizer.json."""
-    from rollout_worker.checkpoint import make_model
+    from rollout_worker.engine.checkpoint import make_model
 
     cfg = make_model(preset, seed, out, dtype)
     typer.echo(
@@ -61,8 +61,8 @@ def generate_cmd(
     timeout: Annotated[float, typer.Option(help="Timeout of every collective, seconds.")] = 120.0,
 ) -> None:
     """Generate with G ranks, optionally changing the TP layout while requests run."""
-    from rollout_worker.engine_config import Trigger
-    from rollout_worker.generate import generate, write_jsonl
+    from rollout_worker.engine.config import Trigger
+    from rollout_worker.engine.generate import generate, write_jsonl
 
     cfg, model_cfg = _engine_config(
         model,
@@ -104,9 +104,9 @@ def _engine_config(
     log_every: int,
     timeout: float,
 ) -> tuple[Any, Any]:
-    from rollout_worker.config import ModelConfig
-    from rollout_worker.engine_config import EngineConfig
-    from rollout_worker.layout import Layout, parse_candidates
+    from rollout_worker.api.layout import Layout, parse_candidates
+    from rollout_worker.api.model_config import ModelConfig
+    from rollout_worker.engine.config import EngineConfig
 
     model_cfg = ModelConfig.load(model)
     if ranks < 1:
@@ -136,8 +136,8 @@ def _engine_config(
 
 
 def _read_prompts(prompts: Path, model: Path, model_cfg: Any) -> tuple[list[Any], Any]:
-    from rollout_worker.requests import read_requests
-    from rollout_worker.tokenizer import load_tokenizer
+    from rollout_worker.api.requests import read_requests
+    from rollout_worker.engine.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model) if (model / "tokenizer.json").exists() else None
 
@@ -212,7 +212,7 @@ def bench_engine_cmd(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON here.")] = None,
 ) -> None:
     """Per-step latency by layout x batch x context, and reconfiguration phases with bytes moved."""
-    from rollout_worker.bench import run_engine_bench
+    from rollout_worker.engine.bench import run_engine_bench
 
     run_engine_bench(
         preset=preset,

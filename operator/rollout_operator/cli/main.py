@@ -10,7 +10,7 @@ import logging
 import sys
 
 import typer
-from rollout_worker.errors import EngineError, UserError
+from rollout_worker.api.errors import EngineError, UserError
 
 app = typer.Typer(
     name="rolloutctl",

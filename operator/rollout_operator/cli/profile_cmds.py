@@ -165,7 +165,7 @@ def export(
 ) -> None:
     """Write a stored profile as a JSON file."""
     from rollout_profiler.db import repo
-    from rollout_worker.errors import UserError
+    from rollout_worker.api.errors import UserError
 
     with _session(db) as (session, _):
         prof = repo.load_profile(session, profile_id)

@@ -7,13 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rollout_worker.errors import UserError
+from rollout_worker.api.errors import UserError
 
 from rollout_operator.cli.args import int_list
 
 
 def resolve_model(model: Path | None, preset: str | None, work: Path) -> tuple[Path, str]:
-    from rollout_worker.bench import ensure_model
+    from rollout_worker.engine.bench import ensure_model
 
     if (model is None) == (preset is None):
         raise UserError("give exactly one of --model DIR or --preset NAME")
@@ -45,7 +45,7 @@ def comm_table(path: Path | None) -> tuple[list[tuple[int, float]], str]:
 
 def run_profile(opts: dict[str, Any]) -> None:
     from rollout_profiler.profiling import profile_measured, profile_shard_equivalent
-    from rollout_worker.layout import Layout, parse_candidates
+    from rollout_worker.api.layout import Layout, parse_candidates
 
     model_dir, name = resolve_model(opts["model"], opts["preset"], opts["work"])
     batches, contexts = int_list(opts["batch"], "--batch"), int_list(opts["context"], "--context")
@@ -67,7 +67,7 @@ def run_profile(opts: dict[str, Any]) -> None:
             typer.echo,
         )
     else:
-        from rollout_worker.config import ModelConfig
+        from rollout_worker.api.model_config import ModelConfig
 
         mc = ModelConfig.load(model_dir)
         layouts = (

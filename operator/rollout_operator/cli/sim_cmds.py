@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rollout_worker.errors import UserError
+from rollout_worker.api.errors import UserError
 
 
 def register(app: typer.Typer) -> None:

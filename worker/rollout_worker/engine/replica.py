@@ -12,10 +12,10 @@ from collections.abc import Callable
 
 import torch
 
-from rollout_worker.kvcache import KVSlab
-from rollout_worker.model import Decoder
-from rollout_worker.requests import Sequence
-from rollout_worker.sampling import sample
+from rollout_worker.engine.kvcache import KVSlab
+from rollout_worker.engine.model import Decoder
+from rollout_worker.engine.sampling import sample
+from rollout_worker.engine.sequence import Sequence
 
 
 class Replica:

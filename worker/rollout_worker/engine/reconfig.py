@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from rollout_worker.errors import ReconfigurationFailed
-from rollout_worker.layout import Layout
-from rollout_worker.migration import (
+from rollout_worker.api.errors import ReconfigurationFailed
+from rollout_worker.api.layout import Layout
+from rollout_worker.engine.migration import (
     Placement,
     Transfer,
     Unfinished,
@@ -27,12 +27,12 @@ from rollout_worker.migration import (
     recompute_tokens,
     transfer_bytes,
 )
-from rollout_worker.replica import Replica
-from rollout_worker.requests import Sequence
-from rollout_worker.weights import reshard
+from rollout_worker.engine.replica import Replica
+from rollout_worker.engine.sequence import Sequence
+from rollout_worker.engine.weights import reshard
 
 if TYPE_CHECKING:
-    from rollout_worker.rank import RankEngine
+    from rollout_worker.engine.rank import RankEngine
 
 
 def _snapshot(eng: RankEngine) -> dict[str, Any]:

@@ -19,16 +19,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rollout_worker.checkpoint import CheckpointReader, parse_dtype
-from rollout_worker.config import ModelConfig
-from rollout_worker.engine_config import EngineConfig
-from rollout_worker.kvcache import KVSlab
-from rollout_worker.layout import Layout
-from rollout_worker.model import Decoder
-from rollout_worker.parallel import ParallelState, gather_sum
-from rollout_worker.replica import Replica
-from rollout_worker.requests import RequestSpec, Sequence
-from rollout_worker.weights import Weights, load_shard, random_shard
+from rollout_worker.api.layout import Layout
+from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.api.requests import RequestSpec
+from rollout_worker.engine.checkpoint import CheckpointReader, parse_dtype
+from rollout_worker.engine.config import EngineConfig
+from rollout_worker.engine.kvcache import KVSlab
+from rollout_worker.engine.model import Decoder
+from rollout_worker.engine.parallel import ParallelState, gather_sum
+from rollout_worker.engine.replica import Replica
+from rollout_worker.engine.sequence import Sequence
+from rollout_worker.engine.weights import Weights, load_shard, random_shard
 
 Emit = Callable[[str, dict[str, Any]], None]
 
@@ -122,7 +123,7 @@ class RankEngine:
         return self.device if self.backend == "nccl" else torch.device("cpu")
 
     def run(self) -> dict[str, Any]:
-        from rollout_worker.reconfig import reconfigure
+        from rollout_worker.engine.reconfig import reconfigure
 
         triggers = sorted(self.cfg.triggers, key=lambda t: -t.unfinished)
         step_ms: list[float] = []

@@ -7,20 +7,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from rollout_worker.errors import UserError
+from rollout_worker.api.errors import UserError
 
 
 def iter_jsonl(path: str | Path, what: str) -> Iterator[tuple[str, int, Any]]:
     """Yield ``("FILE:LINE", line number, parsed value)`` for every non-blank line of ``path``.
 
-    ``what`` names the input in the not-found error (e.g. ``--prompts``).
+    ``what`` names the input (a field) in the not-found error (e.g. ``prompts``).
     """
     try:
         text = Path(path).read_text()
     except FileNotFoundError as exc:
-        raise UserError(f"{what}: file not found: {path}") from exc
+        raise UserError(f"file not found: {path}", what) from exc
     except (IsADirectoryError, UnicodeDecodeError) as exc:
-        raise UserError(f"{what}: cannot read {path} as text ({type(exc).__name__})") from exc
+        raise UserError(f"cannot read {path} as text ({type(exc).__name__})", what) from exc
     for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue

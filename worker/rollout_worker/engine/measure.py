@@ -13,17 +13,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from rollout_worker.layout import Layout
-from rollout_worker.requests import RequestSpec, Sequence
-from rollout_worker.sampling import SamplingParams
+from rollout_worker.api.layout import Layout
+from rollout_worker.api.requests import RequestSpec
+from rollout_worker.api.sampling import SamplingParams
+from rollout_worker.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from rollout_worker.rank import RankEngine
+    from rollout_worker.engine.rank import RankEngine
 
 
 def _switch(eng: RankEngine, target: Layout) -> None:
     """Move the (empty) engine to ``target`` through the real reconfiguration path."""
-    from rollout_worker.reconfig import reconfigure
+    from rollout_worker.engine.reconfig import reconfigure
 
     eng.replica.running.clear()
     eng.replica.waiting.clear()
@@ -122,7 +123,7 @@ def measure_grid(eng: RankEngine, args: dict[str, Any]) -> dict[str, Any]:
 
 def measure_reconfig(eng: RankEngine, args: dict[str, Any]) -> dict[str, Any]:
     """Real reconfigurations between layout pairs, ``batch`` requests per replica of ``context`` tokens."""
-    from rollout_worker.reconfig import reconfigure
+    from rollout_worker.engine.reconfig import reconfigure
 
     pairs = [(Layout.parse(a), Layout.parse(b)) for a, b in args["pairs"]]
     batch, ctx = int(args["batch"]), int(args["context"])

@@ -1,15 +1,16 @@
-"""Requests: the JSONL input format, validated line by line, and the per-request state the engine keeps."""
+"""What the engine's ranks need to know of a request (torch-free), and the JSONL input format of
+``rolloutctl generate``, validated line by line.
+"""
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollout_worker.errors import UserError
-from rollout_worker.jsonl import iter_jsonl
-from rollout_worker.sampling import SamplingParams
+from rollout_worker.api.errors import UserError
+from rollout_worker.api.jsonl import iter_jsonl
+from rollout_worker.api.sampling import SamplingParams, default_seed
 
 FIELDS = {
     "id",
@@ -27,44 +28,44 @@ FIELDS = {
 
 @dataclass(frozen=True, slots=True)
 class RequestSpec:
+    """One request as the ranks run it. Output shaping (stop strings, text) is the driver's business."""
+
     id: str
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
     sampling: SamplingParams
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    min_new_tokens: int = 0  # EOS and stop tokens are masked before this many tokens
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # first prompt position whose logprob is returned; -1: none
+    top_logprobs_num: int = 0
 
     @property
     def reserved_tokens(self) -> int:
         """KV tokens the request may need: prompt + max_new_tokens."""
         return len(self.prompt_ids) + self.max_new_tokens
 
-
-@dataclass(slots=True)
-class Sequence:
-    """A request in flight. ``output`` survives every reconfiguration; the KV cache may not."""
-
-    spec: RequestSpec
-    output: list[int] = field(default_factory=list)
-    finish: dict[str, Any] | None = None
-    history: list[dict[str, Any]] = field(default_factory=list)  # {"layout", "replica", "step"}
-
     @property
-    def kv_len(self) -> int:
-        """Tokens whose K/V are cached while running: all but the last sampled token."""
-        return len(self.spec.prompt_ids) + max(len(self.output) - 1, 0)
-
-    @property
-    def remaining(self) -> int:
-        return self.spec.max_new_tokens - len(self.output)
-
-    @property
-    def reserved_tokens(self) -> int:
-        return self.spec.reserved_tokens
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and 0 <= self.logprob_start_len < len(self.prompt_ids)
 
 
-def _default_seed(rid: str) -> int:
-    return int.from_bytes(hashlib.sha256(rid.encode()).digest()[:8], "little") >> 1
+def check_fits(spec: RequestSpec, context_length: int, kv_budget: int | None, where: str = "") -> None:
+    """Refuse a request the engine could never run (it would otherwise wait forever)."""
+    pre = f"{where}: " if where else ""
+    if spec.reserved_tokens > context_length:
+        raise UserError(
+            f"{pre}prompt ({len(spec.prompt_ids)} tokens) + max_new_tokens ({spec.max_new_tokens}) "
+            f"exceeds the context length {context_length}",
+            "max_new_tokens",
+        )
+    if kv_budget is not None and spec.reserved_tokens > kv_budget:
+        raise UserError(
+            f"{pre}prompt ({len(spec.prompt_ids)} tokens) + max_new_tokens ({spec.max_new_tokens}) "
+            f"exceeds the KV budget of a replica ({kv_budget} tokens)",
+            "max_new_tokens",
+        )
 
 
 def parse_request(obj: Any, where: str, encode: Any, vocab_size: int) -> RequestSpec:
@@ -100,7 +101,7 @@ def parse_request(obj: Any, where: str, encode: Any, vocab_size: int) -> Request
     top_k = obj.get("top_k", 0)
     if not _is_int(top_k) or top_k < -1:
         raise UserError(f"{where}: field 'top_k' must be an integer >= -1 (0 or -1: off)")
-    seed = obj.get("seed", _default_seed(rid))
+    seed = obj.get("seed", default_seed(rid))
     if not _is_int(seed):
         raise UserError(f"{where}: field 'seed' must be an integer")
     ignore_eos = obj.get("ignore_eos", False)
@@ -109,6 +110,9 @@ def parse_request(obj: Any, where: str, encode: Any, vocab_size: int) -> Request
     stops = obj.get("stop_token_ids", [])
     if not isinstance(stops, list) or not all(_is_int(t) for t in stops):
         raise UserError(f"{where}: field 'stop_token_ids' must be a list of integers")
+    bad = [t for t in stops if not 0 <= t < vocab_size]
+    if bad:
+        raise UserError(f"{where}: stop token id {bad[0]} out of range [0, {vocab_size})")
     return RequestSpec(
         id=rid,
         prompt_ids=tuple(ids),
@@ -130,21 +134,22 @@ def _number(obj: dict[str, Any], key: str, default: float, where: str, lo: float
     return float(v)
 
 
-def read_requests(path: str | Path, encode: Any, vocab_size: int, max_positions: int) -> list[RequestSpec]:
+def read_requests(
+    path: str | Path, encode: Any, vocab_size: int, context_length: int, kv_budget: int | None = None
+) -> list[RequestSpec]:
     """Parse a JSONL file; every error names the file and line. Ids must be unique."""
     specs: list[RequestSpec] = []
     seen: dict[str, int] = {}
-    for where, n, obj in iter_jsonl(path, "--prompts"):
+    for where, n, obj in iter_jsonl(path, "prompts"):
         spec = parse_request(obj, where, encode, vocab_size)
         if spec.id in seen:
             raise UserError(f"{where}: duplicate id {spec.id!r} (first on line {seen[spec.id]})")
-        if len(spec.prompt_ids) + spec.max_new_tokens > max_positions:
-            raise UserError(
-                f"{where}: prompt ({len(spec.prompt_ids)} tokens) + max_new_tokens ({spec.max_new_tokens}) "
-                f"exceeds max_position_embeddings={max_positions}"
-            )
+        try:
+            check_fits(spec, context_length, kv_budget, where)
+        except UserError as exc:
+            raise UserError(exc.message) from None  # the message already names file and line
         seen[spec.id] = n
         specs.append(spec)
     if not specs:
-        raise UserError(f"--prompts: {path} has no requests")
+        raise UserError(f"{path} has no requests", "prompts")
     return specs

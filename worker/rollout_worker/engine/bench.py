@@ -16,12 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rollout_worker.checkpoint import make_model
-from rollout_worker.config import ModelConfig
-from rollout_worker.engine_config import EngineConfig
-from rollout_worker.launcher import run_ranks
-from rollout_worker.layout import Layout
-from rollout_worker.measure import measure_grid, measure_reconfig
+from rollout_worker.api.layout import Layout
+from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.engine.checkpoint import make_model
+from rollout_worker.engine.config import EngineConfig
+from rollout_worker.engine.launcher import run_ranks
+from rollout_worker.engine.measure import measure_grid, measure_reconfig
 
 
 def ensure_model(preset: str, work: Path, dtype: str = "float32", seed: int = 0) -> Path:

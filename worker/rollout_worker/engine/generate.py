@@ -10,12 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollout_worker.checkpoint import CheckpointReader
-from rollout_worker.config import ModelConfig
-from rollout_worker.engine_config import EngineConfig
-from rollout_worker.errors import EngineError
-from rollout_worker.launcher import OnEvent, run_ranks
-from rollout_worker.requests import RequestSpec
+from rollout_worker.api.errors import EngineError
+from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.api.requests import RequestSpec
+from rollout_worker.engine.checkpoint import CheckpointReader
+from rollout_worker.engine.config import EngineConfig
+from rollout_worker.engine.launcher import OnEvent, run_ranks
 
 
 @dataclass(slots=True)

@@ -18,11 +18,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from rollout_worker.config import ModelConfig
-from rollout_worker.errors import UserError
-from rollout_worker.presets import preset_config
-from rollout_worker.sharding import ShardRange
-from rollout_worker.tokenizer import byte_level_tokenizer
+from rollout_worker.api.errors import UserError
+from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.engine.presets import preset_config
+from rollout_worker.engine.sharding import ShardRange
+from rollout_worker.engine.tokenizer import byte_level_tokenizer
 
 DTYPES = {
     "float64": torch.float64,

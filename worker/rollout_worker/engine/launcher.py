@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rollout_worker.engine_config import EngineConfig
-from rollout_worker.errors import EngineError
-from rollout_worker.rank import RankEngine, rank_main
-from rollout_worker.requests import RequestSpec
+from rollout_worker.api.errors import EngineError
+from rollout_worker.api.requests import RequestSpec
+from rollout_worker.engine.config import EngineConfig
+from rollout_worker.engine.rank import RankEngine, rank_main
 
 log = logging.getLogger(__name__)
 OnEvent = Callable[[str, int, dict[str, Any]], None]
@@ -33,7 +33,7 @@ def _context(device: str) -> Any:
     if device == "cuda":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["rollout_worker.rank", "rollout_worker.reconfig"])
+    ctx.set_forkserver_preload(["rollout_worker.engine.rank", "rollout_worker.engine.reconfig"])
     return ctx
 
 

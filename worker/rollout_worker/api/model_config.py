@@ -5,12 +5,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from rollout_worker.errors import UserError
-
-if TYPE_CHECKING:
-    from rollout_worker.layout import Layout
+from rollout_worker.api.errors import UserError
+from rollout_worker.api.layout import Layout, candidate_layouts, tp_problem
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 
@@ -84,11 +82,11 @@ class ModelConfig:
     def load(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not Path(model_dir).is_dir():
-            raise UserError(f"--model: {model_dir} is not a directory")
+            raise UserError(f"{model_dir} is not a directory", "model")
         try:
             raw = json.loads(path.read_text())
         except FileNotFoundError as exc:
-            raise UserError(f"--model: no config.json in {model_dir}") from exc
+            raise UserError(f"no config.json in {model_dir}", "model") from exc
         except json.JSONDecodeError as exc:
             raise UserError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from exc
         return cls.from_dict(raw, where=str(path))
@@ -106,22 +104,11 @@ class ModelConfig:
 
     def tp_problem(self, tp: int) -> str | None:
         """Why this model cannot run at TP size ``tp``, or None."""
-        from rollout_worker.layout import tp_fits_heads
-
-        why = tp_fits_heads(tp, self.num_heads, self.num_kv_heads)
-        if why is None and self.vocab_size % tp:
-            why = f"TP size {tp} does not divide vocab_size={self.vocab_size}"
-        return why
+        return tp_problem(tp, self.num_heads, self.num_kv_heads, self.vocab_size)
 
     def candidate_layouts(self, world: int) -> list[Layout]:
         """Every layout of ``world`` ranks this model can run (heads and vocabulary), smallest TP first."""
-        from rollout_worker.layout import candidate_layouts
-
-        return [
-            lay
-            for lay in candidate_layouts(world, self.num_heads, self.num_kv_heads)
-            if self.tp_problem(lay.tp) is None
-        ]
+        return candidate_layouts(world, self.num_heads, self.num_kv_heads, self.vocab_size)
 
     def kv_heads_per_rank(self, tp: int) -> int:
         return max(1, self.num_kv_heads // tp)

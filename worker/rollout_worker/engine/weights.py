@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rollout_worker.checkpoint import CheckpointReader, random_tensor, tensor_shapes
-from rollout_worker.config import ModelConfig
-from rollout_worker.parallel import ParallelState
-from rollout_worker.sharding import ReshardStep, assemble, reshard_plan, shard_range
+from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.engine.checkpoint import CheckpointReader, random_tensor, tensor_shapes
+from rollout_worker.engine.parallel import ParallelState
+from rollout_worker.engine.sharding import ReshardStep, assemble, reshard_plan, shard_range
 
 Weights = dict[str, torch.Tensor]
 

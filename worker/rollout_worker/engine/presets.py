@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout_worker.errors import UserError
+from rollout_worker.api.errors import UserError
 
 _LLAMA: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu"}
 

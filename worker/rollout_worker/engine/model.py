@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rollout_worker.config import ModelConfig
-from rollout_worker.kvcache import KVSlab
-from rollout_worker.parallel import ParallelState
+from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.engine.kvcache import KVSlab
+from rollout_worker.engine.parallel import ParallelState
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from rollout_worker.config import ModelConfig
-from rollout_worker.errors import UserError
-from rollout_worker.layout import Layout
+from rollout_worker.api.errors import UserError
+from rollout_worker.api.layout import Layout
+from rollout_worker.api.model_config import ModelConfig
 
 KV_METHODS = ("migrate", "recompute", "auto")
 _TRIGGER_RE = re.compile(r"^(\d+):(\d+):([a-z]+)$")

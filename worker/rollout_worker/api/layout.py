@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Annotated
 
-from rollout_worker.errors import UserError
+from pydantic import BeforeValidator, PlainSerializer, WithJsonSchema
+
+from rollout_worker.api.errors import UserError
 
 _LAYOUT_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 
@@ -31,10 +34,10 @@ class Layout:
     def parse(cls, text: str, what: str = "layout") -> Layout:
         m = _LAYOUT_RE.match(text)
         if not m:
-            raise UserError(f"{what}: {text!r} is not of the form DxT (e.g. 2x2)")
+            raise UserError(f"{text!r} is not of the form DxT (e.g. 2x2)", what)
         d, t = int(m.group(1)), int(m.group(2))
         if d < 1 or t < 1:
-            raise UserError(f"{what}: {text!r} needs D >= 1 and T >= 1")
+            raise UserError(f"{text!r} needs D >= 1 and T >= 1", what)
         return cls(d, t)
 
     @classmethod
@@ -57,31 +60,49 @@ class Layout:
         return [self.ranks_of(d) for d in range(self.replicas)]
 
 
-def tp_fits_heads(tp: int, num_heads: int, num_kv_heads: int) -> str | None:
-    """Why ``tp`` cannot shard these heads, or None when it can."""
+def tp_problem(tp: int, num_heads: int, num_kv_heads: int, vocab_size: int) -> str | None:
+    """Why a model of this shape cannot run at TP size ``tp`` (heads, vocabulary), or None when it can."""
+    if tp < 1:
+        return f"TP size {tp} must be >= 1"
     if num_heads % tp:
         return f"TP size {tp} does not divide num_attention_heads={num_heads}"
     if num_kv_heads % tp and tp % num_kv_heads:
         return f"TP size {tp} neither divides nor is a multiple of num_key_value_heads={num_kv_heads}"
+    if vocab_size % tp:
+        return f"TP size {tp} does not divide vocab_size={vocab_size}"
     return None
 
 
-def candidate_layouts(world: int, num_heads: int, num_kv_heads: int) -> list[Layout]:
-    """Every layout of ``world`` ranks whose TP size fits the model's heads, smallest TP first."""
-    out = []
-    for tp in range(1, world + 1):
-        if world % tp == 0 and tp_fits_heads(tp, num_heads, num_kv_heads) is None:
-            out.append(Layout(world // tp, tp))
-    return out
+def candidate_layouts(world: int, num_heads: int, num_kv_heads: int, vocab_size: int) -> list[Layout]:
+    """Every layout of ``world`` ranks a model of this shape can run, smallest TP first. The one function
+    that says which layouts exist: the engine, the planner and the simulator all call it."""
+    return [
+        Layout(world // tp, tp)
+        for tp in range(1, world + 1)
+        if world % tp == 0 and tp_problem(tp, num_heads, num_kv_heads, vocab_size) is None
+    ]
 
 
-def parse_candidates(text: str, world: int, flag: str = "--candidates") -> list[Layout]:
+def parse_candidates(text: str, world: int, field: str = "candidates") -> list[Layout]:
     layouts = []
     for i, part in enumerate(p for p in text.split(",") if p.strip()):
-        lay = Layout.parse(part, what=f"{flag} item {i + 1}")
+        lay = Layout.parse(part, what=f"{field}[{i}]")
         if lay.world != world:
-            raise UserError(f"{flag} item {i + 1}: {lay} has {lay.world} ranks, not {world}")
+            raise UserError(f"{lay} has {lay.world} ranks, not {world}", f"{field}[{i}]")
         layouts.append(lay)
     if not layouts:
-        raise UserError(f"{flag}: no layout given")
+        raise UserError("no layout given", field)
     return sorted(set(layouts), key=lambda lay: lay.tp)
+
+
+def _coerce_layout(value: object) -> object:
+    return Layout.parse(value) if isinstance(value, str) else value
+
+
+# A Layout in pydantic models: "DxT" in JSON, a Layout in Python.
+LayoutField = Annotated[
+    Layout,
+    BeforeValidator(_coerce_layout),
+    PlainSerializer(str, return_type=str),
+    WithJsonSchema({"type": "string", "pattern": r"^\s*\d+\s*[xX]\s*\d+\s*$", "examples": ["2x2"]}),
+]

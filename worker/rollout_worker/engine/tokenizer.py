@@ -6,7 +6,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from rollout_worker.errors import UserError
+from rollout_worker.api.errors import UserError
 
 SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|pad|>")
 

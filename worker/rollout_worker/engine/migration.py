@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rollout_worker.config import ModelConfig
-from rollout_worker.kvcache import kv_elements
-from rollout_worker.layout import Layout
-from rollout_worker.sharding import kv_head_range
+from rollout_worker.api.layout import Layout
+from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.engine.kvcache import kv_elements
+from rollout_worker.engine.sharding import kv_head_range
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,21 +6,10 @@ on any replica, TP size or batch, and across reconfigurations (no generator stat
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: off
-    seed: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+from rollout_worker.api.sampling import SamplingParams
 
 
 def uniform(seed: int, index: int) -> float:

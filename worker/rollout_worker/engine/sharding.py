@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from rollout_worker.config import ModelConfig
+from rollout_worker.api.model_config import ModelConfig
 
 Kind = Literal["replicated", "col", "row"]
 

@@ -1,0 +1,105 @@
+"""The one reconfiguration cost model, shared by the engine (which picks migrate or recompute when it
+switches) and the planner and simulator (which predict what a switch will cost). They cannot disagree:
+both call :meth:`CostModel.choose`.
+
+A switch ``src -> dst`` costs ``sync_ms`` + the weight reshard (``reshard_grow_ms`` when T grows: ranks only
+slice weights they hold; ``reshard_shrink_ms`` when T shrinks: an all-gather) + the cheaper (under
+``auto``) of two ways to give every unfinished request its KV cache in the new layout:
+
+* migrate: ``migrate_fixed_ms + moved_bytes / migrate_bytes_per_ms`` (the pod's aggregate rate);
+* recompute: re-prefill prompt + generated tokens, ``recompute_fixed_ms + tokens / recompute_tokens_per_ms``.
+
+The engine knows ``moved_bytes`` exactly (its migration plan) and ``tokens`` for its busiest replica; the
+planner estimates them with :func:`estimated_moved_bytes`. Every function here works on floats and,
+elementwise, on numpy arrays (the planner evaluates many token counts at once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+KVMethod = Literal["migrate", "recompute"]
+Method = Literal["auto", "migrate", "recompute"]
+KV_METHODS: tuple[KVMethod, ...] = ("migrate", "recompute")
+METHODS: tuple[Method, ...] = ("auto", "migrate", "recompute")
+
+
+@dataclass(frozen=True, slots=True)
+class KVChoice:
+    method: KVMethod
+    migrate_ms: float
+    recompute_ms: float
+
+    @property
+    def ms(self) -> float:
+        return self.migrate_ms if self.method == "migrate" else self.recompute_ms
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Linear reconfiguration cost model: ms = fixed + size / rate."""
+
+    migrate_bytes_per_ms: float
+    migrate_fixed_ms: float
+    recompute_tokens_per_ms: float
+    recompute_fixed_ms: float
+    reshard_grow_ms: float
+    reshard_shrink_ms: float
+    sync_ms: float
+
+    def base_ms(self, src_tp: int, dst_tp: int) -> float:
+        """Sync + weight reshard: what every switch pays whatever happens to the KV cache."""
+        return self.sync_ms + (self.reshard_grow_ms if dst_tp > src_tp else self.reshard_shrink_ms)
+
+    def kv_ms(self, moved_bytes: Any, tokens: Any) -> tuple[Any, Any]:
+        """(migrate ms, recompute ms) for ``moved_bytes`` to move or ``tokens`` to re-prefill."""
+        mig = self.migrate_fixed_ms + moved_bytes / max(self.migrate_bytes_per_ms, 1e-12)
+        rec = self.recompute_fixed_ms + tokens / max(self.recompute_tokens_per_ms, 1e-12)
+        return mig, rec
+
+    def choose(self, requested: str, moved_bytes: float, tokens: float) -> KVChoice:
+        """Resolve ``auto`` (the cheaper one; migrate on a tie); an explicit method is kept."""
+        mig, rec = self.kv_ms(moved_bytes, tokens)
+        if requested == "auto":
+            return KVChoice("migrate" if mig <= rec else "recompute", float(mig), float(rec))
+        if requested not in KV_METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {requested!r}")
+        method: KVMethod = "migrate" if requested == "migrate" else "recompute"
+        return KVChoice(method, float(mig), float(rec))
+
+    def measured(
+        self, *, migrate_bytes_per_ms: float | None = None, recompute_tokens_per_ms: float | None = None
+    ) -> CostModel:
+        """The model with rates replaced by measured ones (None keeps the current rate)."""
+        return replace(
+            self,
+            migrate_bytes_per_ms=migrate_bytes_per_ms or self.migrate_bytes_per_ms,
+            recompute_tokens_per_ms=recompute_tokens_per_ms or self.recompute_tokens_per_ms,
+        )
+
+
+# Priors of an engine that has measured nothing yet: loopback gloo on CPU, about 200 MB/s per rank pair,
+# prefill of a small model at about 20 tokens/ms. Measurements replace the rates as the engine runs.
+DEFAULT_COSTS = CostModel(
+    migrate_bytes_per_ms=200_000.0,
+    migrate_fixed_ms=1.0,
+    recompute_tokens_per_ms=20.0,
+    recompute_fixed_ms=1.0,
+    reshard_grow_ms=1.0,
+    reshard_shrink_ms=50.0,
+    sync_ms=5.0,
+)
+
+
+def estimated_moved_bytes(
+    tokens: Any, kv_bytes_per_token: float, num_kv_heads: int, src_tp: int, dst_tp: int
+) -> Any:
+    """KV bytes a pod moves to switch TP ``src_tp -> dst_tp`` with ``tokens`` cached tokens unfinished.
+
+    Rank ``r`` serves shard ``r // D``, so each request's new replica already holds
+    ``min(T, T') / max(T, T')`` of its KV heads (T capped at the number of KV heads, beyond which heads are
+    duplicated); the rest moves.
+    """
+    ts, td = min(src_tp, num_kv_heads), min(dst_tp, num_kv_heads)
+    return tokens * kv_bytes_per_token * (1.0 - min(ts, td) / max(ts, td))

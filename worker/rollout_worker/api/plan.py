@@ -1,0 +1,64 @@
+"""The planner's vocabulary, shared by the planner, the simulator, the engine and its HTTP API: a
+:class:`Trigger` ("when unfinished requests drop to n or fewer, switch to layout L with method M"), a
+:class:`Plan` (triggers based on a layout), and the :class:`ReconfigEvent` every switch produces.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollout_worker.api.costs import KVMethod, Method
+from rollout_worker.api.layout import LayoutField
+
+
+class Trigger(BaseModel):
+    """When unfinished requests (running + waiting) drop to ``unfinished_at_most`` or fewer, switch."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    unfinished_at_most: int = Field(ge=0, description="Fire once unfinished requests <= this.")
+    layout: LayoutField = Field(description="Target layout DxT.")
+    method: Method = Field("auto", description="KV cache: migrate, recompute, or auto (cheaper one).")
+    steps_ahead: int | None = Field(None, description="Planner's prediction: steps until it fires.")
+    cost_ms: float | None = Field(None, description="Planner's predicted switch cost.")
+
+    def __str__(self) -> str:
+        return f"when unfinished <= {self.unfinished_at_most}, switch to {self.layout} ({self.method})"
+
+
+class Plan(BaseModel):
+    """Triggers executed at the step each fires; valid only while the engine is in ``based_on_layout``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    based_on_layout: LayoutField
+    triggers: list[Trigger] = Field(default_factory=list, max_length=64)
+
+
+class ReconfigEvent(BaseModel):
+    """One layout switch, as the engine ran it or the simulator modelled it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step: int
+    time_s: float = Field(description="Seconds since the engine (or simulation) started.")
+    src: LayoutField
+    dst: LayoutField
+    requested: Method
+    method: KVMethod
+    reason: str
+    outcome: Literal["committed", "rolled_back"] = "committed"
+    error: str | None = None
+    requests_running: int = Field(0, description="Requests whose KV cache was carried over.")
+    requests_waiting: int = Field(0, description="Unfinished requests that wait in the new layout.")
+    requests_mid_decode: int = Field(0, description="Carried requests that had generated tokens.")
+    kv_bytes_moved: int = 0
+    kv_tokens_recomputed: int = 0
+    weights: dict[str, int] = Field(default_factory=dict, description="sliced, gathered, bytes_received")
+    predicted_ms: float = Field(0.0, description="Whole switch, by the cost model, before it ran.")
+    predicted_migrate_ms: float = 0.0
+    predicted_recompute_ms: float = 0.0
+    actual_ms: float | None = Field(None, description="Whole switch, wall clock.")
+    phases: dict[str, float] = Field(default_factory=dict, description="Milliseconds per phase.")

@@ -1,0 +1,33 @@
+"""Per-request sampling parameters (torch-free). The sampler itself is ``rollout_worker.engine.sampling``.
+
+Sampling is counter-based: token ``i`` of a request is drawn with ``u = H(seed, i)``, so a request's
+tokens depend only on the request, never on the replica, TP size, batch or arrival time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # in (0, 1]
+    top_k: int = 0  # <= 0: off
+    min_p: float = 0.0  # in [0, 1]; 0: off
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def default_seed(rid: str) -> int:
+    """The seed of a request that names none: a hash of its id (reruns of the same id reproduce it)."""
+    return int.from_bytes(hashlib.sha256(rid.encode()).digest()[:8], "little") >> 1
+
+
+def derived_seed(seed: int, index: int) -> int:
+    """Seed of the ``index``-th of ``n`` samples of one request (``n`` > 1): distinct and reproducible."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{index}".encode()).digest()[:8], "little") >> 1

@@ -1,0 +1,1 @@
+"""The tensor-parallel engine: model, sharding, KV cache, scheduling, reconfiguration, rank processes."""

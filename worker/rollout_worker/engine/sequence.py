@@ -1,0 +1,31 @@
+"""A request in flight on a replica (rank side): the spec, the tokens generated so far, where it ran."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_worker.api.requests import RequestSpec
+
+
+@dataclass(slots=True)
+class Sequence:
+    """``output`` survives every reconfiguration; the KV cache may not."""
+
+    spec: RequestSpec
+    output: list[int] = field(default_factory=list)
+    finish: dict[str, Any] | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)  # {"layout", "replica", "step"}
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens whose K/V are cached while running: all but the last sampled token."""
+        return len(self.spec.prompt_ids) + max(len(self.output) - 1, 0)
+
+    @property
+    def remaining(self) -> int:
+        return self.spec.max_new_tokens - len(self.output)
+
+    @property
+    def reserved_tokens(self) -> int:
+        return self.spec.reserved_tokens
