@@ -29,7 +29,7 @@ from rollout_worker.api.errors import UserError
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.engine.config import EngineConfig
-from rollout_worker.engine.launcher import run_ranks
+from rollout_worker.engine.launcher import run_task
 from rollout_worker.engine.measure import measure_grid, measure_prefill, measure_reconfig
 
 from rollout_profiler.profile import CostModel, ModelShape, Profile, ReconfigPoint, StepPoint
@@ -65,18 +65,17 @@ def _engine(
     device: str,
     random_weights: bool = False,
 ) -> EngineConfig:
-    ec = EngineConfig(
+    return EngineConfig(
         model_dir=str(model_dir),
+        model=cfg,
         world=world,
         layout=layouts[0],
         candidates=tuple(layouts),
         dtype=dtype,
         device=device,
         collective_timeout_s=600.0,
-        extra={"weights": "random"} if random_weights else {},
+        random_weights=random_weights,
     )
-    ec.validate(cfg)
-    return ec
 
 
 def profile_measured(
@@ -102,11 +101,10 @@ def profile_measured(
         f"profiling {name}: {world} ranks, layouts {', '.join(map(str, layouts))}, batch {batches}, "
         f"context {contexts}, {steps} steps per point"
     )
-    grid = run_ranks(
+    grid = run_task(
         ec,
-        [],
-        task=measure_grid,
-        task_args={
+        measure_grid,
+        {
             "layouts": [str(x) for x in layouts],
             "batches": batches,
             "contexts": contexts,
@@ -122,11 +120,10 @@ def profile_measured(
     events: list[dict[str, Any]] = []
     if len(layouts) > 1:
         pairs = [(str(a), str(b)) for a in layouts for b in layouts if a != b]
-        rec = run_ranks(
+        rec = run_task(
             ec,
-            [],
-            task=measure_reconfig,
-            task_args={
+            measure_reconfig,
+            {
                 "pairs": pairs,
                 "methods": ["migrate", "recompute"],
                 "batch": min(4, max(batches)),
@@ -137,8 +134,8 @@ def profile_measured(
         echo(f"  reconfiguration: {len(events)} switches measured")
     recs = [
         ReconfigPoint(
-            e["from"],
-            e["to"],
+            e["src"],
+            e["dst"],
             e["method"],
             e["tokens"],
             e.get("kv_bytes_moved", 0),
@@ -203,10 +200,10 @@ def fit_costs(events: list[dict[str, Any]], layers: int) -> CostModel:
     mig = [e for e in events if e["method"] == "migrate" and e.get("kv_bytes_moved")]
     rec = [e for e in events if e["method"] == "recompute" and e.get("kv_tokens_recomputed")]
     grow = [
-        e["phases"]["reshard_ms"] for e in events if Layout.parse(e["to"]).tp > Layout.parse(e["from"]).tp
+        e["phases"]["reshard_ms"] for e in events if Layout.parse(e["dst"]).tp > Layout.parse(e["src"]).tp
     ]
     shrink = [
-        e["phases"]["reshard_ms"] for e in events if Layout.parse(e["to"]).tp < Layout.parse(e["from"]).tp
+        e["phases"]["reshard_ms"] for e in events if Layout.parse(e["dst"]).tp < Layout.parse(e["src"]).tp
     ]
     fixed = [e["phases"]["sync_ms"] + e["phases"]["plan_ms"] + e["phases"]["vote_ms"] for e in events]
     return CostModel(
@@ -287,17 +284,15 @@ def profile_shard_equivalent(
             (Path(tmp) / "config.json").write_text(json.dumps(raw))
             ec = _engine(Path(tmp), scfg, 1, [Layout(1, 1)], dtype, device, random_weights=True)
             echo(f"shard-equivalent TP={tp}: one rank computes 1/{tp} of {name}")
-            res = run_ranks(
+            res = run_task(
                 ec,
-                [],
-                task=measure_grid,
-                task_args={"layouts": ["1x1"], "batches": batches, "contexts": contexts, "steps": steps},
+                measure_grid,
+                {"layouts": ["1x1"], "batches": batches, "contexts": contexts, "steps": steps},
             )[0]
-            pre = run_ranks(
+            pre = run_task(
                 ec,
-                [],
-                task=measure_prefill,
-                task_args={"batch": max(1, min(8, max(batches))), "context": max(contexts)},
+                measure_prefill,
+                {"batch": max(1, min(8, max(batches))), "context": max(contexts)},
             )[0]
         for p in res["points"]:
             comm_ms = 0.0

@@ -62,8 +62,10 @@ def test_generate_with_reconfigurations(tmp_path: Path, tiny64: Path) -> None:
         assert row["finish_reason"] == {"type": "length", "length": 6 + 3 * i}
         assert isinstance(row["text"], str) and row["placements"][0]["layout"] == "4x1"
     assert rows[-1]["layouts"] == ["4x1", "2x2", "1x4"]
-    assert "reconfigure at step" in r.stderr and "4x1 -> 2x2 (migrate" in r.stderr
+    assert "reconfigured at step" in r.stderr and "4x1 -> 2x2 (migrate" in r.stderr
     assert "2x2 -> 1x4 (recompute" in r.stderr and "reshard" in r.stderr and "step p50" in r.stderr
+    # reported live, before the summary line
+    assert r.stderr.index("reconfigured at step") < r.stderr.index("done:")
 
 
 def test_make_model_cli(tmp_path: Path) -> None:
@@ -100,19 +102,31 @@ def _broken_checkpoint(
 
 
 CASES = {
-    "tp-not-dividing-G": (["--ranks", "4", "--reconfigure", "3:3:migrate"], "TP 3 does not divide --ranks 4"),
-    "layout-vs-ranks": (["--ranks", "4", "--layout", "1x3"], "--layout 1x3: 3 ranks, but --ranks is 4"),
+    "tp-not-dividing-G": (
+        ["--ranks", "4", "--reconfigure", "3:3:migrate"],
+        "--reconfigure: '3:3:migrate': TP size 3 must be >= 1 and divide the 4 ranks",
+    ),
+    "tp-zero": (["--ranks", "4", "--reconfigure", "3:0:migrate"], "TP size 0 must be >= 1"),
+    "layout-vs-ranks": (
+        ["--ranks", "4", "--layout", "3x1"],
+        "--layout: 3x1 uses 3 ranks (D x T), but the engine has 4",
+    ),
     "tp-not-dividing-heads": (["--ranks", "3", "--layout", "1x3"], "does not divide num_attention_heads=8"),
     "layout-not-candidate": (
         ["--ranks", "4", "--layout", "2x2", "--candidates", "4x1,1x4"],
-        "--layout 2x2 is not among the candidate layouts (4x1, 1x4)",
+        "--layout: 2x2 is not among the candidate layouts (4x1, 1x4)",
     ),
     "trigger-not-candidate": (
         ["--ranks", "4", "--candidates", "4x1,1x4", "--reconfigure", "2:2:migrate"],
-        "layout 2x2 is not among the candidate layouts",
+        "--reconfigure[0]: 2x2 is not among the candidate layouts",
     ),
     "bad-trigger": (["--ranks", "2", "--reconfigure", "2:2:teleport"], "method must be one of"),
     "bad-dtype": (["--dtype", "float8"], "--dtype: unknown dtype 'float8'"),
+    "zero-timeout": (["--timeout", "0"], "--timeout: must be > 0 seconds, got 0.0"),
+    "kv-budget-below-a-request": (
+        ["--kv-budget", "10"],
+        "in.jsonl:1: prompt (26 tokens) + max_new_tokens (6) exceeds the KV budget of a replica (10 tokens)",
+    ),
 }
 
 
@@ -151,6 +165,37 @@ def test_bad_checkpoints(tmp_path: Path, tiny64: Path, kind: str, message: str) 
         arch="GPT2LMHeadModel" if kind == "arch" else None,
     )
     _fails_cleanly(tmp_path, model, _prompts(tmp_path / "in.jsonl"), ["--ranks", "2"], message)
+
+
+def test_out_equal_to_prompts_is_refused(tmp_path: Path, tiny64: Path) -> None:
+    prompts = _prompts(tmp_path / "in.jsonl")
+    before = prompts.read_text()
+    r = cli("generate", "--model", str(tiny64), "--prompts", str(prompts), "--out", str(prompts))
+    assert r.returncode == 2 and "--out: " in r.stderr and "is the input file" in r.stderr
+    assert prompts.read_text() == before
+
+
+def test_truncated_checkpoint_is_a_clear_error(tmp_path: Path, tiny64: Path) -> None:
+    """A truncated safetensors file must not reach mmap (SIGBUS, a C++ stack dump): one clear line."""
+    model = tmp_path / "trunc"
+    model.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (model / name).write_text((tiny64 / name).read_text())
+    data = (tiny64 / "model.safetensors").read_bytes()
+    (model / "model.safetensors").write_bytes(data[: len(data) // 2])
+    out = tmp_path / "out.jsonl"
+    r = cli(
+        "generate",
+        "--model",
+        str(model),
+        "--prompts",
+        str(_prompts(tmp_path / "in.jsonl")),
+        "--out",
+        str(out),
+    )
+    assert r.returncode == 2, r.stderr
+    assert "--model: " in r.stderr and "truncated" in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists()
 
 
 @pytest.mark.parametrize(

@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from rollout_worker.api.layout import Layout
-from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.api.plan import Trigger
 from rollout_worker.api.requests import RequestSpec, parse_request
-from rollout_worker.engine.config import EngineConfig, Trigger
-from rollout_worker.engine.generate import GenerateResult, generate
+from rollout_worker.engine.batch import BatchResult, run_batch
+from rollout_worker.engine.config import EngineConfig
 
 
 def requests(n: int = 16, seed: int = 0, vocab: int = 512) -> list[RequestSpec]:
@@ -30,32 +30,25 @@ def requests(n: int = 16, seed: int = 0, vocab: int = 512) -> list[RequestSpec]:
     return specs
 
 
-def config(model: Path, world: int, layout: str, triggers: list[str] = (), **kw: Any) -> EngineConfig:  # type: ignore[assignment]
-    mc = ModelConfig.load(model)
-    cfg = EngineConfig(
-        model_dir=str(model),
-        world=world,
-        layout=Layout.parse(layout),
-        candidates=tuple(mc.candidate_layouts(world)),
-        dtype=kw.pop("dtype", "float64"),
-        triggers=tuple(Trigger.parse(t) for t in triggers),
-        collective_timeout_s=kw.pop("collective_timeout_s", 60.0),
-        **kw,
-    )
-    cfg.validate(mc)
-    return cfg
+def config(model: Path, world: int, layout: str, **kw: Any) -> EngineConfig:
+    kw.setdefault("dtype", "float64")
+    kw.setdefault("collective_timeout_s", 60.0)
+    return EngineConfig.load(str(model), world, Layout.parse(layout), **kw)
 
 
 def run(
     model: Path,
     world: int,
     layout: str,
-    triggers: list[str] = (),
-    specs: list[RequestSpec] | None = None,  # type: ignore[assignment]
+    triggers: list[str] | tuple[str, ...] = (),
+    specs: list[RequestSpec] | None = None,
+    faults: Any = None,
     **kw: Any,
-) -> GenerateResult:
-    return generate(config(model, world, layout, triggers, **kw), specs if specs is not None else requests())
+) -> BatchResult:
+    trigs = [Trigger.from_text(t, world) for t in triggers]
+    cfg = config(model, world, layout, **kw)
+    return run_batch(cfg, specs if specs is not None else requests(), trigs, faults=faults)
 
 
-def tokens(res: GenerateResult) -> dict[str, list[int]]:
+def tokens(res: BatchResult) -> dict[str, list[int]]:
     return {o["id"]: o["output_ids"] for o in res.outputs}

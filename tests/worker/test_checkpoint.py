@@ -49,6 +49,7 @@ def _our_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
     w = load_shard(CheckpointReader(model_dir, cfg), cfg, 1, 0, torch.float64, torch.device("cpu"))
     dec = Decoder(cfg, w, SINGLE)
     slab = KVSlab(cfg.num_layers, 1, cfg.num_kv_heads, 64, cfg.head_dim, torch.float64, torch.device("cpu"))
+    slab.ensure(1, 64)
     toks = torch.tensor([ids])
     pos = torch.arange(len(ids))[None]
     # prefill all but the last token, then decode the last one: exercises both paths

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from rollout_worker.api.costs import CostModel
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.engine.migration import (
     Unfinished,
-    choose_method,
     kv_migration_plan,
     migrate_bytes,
     place,
@@ -89,8 +89,13 @@ def test_kv_plan_prefers_local_copies() -> None:
 
 
 def test_choose_method_by_cost() -> None:
-    assert choose_method("auto", 1_000_000, 100, bytes_per_ms=1e5, tokens_per_ms=100)[0] == "recompute"
-    assert choose_method("auto", 1_000, 10_000, bytes_per_ms=1e5, tokens_per_ms=100)[0] == "migrate"
-    assert choose_method("migrate", 1_000_000, 1, 1.0, 1e9)[0] == "migrate"
+    """The engine and the planner share this one decision (rollout_worker.api.costs)."""
+    costs = CostModel(1e5, 0.0, 100.0, 0.0, 1.0, 50.0, 5.0)
+    assert costs.choose("auto", 1_000_000, 100).method == "recompute"  # 10 ms vs 1 ms
+    assert costs.choose("auto", 1_000, 10_000).method == "migrate"  # 0.01 ms vs 100 ms
+    assert costs.choose("migrate", 1_000_000, 1).method == "migrate"  # explicit wins
+    choice = costs.choose("auto", 2e5, 300)
+    assert (choice.migrate_ms, choice.recompute_ms, choice.ms) == (2.0, 3.0, 2.0)
+    assert costs.base_ms(1, 2) == 6.0 and costs.base_ms(2, 1) == 55.0  # sync + grow / shrink reshard
     placed = place(_reqs(4, 2), 1, 64, None)
     assert recompute_tokens(placed, 1) == sum(r.kv_len for r in _reqs(4, 2))

@@ -14,3 +14,30 @@ def int_list(text: str, flag: str) -> list[int]:
     if not vals or min(vals) < 1:
         raise UserError(f"{flag}: values must be integers >= 1")
     return sorted(set(vals))
+
+
+# Engine fields -> the flags that set them, so library errors (which name fields) read as flags here.
+FLAG_OF_FIELD = {
+    "ranks": "--ranks",
+    "layout": "--layout",
+    "candidates": "--candidates",
+    "dtype": "--dtype",
+    "device": "--device",
+    "max_batch": "--max-batch",
+    "kv_budget_tokens": "--kv-budget",
+    "max_prefill_tokens": "--max-prefill-tokens",
+    "context_length": "--context-length",
+    "collective_timeout_s": "--timeout",
+    "model": "--model",
+    "prompts": "--prompts",
+    "reconfigure": "--reconfigure",
+}
+
+
+def as_flags(exc: UserError) -> UserError:
+    """The error with its field named as this CLI's flag (``candidates[2]`` -> ``--candidates[2]``)."""
+    if exc.field is None:
+        return exc
+    base, sep, rest = exc.field.partition("[")
+    flag = FLAG_OF_FIELD.get(base)
+    return exc.with_field(flag + sep + rest) if flag else exc

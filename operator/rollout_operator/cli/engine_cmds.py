@@ -57,41 +57,46 @@ def generate_cmd(
     device: Annotated[str, typer.Option(help="cpu | cuda")] = "cpu",
     max_batch: Annotated[int, typer.Option(help="Max running requests per replica.")] = 64,
     kv_budget: Annotated[int | None, typer.Option(help="Max reserved KV tokens per replica.")] = None,
-    log_every: Annotated[int, typer.Option(help="Print progress every N steps.")] = 20,
+    log_every: Annotated[float, typer.Option(help="Print progress every N seconds.")] = 2.0,
     timeout: Annotated[float, typer.Option(help="Timeout of every collective, seconds.")] = 120.0,
 ) -> None:
     """Generate with G ranks, optionally changing the TP layout while requests run."""
-    from rollout_worker.engine.config import Trigger
-    from rollout_worker.engine.generate import generate, write_jsonl
+    from rollout_worker.api.plan import Trigger
+    from rollout_worker.engine.batch import Interrupted, run_batch
+    from rollout_worker.engine.tokenizer import TextCodec
 
-    cfg, model_cfg = _engine_config(
-        model,
-        ranks,
-        layout,
-        candidates,
-        dtype,
-        device,
-        max_batch,
-        kv_budget,
-        [Trigger.parse(t) for t in reconfigure or []],
-        log_every,
-        timeout,
-    )
-    specs, tok = _read_prompts(prompts, model, model_cfg)
-    _check_writable(out)
+    cfg = engine_config(model, ranks, layout, candidates, dtype, device, max_batch, kv_budget, timeout)
+    triggers = [Trigger.from_text(t, ranks, "reconfigure") for t in reconfigure or []]
+    for i, trig in enumerate(triggers):
+        if trig.layout not in cfg.candidates:
+            raise UserError(f"{trig.layout} is not among the candidate layouts", f"reconfigure[{i}]")
+    _check_output(out, prompts)
+    codec = TextCodec.load(model)
+    specs = _read_prompts(prompts, cfg, codec)
     typer.echo(
         f"generate: {len(specs)} requests, {ranks} ranks, layout {cfg.layout}, "
         f"candidates {', '.join(map(str, cfg.candidates))}, {dtype} on {device}",
         err=True,
     )
-    res = generate(cfg, specs, on_event=_print_event)
+    try:
+        res = run_batch(
+            cfg,
+            specs,
+            triggers,
+            on_progress=_print_progress(len(specs)),
+            progress_every_s=log_every,
+            on_reconfig=_print_reconfig,
+        )
+    except Interrupted as exc:
+        _save_partial(exc, out)
+        raise KeyboardInterrupt from None
     for row in res.outputs:
-        row["text"] = tok.decode(row["output_ids"], skip_special_tokens=False) if tok else None
+        row["text"] = codec.decode(row["output_ids"], skip_special_tokens=False) if codec else None
     write_jsonl(out, res.outputs)
     _print_summary(res, out)
 
 
-def _engine_config(
+def engine_config(
     model: Path,
     ranks: int,
     layout: str | None,
@@ -100,88 +105,105 @@ def _engine_config(
     device: str,
     max_batch: int,
     kv_budget: int | None,
-    triggers: list[Any],
-    log_every: int,
     timeout: float,
-) -> tuple[Any, Any]:
+    context_length: int = 0,
+) -> Any:
+    """A validated EngineConfig from flags (errors name the flags, see ``args.as_flags``)."""
     from rollout_worker.api.layout import Layout, parse_candidates
-    from rollout_worker.api.model_config import ModelConfig
     from rollout_worker.engine.config import EngineConfig
 
-    model_cfg = ModelConfig.load(model)
     if ranks < 1:
-        raise UserError(f"--ranks must be >= 1, got {ranks}")
-    lay = Layout.parse(layout, "--layout") if layout else Layout(ranks, 1)
-    if lay.world != ranks:
-        raise UserError(f"--layout {lay}: {lay.world} ranks, but --ranks is {ranks} (TP size must divide G)")
-    why = model_cfg.tp_problem(lay.tp)
-    if why:
-        raise UserError(f"--layout {lay}: {why}")
-    cands = parse_candidates(candidates, ranks) if candidates else model_cfg.candidate_layouts(ranks)
-    cfg = EngineConfig(
-        model_dir=str(model),
-        world=ranks,
-        layout=lay,
-        candidates=tuple(cands),
+        raise UserError(f"must be >= 1, got {ranks}", "ranks")
+    lay = Layout.parse(layout, "layout") if layout else Layout(ranks, 1)
+    cands = tuple(parse_candidates(candidates, ranks)) if candidates else ()
+    return EngineConfig.load(
+        str(model),
+        ranks,
+        lay,
+        candidates=cands,
         dtype=dtype,
         device=device,
         max_batch=max_batch,
         kv_budget_tokens=kv_budget,
-        triggers=tuple(triggers),
-        log_every=max(1, log_every),
         collective_timeout_s=timeout,
+        context_length=context_length,
     )
-    cfg.validate(model_cfg)
-    return cfg, model_cfg
 
 
-def _read_prompts(prompts: Path, model: Path, model_cfg: Any) -> tuple[list[Any], Any]:
+def _read_prompts(prompts: Path, cfg: Any, codec: Any) -> list[Any]:
     from rollout_worker.api.requests import read_requests
-    from rollout_worker.engine.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(model) if (model / "tokenizer.json").exists() else None
 
     def encode(text: str) -> list[int]:
-        if tok is None:
-            raise UserError(f"--model: no tokenizer.json in {model}; use input_ids instead of prompt")
-        return list(tok.encode(text, add_special_tokens=False).ids)
+        if codec is None:
+            raise UserError(f"no tokenizer.json in {cfg.model_dir}; use input_ids instead of prompt", "model")
+        return list(codec.encode(text))
 
-    specs = read_requests(prompts, encode, model_cfg.vocab_size, model_cfg.max_position_embeddings)
-    for spec in specs:
-        bad = spec.stop_token_ids and max(spec.stop_token_ids) >= model_cfg.vocab_size
-        if bad:
-            raise UserError(f"request {spec.id}: stop_token_ids out of range [0, {model_cfg.vocab_size})")
-    return specs, tok
+    return read_requests(prompts, encode, cfg.model.vocab_size, cfg.context_length, cfg.kv_budget_tokens)
 
 
-def _check_writable(out: Path) -> None:
+def _check_output(out: Path, prompts: Path) -> None:
     if out.exists() and out.is_dir():
-        raise UserError(f"--out: {out} is a directory")
+        raise UserError(f"{out} is a directory", "--out")
     if not out.parent.exists():
-        raise UserError(f"--out: directory {out.parent} does not exist")
+        raise UserError(f"directory {out.parent} does not exist", "--out")
+    if out.resolve() == prompts.resolve():
+        raise UserError(f"{out} is the input file; writing it would destroy the prompts", "--out")
 
 
-def _print_event(kind: str, rank: int, ev: dict[str, Any]) -> None:
-    if kind == "progress":
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Write beside ``path`` and rename: readers never see a partial file."""
+    import json
+    import os
+
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with tmp.open("w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _save_partial(exc: Any, out: Path) -> None:
+    """On Ctrl-C or SIGTERM: keep the finished requests beside the output and say what was lost."""
+    partial = out.with_name(out.name + ".partial")
+    if exc.partial:
+        write_jsonl(partial, exc.partial)
+    lost = exc.total - len(exc.partial)
+    where = f"; the finished ones are in {partial}" if exc.partial else ""
+    typer.echo(f"{exc}{where}; {lost} unfinished request(s) were lost and {out} was not written", err=True)
+
+
+def _print_progress(total: int) -> Any:
+    def show(state: Any, finished: int) -> None:
+        running = sum(len(r.running) for r in state.replicas)
+        waiting = sum(len(r.waiting) for r in state.replicas) + len(state.queued)
+        step = f"{state.step_ms:.2f} ms" if state.step_ms is not None else "-"
         typer.echo(
-            f"step {ev['step']:>6} | layout {ev['layout']:>5} | finished {ev['finished']}/{ev['total']}"
-            f" | unfinished {ev['unfinished']} | step {ev['step_ms_median']:.2f} ms (median)",
+            f"step {state.step:>6} | layout {state.layout!s:>5} | finished {finished}/{total}"
+            f" | running {running} waiting {waiting} | decode step {step} (median)",
             err=True,
         )
-    elif kind == "reconfig":
-        phases = ", ".join(f"{k[:-3]} {v:.1f} ms" for k, v in ev["phases"].items())
+
+    return show
+
+
+def _print_reconfig(ev: Any) -> None:
+    phases = ", ".join(f"{k[:-3]} {v:.1f} ms" for k, v in ev.phases.items())
+    if ev.kv_bytes_moved:
+        extra = f", {ev.kv_bytes_moved / 1e6:.2f} MB KV moved"
+    elif ev.kv_tokens_recomputed:
+        extra = f", {ev.kv_tokens_recomputed} KV tokens recomputed"
+    else:
         extra = ""
-        if "kv_bytes_moved" in ev:
-            extra = f", {ev['kv_bytes_moved'] / 1e6:.2f} MB KV moved"
-        elif "kv_tokens_recomputed" in ev:
-            extra = f", {ev['kv_tokens_recomputed']} KV tokens recomputed"
-        typer.echo(
-            f"reconfigure at step {ev['step']}: {ev['from']} -> {ev['to']} ({ev['method']}, "
-            f"requested {ev['requested']}; {ev['reason']}) {ev['outcome'].upper()}: {phases}{extra}",
-            err=True,
-        )
-        if ev["outcome"] != "committed":
-            typer.echo(f"  rolled back: {ev.get('error')}", err=True)
+    typer.echo(
+        f"reconfigured at step {ev.step}: {ev.src} -> {ev.dst} ({ev.method}, requested {ev.requested}; "
+        f"{ev.reason}; {ev.requests_running} running moved) {ev.outcome.upper()}: {phases}{extra}",
+        err=True,
+    )
+    if ev.outcome != "committed":
+        typer.echo(f"  rolled back: {ev.error}", err=True)
 
 
 def _print_summary(res: Any, out: Path) -> None:
@@ -189,8 +211,9 @@ def _print_summary(res: Any, out: Path) -> None:
     pct = (lambda q: ms[min(len(ms) - 1, int(q * len(ms)))]) if ms else (lambda q: 0.0)
     toks = sum(r["completion_tokens"] for r in res.outputs)
     typer.echo(
-        f"done: {len(res.outputs)} requests, {toks} tokens, {res.steps} steps in {res.wall_s:.2f} s "
-        f"(step p50 {pct(0.5):.2f} ms, p90 {pct(0.9):.2f} ms, max {ms[-1] if ms else 0:.2f} ms); "
+        f"done: {len(res.outputs)} requests, {toks} tokens in {res.wall_s:.2f} s "
+        f"({toks / res.wall_s:.0f} tok/s); "
+        f"decode step p50 {pct(0.5):.2f} ms, p90 {pct(0.9):.2f} ms; "
         f"{len(res.reconfigs)} reconfiguration(s); wrote {out}",
         err=True,
     )

@@ -7,10 +7,13 @@ commands so that ``rolloutctl --help`` stays fast.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 import typer
 from rollout_worker.api.errors import EngineError, UserError
+
+from rollout_operator.cli.args import as_flags
 
 app = typer.Typer(
     name="rolloutctl",
@@ -22,21 +25,28 @@ app = typer.Typer(
 
 
 def _register_all() -> None:
-    from rollout_operator.cli import db_cmds, engine_cmds, profile_cmds, sim_cmds
+    from rollout_operator.cli import db_cmds, engine_cmds, profile_cmds, serve_cmds, sim_cmds
 
-    for module in (engine_cmds, profile_cmds, db_cmds, sim_cmds):
+    for module in (engine_cmds, serve_cmds, profile_cmds, db_cmds, sim_cmds):
         module.register(app)
 
 
 _register_all()
 
 
+def _terminate(signum: int, frame: object) -> None:
+    """SIGTERM (how Kubernetes and most supervisors stop a process) unwinds like Ctrl-C: every command
+    then stops its child processes on the way out."""
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         app()
     except UserError as exc:
-        typer.echo(f"error: {exc}", err=True)
+        typer.echo(f"error: {as_flags(exc)}", err=True)
         sys.exit(2)
     except EngineError as exc:
         typer.echo(f"error: {exc}", err=True)

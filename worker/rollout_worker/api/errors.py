@@ -38,6 +38,12 @@ class Forbidden(UserError):
     status = 403
 
 
+class Unavailable(UserError):
+    """The engine cannot take this now (starting, failed, shutting down, memory released)."""
+
+    status = 503
+
+
 class EngineError(RuntimeError):
     """The engine failed while running (a rank died, a collective timed out, ...)."""
 

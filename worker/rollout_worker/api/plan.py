@@ -5,12 +5,14 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout_worker.api.costs import KVMethod, Method
-from rollout_worker.api.layout import LayoutField
+from rollout_worker.api.costs import METHODS, KVMethod, Method
+from rollout_worker.api.errors import UserError
+from rollout_worker.api.layout import Layout, LayoutField
 
 
 class Trigger(BaseModel):
@@ -26,6 +28,21 @@ class Trigger(BaseModel):
 
     def __str__(self) -> str:
         return f"when unfinished <= {self.unfinished_at_most}, switch to {self.layout} ({self.method})"
+
+    @classmethod
+    def from_text(cls, text: str, world: int, field: str = "trigger") -> Trigger:
+        """``RUNNING:TP:METHOD`` (e.g. ``12:4:migrate``) on ``world`` ranks."""
+        m = re.fullmatch(r"\s*(\d+):(\d+):([a-z]+)\s*", text)
+        if not m:
+            raise UserError(f"{text!r} is not RUNNING:TP:METHOD (e.g. 12:4:migrate)", field)
+        n, tp, method = int(m.group(1)), int(m.group(2)), m.group(3)
+        if method not in METHODS:
+            raise UserError(f"{text!r}: method must be one of {', '.join(METHODS)}", field)
+        if tp < 1 or world % tp:
+            raise UserError(f"{text!r}: TP size {tp} must be >= 1 and divide the {world} ranks", field)
+        return cls.model_validate(
+            {"unfinished_at_most": n, "layout": Layout(world // tp, tp), "method": method}
+        )
 
 
 class Plan(BaseModel):

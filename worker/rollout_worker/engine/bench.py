@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from rollout_worker.api.layout import Layout
-from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.engine.checkpoint import make_model
 from rollout_worker.engine.config import EngineConfig
-from rollout_worker.engine.launcher import run_ranks
+from rollout_worker.engine.launcher import run_task
 from rollout_worker.engine.measure import measure_grid, measure_reconfig
 
 
@@ -32,19 +31,7 @@ def ensure_model(preset: str, work: Path, dtype: str = "float32", seed: int = 0)
 
 
 def engine_config(model_dir: Path, ranks: int, dtype: str, device: str) -> EngineConfig:
-    mc = ModelConfig.load(model_dir)
-    cands = tuple(mc.candidate_layouts(ranks))
-    cfg = EngineConfig(
-        model_dir=str(model_dir),
-        world=ranks,
-        layout=cands[0],
-        candidates=cands,
-        dtype=dtype,
-        device=device,
-        collective_timeout_s=300,
-    )
-    cfg.validate(mc)
-    return cfg
+    return EngineConfig.load(str(model_dir), ranks, dtype=dtype, device=device, collective_timeout_s=300)
 
 
 def reconfig_pairs(cands: tuple[Layout, ...]) -> list[tuple[str, str]]:
@@ -87,8 +74,8 @@ def run_engine_bench(
     grid_runs, rec_runs = [], []
     for i in range(runs):
         t0 = time.perf_counter()
-        grid_runs.append(run_ranks(cfg, [], task=measure_grid, task_args=grid_args)[0]["points"])
-        rec_runs.append(run_ranks(cfg, [], task=measure_reconfig, task_args=rec_args)[0]["events"])
+        grid_runs.append(run_task(cfg, measure_grid, grid_args)[0]["points"])
+        rec_runs.append(run_task(cfg, measure_reconfig, rec_args)[0]["events"])
         echo(f"run {i + 1}/{runs}: {time.perf_counter() - t0:.1f} s")
     grid = _merge_grid(grid_runs)
     report: dict[str, Any] = {
@@ -141,7 +128,7 @@ def _merge_reconfig(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     acc: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
     for evs in runs:
         for ev in evs:
-            acc[(ev["from"], ev["to"], ev["method"])].append(ev)
+            acc[(ev["src"], ev["dst"], ev["method"])].append(ev)
     out = []
     for (src, dst, method), evs in acc.items():
         phases = {k: statistics.median(e["phases"].get(k, 0.0) for e in evs) for k in evs[0]["phases"]}

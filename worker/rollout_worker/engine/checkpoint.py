@@ -33,9 +33,9 @@ DTYPES = {
 SHARD_BYTES = 2 * 1024**3  # split checkpoints larger than this into model-0000i-of-0000n files
 
 
-def parse_dtype(name: str, what: str = "--dtype") -> torch.dtype:
+def parse_dtype(name: str, what: str = "dtype") -> torch.dtype:
     if name not in DTYPES:
-        raise UserError(f"{what}: unknown dtype {name!r}; choose from {', '.join(DTYPES)}")
+        raise UserError(f"unknown dtype {name!r}; choose from {', '.join(DTYPES)}", what)
     return DTYPES[name]
 
 
@@ -165,12 +165,14 @@ class CheckpointReader:
         self.dir = Path(model_dir)
         index = self.dir / "model.safetensors.index.json"
         if index.exists():
-            self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            try:
+                self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise UserError(f"{index}: not a safetensors index ({type(exc).__name__})", "model") from exc
         elif (self.dir / "model.safetensors").exists():
-            with safe_open(str(self.dir / "model.safetensors"), framework="pt") as f:
-                self.weight_map = {k: "model.safetensors" for k in f.keys()}  # noqa: SIM118
+            self.weight_map = {k: "model.safetensors" for k in _header(self.dir / "model.safetensors")}
         else:
-            raise UserError(f"--model: no model.safetensors or model.safetensors.index.json in {self.dir}")
+            raise UserError(f"no model.safetensors or model.safetensors.index.json in {self.dir}", "model")
         self.expected = dict(tensor_shapes(cfg))
         self._handles: dict[str, Any] = {}
 
@@ -189,7 +191,12 @@ class CheckpointReader:
 
     def _handle(self, file: str) -> Any:
         if file not in self._handles:
-            self._handles[file] = safe_open(str(self.dir / file), framework="pt")
+            path = self.dir / file
+            _header(path)  # a truncated file would crash the process when its pages are read
+            try:
+                self._handles[file] = safe_open(str(path), framework="pt")
+            except Exception as exc:  # safetensors raises its own error types
+                raise UserError(f"cannot read {path}: {exc}", "model") from exc
         return self._handles[file]
 
     def read(self, name: str, rng: ShardRange | None, dtype: torch.dtype) -> torch.Tensor:
@@ -211,3 +218,28 @@ class CheckpointReader:
         else:
             t = sl[:, rng.start : rng.stop]
         return t.to(dtype).contiguous()
+
+
+def _header(path: Path) -> dict[str, Any]:
+    """The tensor entries of a safetensors file, after checking that the file holds every byte they
+    describe. Reading a slice of a truncated file through mmap kills the process with SIGBUS, so this
+    check runs before any tensor is read."""
+    try:
+        with path.open("rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            size = path.stat().st_size
+            if n <= 0 or 8 + n > size:
+                raise UserError(f"{path}: not a safetensors file (bad header length)", "model")
+            header = json.loads(f.read(n))
+    except FileNotFoundError as exc:
+        raise UserError(f"{path}: file not found", "model") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: not a safetensors file (bad header)", "model") from exc
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    end = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
+    if 8 + n + end > size:
+        raise UserError(
+            f"{path}: truncated ({size} bytes, the header describes {8 + n + end}); re-copy the checkpoint",
+            "model",
+        )
+    return tensors

@@ -1,87 +1,88 @@
-"""The engine's one validated configuration; CLI flags map onto it."""
+"""The engine's one configuration, validated when it is built. CLI flags and server settings map onto it;
+its errors name the field (``layout``, ``max_batch``), and callers map fields to their own names."""
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
+from rollout_worker.api.costs import DEFAULT_COSTS, CostModel
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.model_config import ModelConfig
 
-KV_METHODS = ("migrate", "recompute", "auto")
-_TRIGGER_RE = re.compile(r"^(\d+):(\d+):([a-z]+)$")
-
-
-@dataclass(frozen=True, slots=True)
-class Trigger:
-    """When unfinished requests (running + waiting) drop to ``unfinished`` or fewer, switch to TP ``tp``."""
-
-    unfinished: int
-    tp: int
-    method: str
-
-    @classmethod
-    def parse(cls, text: str) -> Trigger:
-        m = _TRIGGER_RE.match(text.strip())
-        if not m:
-            raise UserError(f"--reconfigure: {text!r} is not RUNNING:TP:METHOD (e.g. 12:4:migrate)")
-        if m.group(3) not in KV_METHODS:
-            raise UserError(f"--reconfigure: {text!r}: method must be one of {', '.join(KV_METHODS)}")
-        return cls(int(m.group(1)), int(m.group(2)), m.group(3))
+DTYPES = ("float64", "float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda")
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model_dir: str
-    world: int
-    layout: Layout
-    candidates: tuple[Layout, ...]
+    model: ModelConfig
+    world: int  # rank processes G
+    layout: Layout  # initial layout
+    candidates: tuple[Layout, ...] = ()  # () = every layout the model can run on ``world`` ranks
     dtype: str = "float32"
     device: str = "cpu"
-    max_batch: int = 64
-    kv_budget_tokens: int | None = None  # admission limit on reserved (prompt + max_new) tokens per replica
-    max_prefill_tokens: int = 8192
-    triggers: tuple[Trigger, ...] = ()
+    max_batch: int = 64  # running requests per replica
+    kv_budget_tokens: int | None = None  # reserved (prompt + max_new) tokens per replica
+    max_prefill_tokens: int = 8192  # tokens prefilled in one step (at least one request)
+    context_length: int = 0  # 0 = the model's max_position_embeddings
     collective_timeout_s: float = 120.0
-    log_every: int = 50
-    migrate_bytes_per_ms: float = 200_000.0  # prior until a migration is measured
-    recompute_tokens_per_ms: float = 20.0  # prior until a prefill is measured
-    fault: str | None = None  # test hook "PHASE:RANK", e.g. "migrate:1": that rank fails mid-phase
-    extra: dict[str, str] = field(default_factory=dict)
+    costs: CostModel = DEFAULT_COSTS  # priors of the switch-cost model; measured rates replace them
+    random_weights: bool = False  # seeded random shards of the right shapes (profiling a shape)
 
-    def validate(self, model: ModelConfig) -> None:
+    def __post_init__(self) -> None:
+        m = self.model
         if self.world < 1:
-            raise UserError(f"--ranks must be >= 1, got {self.world}")
+            raise UserError(f"must be >= 1, got {self.world}", "ranks")
         if self.layout.world != self.world:
-            raise UserError(f"--layout {self.layout}: {self.layout.world} ranks, but --ranks is {self.world}")
-        for lay in self.candidates:
-            why = model.tp_problem(lay.tp)
+            raise UserError(
+                f"{self.layout} uses {self.layout.world} ranks (D x T), but the engine has {self.world}",
+                "layout",
+            )
+        why = m.tp_problem(self.layout.tp)
+        if why:
+            raise UserError(f"{self.layout}: {why}", "layout")
+        if not self.candidates:
+            object.__setattr__(self, "candidates", tuple(m.candidate_layouts(self.world)))
+        for i, lay in enumerate(self.candidates):
+            if lay.world != self.world:
+                raise UserError(f"{lay} has {lay.world} ranks, not {self.world}", f"candidates[{i}]")
+            why = m.tp_problem(lay.tp)
             if why:
-                raise UserError(f"layout {lay}: {why}")
+                raise UserError(f"{lay}: {why}", f"candidates[{i}]")
         if self.layout not in self.candidates:
             raise UserError(
-                f"--layout {self.layout} is not among the candidate layouts "
-                f"({', '.join(map(str, self.candidates))})"
+                f"{self.layout} is not among the candidate layouts ({', '.join(map(str, self.candidates))})",
+                "layout",
             )
-        for trig in self.triggers:
-            if self.world % trig.tp:
-                raise UserError(f"--reconfigure TP {trig.tp} does not divide --ranks {self.world}")
-            target = Layout.for_tp(self.world, trig.tp)
-            why = model.tp_problem(trig.tp)
-            if why:
-                raise UserError(f"--reconfigure {trig.unfinished}:{trig.tp}: {why}")
-            if target not in self.candidates:
-                raise UserError(f"--reconfigure: layout {target} is not among the candidate layouts")
+        if self.dtype not in DTYPES:
+            raise UserError(f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}", "dtype")
+        if self.device not in DEVICES:
+            raise UserError(f"must be cpu or cuda, got {self.device!r}", "device")
         if self.max_batch < 1:
-            raise UserError("--max-batch must be >= 1")
-        if self.dtype not in ("float64", "float32", "bfloat16", "float16"):
-            raise UserError(f"--dtype: unknown dtype {self.dtype!r}")
-        if self.device not in ("cpu", "cuda"):
-            raise UserError(f"--device must be cpu or cuda, got {self.device!r}")
+            raise UserError(f"must be >= 1, got {self.max_batch}", "max_batch")
+        if self.max_prefill_tokens < 1:
+            raise UserError(f"must be >= 1, got {self.max_prefill_tokens}", "max_prefill_tokens")
+        if not self.collective_timeout_s > 0:
+            raise UserError(f"must be > 0 seconds, got {self.collective_timeout_s}", "collective_timeout_s")
+        if self.context_length < 0:
+            raise UserError(f"must be >= 0 (0: the model's), got {self.context_length}", "context_length")
+        if self.context_length == 0:
+            object.__setattr__(self, "context_length", m.max_position_embeddings)
+        elif self.context_length > m.max_position_embeddings:
+            raise UserError(
+                f"{self.context_length} exceeds max_position_embeddings={m.max_position_embeddings}",
+                "context_length",
+            )
+        if self.kv_budget_tokens is not None and self.kv_budget_tokens < 2:
+            raise UserError(f"must be >= 2 tokens, got {self.kv_budget_tokens}", "kv_budget_tokens")
 
-    def fault_rank(self, phase: str) -> int | None:
-        if not self.fault:
-            return None
-        name, _, rank = self.fault.partition(":")
-        return int(rank) if name == phase else None
+    @classmethod
+    def load(cls, model_dir: str, world: int, layout: Layout | None = None, **kw: Any) -> EngineConfig:
+        """Read the model's config.json and build a validated config (layout defaults to G x 1)."""
+        model = ModelConfig.load(model_dir)
+        return cls(
+            model_dir=str(model_dir), model=model, world=world, layout=layout or Layout(world, 1), **kw
+        )

@@ -1,33 +1,72 @@
 """A per-replica KV cache: one dense slab per layer, ``[slots, kv_heads_local, capacity, head_dim]``.
 
 Running requests occupy slots 0..B-1 in batch order (the scheduler keeps them compact), so the decode
-step attends over a view ``slab[:B, :, :max_len]`` with no copy.
+step attends over a view ``slab[:B, :, :max_len]`` with no copy. The slab grows when a request needs more
+slots or tokens than it has (a copy into a larger slab, amortised by growing in steps); the scheduler's
+admission limits (max batch, KV budget, context length) bound it.
 """
 
 from __future__ import annotations
 
 import torch
 
+_TOKEN_STEP = 256  # capacity grows in multiples of this
+_SLOT_STEP = 8
+
+
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
 
 class KVSlab:
     def __init__(
         self,
         layers: int,
-        slots: int,
+        max_slots: int,
         kv_heads: int,
-        capacity: int,
+        max_capacity: int,
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (slots, kv_heads, capacity, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.slots, self.kv_heads, self.capacity = slots, kv_heads, capacity
+        self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
+        self.max_slots, self.max_capacity = max_slots, max_capacity
+        self.dtype, self.device = dtype, device
+        self.slots = self.capacity = 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+    def ensure(self, slots: int, capacity: int) -> None:
+        """Room for ``slots`` requests of ``capacity`` tokens each; existing contents are kept."""
+        if slots <= self.slots and capacity <= self.capacity:
+            return
+        new_slots = min(max(self.slots, _round_up(slots, _SLOT_STEP)), self.max_slots)
+        grown = max(
+            self.capacity, _round_up(capacity, _TOKEN_STEP), 2 * self.capacity if self.capacity else 0
+        )
+        new_cap = min(grown, self.max_capacity)
+        if new_slots < slots or new_cap < capacity:
+            raise ValueError(
+                f"KV slab cannot hold {slots} slots x {capacity} tokens (limits {self.max_slots} x "
+                f"{self.max_capacity})"
+            )
+        shape = (new_slots, self.kv_heads, new_cap, self.head_dim)
+        old_k, old_v, s, c = self.k, self.v, self.slots, self.capacity
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        if s and c:
+            for new, old in zip((*self.k, *self.v), (*old_k, *old_v), strict=True):
+                new[:s, :, :c] = old
+        self.slots, self.capacity = new_slots, new_cap
+
+    def release(self) -> None:
+        """Free the memory (``/release_memory_occupation``); the next ``ensure`` allocates again."""
+        self.k, self.v = [], []
+        self.slots = self.capacity = 0
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy a request's cache from slot ``src`` to ``dst`` (compaction after a request finishes)."""
@@ -44,9 +83,10 @@ class KVSlab:
 
     def insert(self, slot: int, heads: tuple[int, int], length: int, flat: torch.Tensor) -> None:
         lo, hi = heads
-        n = (hi - lo) * length * self.k[0].shape[-1]
-        if flat.numel() != 2 * len(self.k) * n:
-            raise ValueError(f"KV buffer of {flat.numel()} elements, expected {2 * len(self.k) * n}")
+        n = (hi - lo) * length * self.head_dim
+        if flat.numel() != 2 * self.layers * n:
+            raise ValueError(f"KV buffer of {flat.numel()} elements, expected {2 * self.layers * n}")
+        self.ensure(slot + 1, length)
         off = 0
         for pair in zip(self.k, self.v, strict=True):
             for c in pair:

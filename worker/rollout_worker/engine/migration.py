@@ -1,5 +1,6 @@
 """Pure planning of a reconfiguration: where each unfinished request goes, which KV heads move from
-which rank to which, and whether migrating or recomputing the KV cache is cheaper.
+which rank to which, and how many bytes or tokens each way of rebuilding the KV cache costs (the
+shared :class:`~rollout_worker.api.costs.CostModel` then picks migrate or recompute).
 
 Every rank computes the same plan from the same gathered metadata, so no plan is ever sent.
 """
@@ -129,14 +130,3 @@ def recompute_tokens(placements: list[Placement], replicas: int) -> int:
         if p.dst_slot is not None:
             per[p.dst_replica] += p.kv_len
     return max(per)
-
-
-def choose_method(
-    requested: str, moved_bytes: int, tokens: int, bytes_per_ms: float, tokens_per_ms: float
-) -> tuple[str, float, float]:
-    """Resolve ``auto`` by the cost model; returns (method, predicted migrate ms, predicted recompute ms)."""
-    migrate_ms = moved_bytes / max(bytes_per_ms, 1e-9)
-    recompute_ms = tokens / max(tokens_per_ms, 1e-9)
-    if requested != "auto":
-        return requested, migrate_ms, recompute_ms
-    return ("migrate" if migrate_ms <= recompute_ms else "recompute"), migrate_ms, recompute_ms

@@ -72,6 +72,11 @@ class Decoder:
         self.dtype = self.embed.dtype
         self.norm_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
 
+    def release(self) -> None:
+        """Drop every reference to the weights (their memory is freed once the rank drops its dict)."""
+        self.layers = []
+        self.embed = self.norm = self.lm_head = torch.empty(0, device=self.embed.device)
+
     @staticmethod
     def _layer(w: dict[str, torch.Tensor], i: int) -> Layer:
         p = f"model.layers.{i}."
@@ -112,10 +117,21 @@ class Decoder:
     def forward(
         self, tokens: torch.Tensor, positions: torch.Tensor, slab: KVSlab, last: torch.Tensor, slot0: int = 0
     ) -> torch.Tensor:
-        """Logits [B, vocab] at index ``last[b]`` of each row; K/V of row b go to slab slot ``slot0 + b``.
+        """Logits [B, vocab] at index ``last[b]`` of each row (see :meth:`hidden`)."""
+        x = self.hidden(tokens, positions, slab, slot0)
+        return self.logits(x[torch.arange(x.shape[0], device=x.device), last])
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits [N, vocab] of hidden states [N, hidden] (one all-gather under TP)."""
+        return self.ps.all_gather_cat(F.linear(self.rms(x, self.norm), self.lm_head), dim=-1)
+
+    def hidden(
+        self, tokens: torch.Tensor, positions: torch.Tensor, slab: KVSlab, slot0: int = 0
+    ) -> torch.Tensor:
+        """Final hidden states [B, S, hidden]; K/V of row b go to slab slot ``slot0 + b``.
 
         tokens, positions: [B, S] (right-padded rows; padding is written past the row's length and is
-        never attended to by its real tokens).
+        never attended to by its real tokens). The slab must already hold the slots and positions.
         """
         bsz, seq = tokens.shape
         cos, sin = self.rope(positions)
@@ -148,6 +164,4 @@ class Decoder:
             h = self.rms(x, lw.ln2)
             mlp = F.linear(F.silu(F.linear(h, lw.w_gate)) * F.linear(h, lw.w_up), lw.w_down)
             x = x + self.ps.all_reduce(mlp)
-        x_last = x[torch.arange(bsz, device=x.device), last]
-        logits = F.linear(self.rms(x_last, self.norm), self.lm_head)
-        return self.ps.all_gather_cat(logits, dim=-1)
+        return x

@@ -1,26 +1,29 @@
-"""Executing a reconfiguration on one rank, in lockstep with all others, all-or-nothing.
+"""A reconfiguration on one rank, in lockstep with every other rank, all-or-nothing:
+``reconfigure(state, target, ...) -> (new state, event, placements)``; the caller commits the new state.
 
-Phases: (1) gather every replica's request state; (2) plan placements and pick the KV method (pure,
-identical on every rank); (3) reshard weights; (4) build the new KV cache by migration or recompute;
-(5) vote. New weights and caches are built beside the old ones, so a failed vote (any rank raised)
-simply drops them: the engine keeps its old layout and no request is lost or altered.
+Phases: (1) gather every replica's requests; (2) plan placements and pick the KV method with the shared
+cost model (pure, identical on every rank); (3) reshard weights; (4) build the new KV cache by migration or
+recompute; (5) vote. New weights and caches are built beside the old ones, so a failed vote (any rank
+raised) returns the old state unchanged: no request is lost or altered.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from rollout_worker.api.errors import ReconfigurationFailed
+from rollout_worker.api.costs import Method
 from rollout_worker.api.layout import Layout
+from rollout_worker.api.plan import ReconfigEvent
+from rollout_worker.api.requests import RequestSpec
 from rollout_worker.engine.migration import (
     Placement,
     Transfer,
     Unfinished,
-    choose_method,
     kv_migration_plan,
     migrate_bytes,
     place,
@@ -29,136 +32,161 @@ from rollout_worker.engine.migration import (
 )
 from rollout_worker.engine.replica import Replica
 from rollout_worker.engine.sequence import Sequence
+from rollout_worker.engine.state import RankState
 from rollout_worker.engine.weights import reshard
 
-if TYPE_CHECKING:
-    from rollout_worker.engine.rank import RankEngine
+Placed = tuple[str, int, bool]  # (rid, new replica, running)
 
 
-def _snapshot(eng: RankEngine) -> dict[str, Any]:
-    rep = eng.replica
-    return {
-        "running": [(s.spec.id, list(s.output), list(s.history)) for s in rep.running],
-        "waiting": [(s.spec.id, list(s.output), list(s.history)) for s in rep.waiting],
-        "bytes_per_ms": eng.migrate_bytes_per_ms,
-        "tokens_per_ms": rep.prefill_tokens_per_ms or eng.cfg.recompute_tokens_per_ms,
-    }
+@dataclass(frozen=True, slots=True)
+class _Snapshot:
+    """What an old replica's leader contributes: its requests (running in slot order, then waiting)."""
+
+    running: list[tuple[RequestSpec, list[int]]]
+    waiting: list[tuple[RequestSpec, list[int]]]
+    step: int
+    costs: Any  # CostModel of rank 0 decides for everyone
 
 
-def reconfigure(eng: RankEngine, target: Layout, method: str, reason: str) -> dict[str, Any]:
-    old = eng.layout
+def _snapshot(st: RankState) -> _Snapshot:
+    rep = st.replica
+    return _Snapshot(
+        [(s.spec, list(s.output)) for s in rep.running],
+        [(s.spec, list(s.output)) for s in rep.waiting],
+        st.step,
+        st.costs,
+    )
+
+
+def reconfigure(
+    st: RankState, target: Layout, method: Method, reason: str
+) -> tuple[RankState, ReconfigEvent, list[Placed]]:
+    old = st.layout
     phases: dict[str, float] = {}
     t_all = t = time.perf_counter()
-    gathered: list[Any] = [None] * eng.cfg.world
-    mine = _snapshot(eng) if old.shard_of(eng.rank) == 0 else None
-    dist.all_gather_object(gathered, mine)
-    states = {d: gathered[old.ranks_of(d)[0]] for d in range(old.replicas)}
+    gathered: list[Any] = [None] * st.cfg.world
+    dist.all_gather_object(gathered, _snapshot(st) if st.is_leader else None)
+    snaps: dict[int, _Snapshot] = {d: gathered[old.ranks_of(d)[0]] for d in range(old.replicas)}
     phases["sync_ms"] = _lap(t)
 
     t = time.perf_counter()
-    reqs, outputs = _unfinished(eng, states)
-    placements = place(reqs, target.replicas, eng.cfg.max_batch, eng.cfg.kv_budget_tokens)
-    transfers = kv_migration_plan(eng.model, old, target, placements)
-    elem = torch.empty((), dtype=eng.dtype).element_size()
-    moved = migrate_bytes(transfers, eng.model, elem)
+    reqs, outputs = _unfinished(snaps)
+    placements = place(reqs, target.replicas, st.cfg.max_batch, st.cfg.kv_budget_tokens)
+    transfers = kv_migration_plan(st.model, old, target, placements)
+    elem = torch.empty((), dtype=st.dtype).element_size()
+    moved = migrate_bytes(transfers, st.model, elem)
     tokens = recompute_tokens(placements, target.replicas)
-    chosen, pred_mig, pred_rec = choose_method(
-        method, moved, tokens, states[0]["bytes_per_ms"], states[0]["tokens_per_ms"]
-    )
+    costs = snaps[0].costs
+    choice = costs.choose(method, moved, tokens)
     phases["plan_ms"] = _lap(t)
-
-    event: dict[str, Any] = {
-        "step": eng.step_no,
-        "from": str(old),
-        "to": str(target),
-        "requested": method,
-        "method": chosen,
-        "reason": reason,
-        "requests_moved": sum(p.dst_slot is not None for p in placements),
-        "requests_waiting": sum(p.dst_slot is None for p in placements),
-        "predicted_migrate_ms": round(pred_mig, 3),
-        "predicted_recompute_ms": round(pred_rec, 3),
-    }
+    carried = [p for p in placements if p.dst_slot is not None]
+    event = ReconfigEvent(
+        step=max(s.step for s in snaps.values()),
+        time_s=0.0,
+        src=old,
+        dst=target,
+        requested=method,
+        method=choice.method,
+        reason=reason,
+        requests_running=len(carried),
+        requests_waiting=len(placements) - len(carried),
+        requests_mid_decode=sum(1 for p in carried if outputs[p.id][1]),
+        predicted_ms=round(costs.base_ms(old.tp, target.tp) + choice.ms, 3),
+        predicted_migrate_ms=round(choice.migrate_ms, 3),
+        predicted_recompute_ms=round(choice.recompute_ms, 3),
+    )
     error: str | None = None
-    new_weights, new_replica = None, None
+    new: RankState | None = None
     try:
         t = time.perf_counter()
-        new_weights, wstats = reshard(
-            eng.weights, eng.model, eng.pstate(old), target.tp, target.shard_of(eng.rank)
-        )
+        weights, wstats = reshard(st.weights, st.model, st.pstate(old), target.tp, target.shard_of(st.rank))
         phases["reshard_ms"] = _lap(t)
-        event["reshard"] = wstats
-        new_replica = eng.make_replica(target, new_weights)
-        _fill(eng, new_replica, target, placements, outputs)
+        event.weights = wstats
+        rep = st.make_replica(target, weights)
+        _fill(st.rank, rep, target, placements, outputs)
         t = time.perf_counter()
-        if chosen == "migrate":
-            event["kv_bytes_moved"] = moved
-            _migrate(eng, eng.replica, new_replica, transfers)
+        new_costs = costs
+        if choice.method == "migrate":
+            event.kv_bytes_moved = moved
+            _migrate(st, st.replica, rep, transfers)
             phases["kv_migrate_ms"] = _lap(t)
             if moved and phases["kv_migrate_ms"] > 0:
-                eng.migrate_bytes_per_ms = moved / phases["kv_migrate_ms"]
+                new_costs = costs.measured(migrate_bytes_per_ms=moved / phases["kv_migrate_ms"])
         else:
-            running = list(new_replica.running)
-            new_replica.running.clear()
+            running = list(rep.running)
+            rep.running.clear()
             if running:
-                new_replica.prefill(running, sample_fresh=False)
-            event["kv_tokens_recomputed"] = sum(s.kv_len for s in running)
+                rep.prefill(running, sample_fresh=False)
+                new_costs = costs.measured(recompute_tokens_per_ms=rep.prefill_tokens_per_ms)
+            event.kv_tokens_recomputed = sum(s.kv_len for s in running)
             phases["kv_recompute_ms"] = _lap(t)
-        _maybe_fault(eng, "commit")
+        st.fault("commit")
+        new = replace(
+            st,
+            layout=target,
+            weights=weights,
+            replica=rep,
+            costs=new_costs,
+            epoch=st.epoch + 1,
+            step=event.step,
+        )
     except Exception as exc:
-        error = f"rank {eng.rank}: {type(exc).__name__}: {exc}"
+        error = f"rank {st.rank}: {type(exc).__name__}: {exc}"
     t = time.perf_counter()
-    ok = _vote(error is None, eng.sync_device)
+    ok = _vote(error is None, st.sync_device)
     phases["vote_ms"] = _lap(t)
-    if ok and new_weights is not None and new_replica is not None:
-        eng.weights, eng.replica, eng.layout = new_weights, new_replica, target
-        event["outcome"] = "committed"
-    else:
-        event["outcome"] = "rolled_back"
-        event["error"] = error or "another rank failed"
     phases["total_ms"] = _lap(t_all)
-    event["phases"] = {k: round(v, 3) for k, v in phases.items()}
-    return event
+    event.phases = {k: round(v, 3) for k, v in phases.items()}
+    event.actual_ms = event.phases["total_ms"]
+    if ok and new is not None:
+        return new, event, [(p.id, p.dst_replica, p.dst_slot is not None) for p in placements]
+    event.outcome = "rolled_back"
+    event.error = error or "another rank failed"
+    return st, event, []
 
 
 def _lap(t: float) -> float:
     return (time.perf_counter() - t) * 1e3
 
 
-def _unfinished(eng: RankEngine, states: dict[int, Any]) -> tuple[list[Unfinished], dict[str, Any]]:
+def _unfinished(
+    snaps: dict[int, _Snapshot],
+) -> tuple[list[Unfinished], dict[str, tuple[RequestSpec, list[int]]]]:
     reqs, outputs = [], {}
-    for d, st in states.items():
-        slots: list[int | None] = [*range(len(st["running"])), *[None] * len(st["waiting"])]
-        for slot, (rid, out, hist) in zip(slots, [*st["running"], *st["waiting"]], strict=True):
-            seq = Sequence(spec=eng.specs[rid], output=out)
-            reqs.append(Unfinished(rid, d, slot, seq.kv_len, seq.reserved_tokens, seq.remaining))
-            outputs[rid] = (out, hist)
+    for d, snap in snaps.items():
+        slots: list[int | None] = [*range(len(snap.running)), *[None] * len(snap.waiting)]
+        for slot, (spec, out) in zip(slots, [*snap.running, *snap.waiting], strict=True):
+            seq = Sequence(spec=spec, output=out)
+            reqs.append(Unfinished(spec.id, d, slot, seq.kv_len, seq.reserved_tokens, seq.remaining))
+            outputs[spec.id] = (spec, out)
     return reqs, outputs
 
 
 def _fill(
-    eng: RankEngine, rep: Replica, target: Layout, placements: list[Placement], outputs: dict[str, Any]
+    rank: int,
+    rep: Replica,
+    target: Layout,
+    placements: list[Placement],
+    outputs: dict[str, tuple[RequestSpec, list[int]]],
 ) -> None:
     """Populate the new replica (this rank's) with its requests: running ones in slot order, then waiting."""
-    d = target.replica_of(eng.rank)
+    d = target.replica_of(rank)
     mine = [p for p in placements if p.dst_replica == d]
     for p in sorted((p for p in mine if p.dst_slot is not None), key=lambda p: p.dst_slot or 0):
-        rep.running.append(_seq(eng, p, outputs, target))
+        spec, out = outputs[p.id]
+        rep.running.append(Sequence(spec=spec, output=list(out)))
     for p in mine:
         if p.dst_slot is None:
-            rep.waiting.append(_seq(eng, p, outputs, target))
+            spec, out = outputs[p.id]
+            rep.waiting.append(Sequence(spec=spec, output=list(out)))
+    if rep.running:
+        rep.slab.ensure(len(rep.running), max(s.kv_len for s in rep.running) + 1)
 
 
-def _seq(eng: RankEngine, p: Placement, outputs: dict[str, Any], target: Layout) -> Sequence:
-    out, hist = outputs[p.id]
-    entry = {"layout": str(target), "replica": p.dst_replica, "step": eng.step_no}
-    return Sequence(spec=eng.specs[p.id], output=list(out), history=[*hist, entry])
-
-
-def _migrate(eng: RankEngine, old: Replica, new: Replica, plan: list[Transfer]) -> None:
+def _migrate(st: RankState, old: Replica, new: Replica, plan: list[Transfer]) -> None:
     """One packed buffer per (source, destination) pair; local pieces are plain copies."""
-    me = eng.rank
-    elem = torch.empty((), dtype=eng.dtype).element_size()
+    me = st.rank
+    elem = torch.empty((), dtype=st.dtype).element_size()
     sends: dict[int, list[Transfer]] = {}
     recvs: dict[int, list[Transfer]] = {}
     for t in plan:
@@ -170,14 +198,14 @@ def _migrate(eng: RankEngine, old: Replica, new: Replica, plan: list[Transfer]) 
             sends.setdefault(t.dst, []).append(t)
         elif t.dst == me:
             recvs.setdefault(t.src, []).append(t)
-    stage = eng.stage_cpu
+    stage = st.stage_cpu
     ops, inbox = [], {}
     for dst, ts in sorted(sends.items()):
         buf = torch.cat([old.slab.extract(t.src_slot, t.src_heads, t.kv_len) for t in ts])
         ops.append(dist.P2POp(dist.isend, buf.cpu() if stage else buf, dst))
     for src, ts in sorted(recvs.items()):
-        n = sum(transfer_bytes(t, eng.model, elem) for t in ts) // elem
-        buf = torch.empty(n, dtype=eng.dtype, device="cpu" if stage else eng.device)
+        n = sum(transfer_bytes(t, st.model, elem) for t in ts) // elem
+        buf = torch.empty(n, dtype=st.dtype, device="cpu" if stage else st.device)
         inbox[src] = buf
         ops.append(dist.P2POp(dist.irecv, buf, src))
     if ops:
@@ -185,19 +213,14 @@ def _migrate(eng: RankEngine, old: Replica, new: Replica, plan: list[Transfer]) 
             work.wait()
     for i, (src, buf) in enumerate(sorted(inbox.items())):
         if i == len(inbox) // 2:
-            _maybe_fault(eng, "migrate")  # test hook: fail half-way through unpacking
+            st.fault("migrate")  # test hook: fail half-way through unpacking
         off = 0
         for t in recvs[src]:
-            n = transfer_bytes(t, eng.model, elem) // elem
-            new.slab.insert(t.dst_slot, t.dst_heads, t.kv_len, buf[off : off + n].to(eng.device))
+            n = transfer_bytes(t, st.model, elem) // elem
+            new.slab.insert(t.dst_slot, t.dst_heads, t.kv_len, buf[off : off + n].to(st.device))
             off += n
     if not inbox:
-        _maybe_fault(eng, "migrate")
-
-
-def _maybe_fault(eng: RankEngine, phase: str) -> None:
-    if eng.cfg.fault_rank(phase) == eng.rank:
-        raise ReconfigurationFailed(f"injected fault in phase {phase!r}")
+        st.fault("migrate")
 
 
 def _vote(ok: bool, device: torch.device) -> bool:

@@ -1,15 +1,29 @@
-"""Per-request sampling that depends only on the request: greedy, or temperature / top-k / top-p driven by
-a counter-based uniform draw u = H(seed, token index). The same request therefore yields the same tokens
-on any replica, TP size or batch, and across reconfigurations (no generator state to migrate).
+"""Per-request sampling that depends only on the request: greedy, or temperature / top-k / top-p / min-p
+driven by a counter-based uniform draw u = H(seed, token index). The same request therefore yields the same
+tokens on any replica, TP size or batch, and across reconfigurations (no generator state to migrate).
+
+Logprobs (what RL trainers use for importance weights) are the log-probability of the sampled token under
+the distribution it was drawn from: softmax(logits / temperature) cut by top-k, top-p and min-p and
+renormalised; for greedy requests the plain log-softmax. Computed in float64.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import torch
 
 from rollout_worker.api.sampling import SamplingParams
+from rollout_worker.engine.messages import TopLogprobs
+from rollout_worker.engine.sequence import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class Draw:
+    token: int
+    logprob: float | None = None
+    top: TopLogprobs | None = None
 
 
 def uniform(seed: int, index: int) -> float:
@@ -17,26 +31,81 @@ def uniform(seed: int, index: int) -> float:
     return (int.from_bytes(digest, "little") >> 11) / float(1 << 53)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], indices: list[int]) -> list[int]:
-    """One token per row of ``logits`` [B, V]; ``indices[b]`` is the index of the token being drawn."""
-    out = torch.argmax(logits, dim=-1).tolist()
-    for b, p in enumerate(params):
-        if not p.greedy:
-            out[b] = _draw(logits[b], p, uniform(p.seed, indices[b]))
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> list[Draw]:
+    """One token per row of ``logits`` [B, V] for ``seqs`` (row b draws token ``len(seqs[b].output)``)."""
+    fast = torch.argmax(logits, dim=-1).tolist()
+    out: list[Draw] = []
+    for b, seq in enumerate(seqs):
+        spec, p = seq.spec, seq.spec.sampling
+        banned = _banned(seq, eos_ids)
+        if p.greedy and not banned and not spec.return_logprob:
+            out.append(Draw(int(fast[b])))
+            continue
+        row = logits[b].to(torch.float64)
+        if banned:
+            row = row.clone()
+            row[list(banned)] = float("-inf")
+        if p.greedy:
+            out.append(_greedy(row, spec.return_logprob, spec.top_logprobs_num))
+        else:
+            out.append(
+                _draw(row, p, uniform(p.seed, len(seq.output)), spec.return_logprob, spec.top_logprobs_num)
+            )
     return out
 
 
-def _draw(row: torch.Tensor, p: SamplingParams, u: float) -> int:
-    scaled = row.to(torch.float64) / p.temperature
-    probs, order = torch.sort(torch.softmax(scaled, dim=-1), descending=True, stable=True)
+def _banned(seq: Sequence, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """Tokens masked before ``min_new_tokens`` (EOS and stop tokens), as SGLang's min-new-tokens penalizer."""
+    if len(seq.output) >= seq.spec.min_new_tokens:
+        return ()
+    return tuple(sorted({*eos_ids, *seq.spec.stop_token_ids}))
+
+
+def _greedy(row: torch.Tensor, want_logprob: bool, top_n: int) -> Draw:
+    tok = int(torch.argmax(row).item())
+    if not want_logprob:
+        return Draw(tok)
+    logp = torch.log_softmax(row, dim=-1)
+    return Draw(tok, float(logp[tok].item()), _top(logp, top_n))
+
+
+def _draw(row: torch.Tensor, p: SamplingParams, u: float, want_logprob: bool, top_n: int) -> Draw:
+    probs, order = torch.sort(torch.softmax(row / p.temperature, dim=-1), descending=True, stable=True)
     if p.top_k > 0:
         probs = probs[: p.top_k]
     if p.top_p < 1.0:
         cum = torch.cumsum(probs, dim=0)
         keep = int(torch.searchsorted(cum, torch.tensor([p.top_p], dtype=cum.dtype)).item()) + 1
         probs = probs[:keep]
+    if p.min_p > 0.0:
+        probs = probs[probs >= p.min_p * probs[0]]
     cum = torch.cumsum(probs, dim=0)
-    pick = int(
-        torch.searchsorted(cum, torch.tensor([u * float(cum[-1])], dtype=cum.dtype), right=True).item()
+    total = float(cum[-1])
+    pick = min(
+        int(torch.searchsorted(cum, torch.tensor([u * total], dtype=cum.dtype), right=True).item()),
+        probs.numel() - 1,
     )
-    return int(order[min(pick, probs.numel() - 1)].item())
+    tok = int(order[pick].item())
+    if not want_logprob:
+        return Draw(tok)
+    logp = torch.log(probs / total)
+    top = tuple((float(logp[i]), int(order[i])) for i in range(min(top_n, probs.numel()))) if top_n else None
+    return Draw(tok, float(logp[pick].item()), top)
+
+
+def _top(logp: torch.Tensor, n: int) -> TopLogprobs | None:
+    if n <= 0:
+        return None
+    vals, idx = torch.topk(logp, min(n, logp.numel()))
+    return tuple((float(v), int(i)) for v, i in zip(vals.tolist(), idx.tolist(), strict=True))
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, targets: list[int], top_n: int
+) -> tuple[list[float], list[TopLogprobs | None] | None]:
+    """Plain log-softmax logprob of ``targets[i]`` under ``logits[i]`` (the prompt's own tokens)."""
+    logp = torch.log_softmax(logits.to(torch.float64), dim=-1)
+    idx = torch.tensor(targets, dtype=torch.long, device=logp.device)
+    vals = logp[torch.arange(len(targets), device=logp.device), idx].tolist()
+    tops = [_top(logp[i], top_n) for i in range(len(targets))] if top_n > 0 else None
+    return vals, tops

@@ -8,14 +8,13 @@ from typing import Any
 from rollout_worker.api.requests import RequestSpec
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Sequence:
-    """``output`` survives every reconfiguration; the KV cache may not."""
+    """``output`` survives every reconfiguration; the KV cache may not. Compared by identity."""
 
     spec: RequestSpec
     output: list[int] = field(default_factory=list)
     finish: dict[str, Any] | None = None
-    history: list[dict[str, Any]] = field(default_factory=list)  # {"layout", "replica", "step"}
 
     @property
     def kv_len(self) -> int:

@@ -47,5 +47,52 @@ def _bytes_to_unicode() -> dict[int, str]:
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     path = Path(model_dir) / "tokenizer.json"
     if not path.exists():
-        raise UserError(f"--model: no tokenizer.json in {model_dir} (needed for text prompts)")
+        raise UserError(f"no tokenizer.json in {model_dir} (needed for text prompts)", "model")
     return Tokenizer.from_file(str(path))
+
+
+class TextCodec:
+    """Text <-> token ids for one model: what the server, the CLI and stop strings use."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok = tok
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> TextCodec | None:
+        """The model's codec, or None when the checkpoint has no tokenizer.json (token ids only)."""
+        return cls(load_tokenizer(model_dir)) if (Path(model_dir) / "tokenizer.json").exists() else None
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self.tok.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def token_text(self, token: int) -> str:
+        """One token's own text (special tokens included), as logprob entries show it."""
+        return str(self.tok.decode([token], skip_special_tokens=False))
+
+
+class IncrementalText:
+    """Cumulative text of a growing id sequence without decoding it all again at every token: only a
+    window of the last tokens is decoded, and text is emitted once it no longer ends in a partial
+    character. ``final`` decodes everything once, exactly."""
+
+    def __init__(self, codec: TextCodec, skip_special_tokens: bool = True) -> None:
+        self.codec, self.skip = codec, skip_special_tokens
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = self._read = 0
+
+    def extend(self, ids: list[int]) -> str:
+        self.ids += ids
+        before = self.codec.decode(self.ids[self._prefix : self._read], self.skip)
+        now = self.codec.decode(self.ids[self._prefix :], self.skip)
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self.text += now[len(before) :]
+            self._prefix, self._read = self._read, len(self.ids)
+        return self.text
+
+    def final(self) -> str:
+        self.text = self.codec.decode(self.ids, self.skip)
+        return self.text

@@ -1,0 +1,92 @@
+"""`rolloutctl serve`: the engine as an HTTP service (SGLang's API, OpenAI completions, planner endpoints)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rollout_worker.api.errors import UserError
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve_cmd)
+
+
+def serve_cmd(
+    model: Annotated[
+        Path, typer.Option(help="Checkpoint directory (config.json, safetensors, tokenizer.json).")
+    ],
+    ranks: Annotated[int, typer.Option(help="Rank processes G.")] = 1,
+    layout: Annotated[str | None, typer.Option(help="Initial layout DxT with D*T = G (default Gx1).")] = None,
+    candidates: Annotated[
+        str | None, typer.Option(help="Layouts it may switch to, e.g. 4x1,2x2 (default: all).")
+    ] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port.")] = 30000,
+    api_key_file: Annotated[
+        Path | None, typer.Option(help="File holding the API key (or set ROLLOUT_API_KEY).")
+    ] = None,
+    weights_root: Annotated[
+        Path | None,
+        typer.Option(help="update_weights_from_disk only loads below here (default: --model's parent)."),
+    ] = None,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="Name in /v1/models (default: --model).")
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="float32 | float64 | bfloat16 | float16")] = "float32",
+    device: Annotated[str, typer.Option(help="cpu | cuda")] = "cpu",
+    max_batch: Annotated[int, typer.Option(help="Max running requests per replica.")] = 64,
+    kv_budget: Annotated[int | None, typer.Option(help="Max reserved KV tokens per replica.")] = None,
+    context_length: Annotated[int, typer.Option(help="Max prompt + output tokens (0: the model's).")] = 0,
+    timeout: Annotated[float, typer.Option(help="Timeout of every collective, seconds.")] = 120.0,
+    drain_seconds: Annotated[
+        float, typer.Option(help="On SIGTERM, let requests finish this long first.")
+    ] = 0.0,
+) -> None:
+    """Serve the engine over HTTP until SIGTERM / Ctrl-C; exits non-zero if a rank dies."""
+    from rollout_worker.server.run import serve
+    from rollout_worker.server.settings import ServerSettings
+
+    from rollout_operator.cli.engine_cmds import engine_config
+
+    key = _api_key(api_key_file)
+    cfg = engine_config(
+        model, ranks, layout, candidates, dtype, device, max_batch, kv_budget, timeout, context_length
+    )
+    if weights_root is not None and not weights_root.is_dir():
+        raise UserError(f"{weights_root} is not a directory", "--weights-root")
+    settings = ServerSettings(
+        model=model,
+        ranks=ranks,
+        layout=str(cfg.layout),
+        candidates=",".join(map(str, cfg.candidates)),
+        host=host,
+        port=port,
+        api_key=key,
+        weights_root=weights_root,
+        served_model_name=served_model_name,
+        dtype=dtype,
+        device=device,
+        max_batch=max_batch,
+        kv_budget=kv_budget,
+        context_length=cfg.context_length,
+        timeout=timeout,
+        drain_seconds=drain_seconds,
+    )
+    code = serve(settings, cfg)
+    sys.exit(code)
+
+
+def _api_key(path: Path | None) -> str | None:
+    if path is not None:
+        try:
+            key = path.read_text().strip()
+        except OSError as exc:
+            raise UserError(f"cannot read {path}: {exc.strerror}", "--api-key-file") from None
+        if not key:
+            raise UserError(f"{path} is empty", "--api-key-file")
+        return key
+    return os.environ.get("ROLLOUT_API_KEY") or None

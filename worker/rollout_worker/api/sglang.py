@@ -1,0 +1,169 @@
+"""SGLang's native request bodies, as real clients send them (SGLang 0.4.6 / 0.5 field names and defaults).
+
+Keys SGLang has that this engine does not implement (constrained decoding, penalties, images, LoRA, ...)
+are accepted only when absent or at their neutral value; anything else is refused with the key named.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# key -> its neutral value (what a client that does not use the feature sends)
+_NEUTRAL_SAMPLING: dict[str, Any] = {
+    "regex": None,
+    "json_schema": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "stop_regex": None,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "logit_bias": None,
+    "custom_params": None,
+    "stream_interval": None,
+}
+_NEUTRAL_GENERATE: dict[str, Any] = {
+    "image_data": None,
+    "audio_data": None,
+    "video_data": None,
+    "input_embeds": None,
+    "lora_path": None,
+    "lora_id": None,
+    "session_params": None,
+    "custom_logit_processor": None,
+    "return_hidden_states": False,
+    "token_ids_logprob": None,
+    "modalities": None,
+    "data_parallel_rank": None,
+    "bootstrap_host": None,
+    "bootstrap_port": None,
+    "bootstrap_room": None,
+    "log_metrics": True,
+    "stream_output": None,
+    "priority": None,
+}
+
+
+def _check_neutral(data: Any, neutral: dict[str, Any]) -> Any:
+    if isinstance(data, dict):
+        for key, value in neutral.items():
+            if key in data and data[key] != value and not (value is None and data[key] in ([], {})):
+                raise ValueError(
+                    f"{key}={data[key]!r} is not supported by this engine (only {value!r} or absent)"
+                )
+        return {k: v for k, v in data.items() if k not in neutral}
+    return data
+
+
+class SamplingParams(BaseModel):
+    """``sampling_params`` of ``/generate`` (SGLang's names and defaults)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int | None = Field(128, ge=0, description="None = 128. 0 = prefill only.")
+    min_new_tokens: int = Field(0, ge=0)
+    temperature: float = Field(1.0, ge=0.0, description="0 = greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, description="-1 or 0 = off.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = Field(1, ge=1, le=64)
+    sampling_seed: int | None = Field(None, ge=0, lt=2**63)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _neutral(cls, data: Any) -> Any:
+        return _check_neutral(data, _NEUTRAL_SAMPLING)
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if any(s == "" for s in ([v] if isinstance(v, str) else v or [])):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+class GenerateRequest(BaseModel):
+    """``POST /generate``: one request, or a batch when ``text`` / ``input_ids`` is a list of prompts."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SamplingParams | list[SamplingParams] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _neutral(cls, data: Any) -> Any:
+        return _check_neutral(data, _NEUTRAL_GENERATE)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> GenerateRequest:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of text or input_ids")
+        return self
+
+    @property
+    def is_batch(self) -> bool:
+        if self.text is not None:
+            return isinstance(self.text, list)
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)  # type: ignore[index]
+
+    def prompts(self) -> list[str | list[int]]:
+        if self.text is not None:
+            return list(self.text) if isinstance(self.text, list) else [self.text]
+        ids = self.input_ids or []
+        return [list(x) for x in ids] if self.is_batch else [list(ids)]  # type: ignore[arg-type]
+
+    def at(self, value: Any, i: int, default: Any) -> Any:
+        """Per-prompt value of a field that may be given once or as a list."""
+        if isinstance(value, list):
+            if i >= len(value):
+                raise ValueError(f"a list field has {len(value)} item(s) for {len(self.prompts())} prompt(s)")
+            return value[i]
+        return default if value is None else value
+
+
+class AbortRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    rid: str = ""
+    abort_all: bool = False
+
+
+class PauseRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class UpdateWeightsRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model_path: str = Field(min_length=1)
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+
+
+class MemoryRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    tags: list[Literal["weights", "kv_cache"]] | None = None

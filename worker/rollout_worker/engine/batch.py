@@ -1,0 +1,139 @@
+"""A fixed batch of requests through the engine, in process: ``rolloutctl generate`` and the engine tests.
+
+It is a client of the same :class:`~rollout_worker.engine.driver.Engine` the HTTP server uses: requests are
+submitted, an optional plan of triggers decides layout changes, and outputs are collected from the updates.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_worker.api.errors import EngineError
+from rollout_worker.api.plan import Plan, ReconfigEvent, Trigger
+from rollout_worker.api.requests import RequestSpec
+from rollout_worker.api.state import EngineState
+from rollout_worker.engine.book import Update
+from rollout_worker.engine.checkpoint import CheckpointReader
+from rollout_worker.engine.config import EngineConfig
+from rollout_worker.engine.driver import Engine, Observer
+from rollout_worker.engine.messages import StepReport
+from rollout_worker.engine.state import Faults
+
+
+@dataclass(slots=True)
+class _Out:
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    finish: dict[str, Any] | None = None
+    placements: tuple[dict[str, Any], ...] = ()
+
+
+class Collector:
+    """Listener that accumulates every request's tokens until all have finished."""
+
+    def __init__(self, rids: Sequence[str]) -> None:
+        self.outs = {rid: _Out() for rid in rids}
+        self.left = len(self.outs)
+        self.done = threading.Event()
+        self._lock = threading.Lock()
+        if not self.left:
+            self.done.set()
+
+    def __call__(self, updates: list[Update]) -> None:
+        with self._lock:
+            for u in updates:
+                out = self.outs.get(u.rid)
+                if out is None or out.finish is not None:
+                    continue
+                for tok in u.tokens:
+                    out.output_ids.append(tok.token)
+                    out.logprobs.append(tok.logprob)
+                if u.finish is not None:
+                    out.finish, out.placements = u.finish, u.placements
+                    self.left -= 1
+                    if self.left == 0:
+                        self.done.set()
+
+    def finished(self) -> int:
+        with self._lock:
+            return len(self.outs) - self.left
+
+
+@dataclass(slots=True)
+class BatchResult:
+    outputs: list[dict[str, Any]]  # in input order
+    steps: int
+    step_ms: list[float]  # every decode step of every replica
+    reconfigs: list[ReconfigEvent]
+    wall_s: float
+
+
+class Interrupted(EngineError):
+    """Stopped before every request finished; ``partial`` holds the ones that had."""
+
+    def __init__(self, partial: list[dict[str, Any]], total: int) -> None:
+        super().__init__(f"interrupted: {len(partial)} of {total} request(s) had finished")
+        self.partial, self.total = partial, total
+
+
+def _row(spec: RequestSpec, out: _Out) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "id": spec.id,
+        "output_ids": out.output_ids,
+        "finish_reason": out.finish,
+        "prompt_tokens": len(spec.prompt_ids),
+        "completion_tokens": len(out.output_ids),
+        "placements": list(out.placements),
+        "layouts": list(dict.fromkeys(p["layout"] for p in out.placements)),
+    }
+    if spec.return_logprob:
+        row["output_token_logprobs"] = out.logprobs
+    return row
+
+
+def run_batch(
+    cfg: EngineConfig,
+    specs: list[RequestSpec],
+    triggers: Sequence[Trigger] = (),
+    on_progress: Callable[[EngineState, int], None] | None = None,
+    progress_every_s: float = 1.0,
+    on_reconfig: Callable[[ReconfigEvent], None] | None = None,
+    faults: Faults | None = None,
+) -> BatchResult:
+    """Generate every request; ``triggers`` form the plan (switch when unfinished drops to n or fewer)."""
+    CheckpointReader(cfg.model_dir, cfg.model).verify()  # fail before starting any rank
+    col = Collector([s.id for s in specs])
+    step_ms: list[float] = []
+
+    def on_report(r: StepReport) -> None:
+        if r.kind == "decode":
+            step_ms.append(r.ms)
+
+    t0 = time.perf_counter()
+    observer = Observer(on_report=on_report, on_switch=on_reconfig)
+    engine = Engine(cfg, listener=col, observer=observer, faults=faults)
+    try:
+        engine.start()
+        for spec in specs:
+            engine.submit(spec)
+        if triggers:  # after the requests: a plan set on an empty engine would fire at once
+            engine.set_plan(Plan(based_on_layout=cfg.layout, triggers=list(triggers)))
+        last = time.monotonic()
+        while not col.done.wait(0.1):
+            if on_progress is not None and time.monotonic() - last >= progress_every_s:
+                on_progress(engine.state(), col.finished())
+                last = time.monotonic()
+        if engine.health == "failed":
+            raise EngineError(engine.failure or "engine failed")
+        steps, events = engine.state().step, engine.reconfigurations()
+    except KeyboardInterrupt:
+        done = [_row(s, col.outs[s.id]) for s in specs if col.outs[s.id].finish is not None]
+        raise Interrupted(done, len(specs)) from None
+    finally:
+        engine.shutdown()
+    outputs = [_row(s, col.outs[s.id]) for s in specs]
+    return BatchResult(outputs, steps, step_ms, events, time.perf_counter() - t0)

@@ -1,0 +1,270 @@
+"""The driver's bookkeeping, free of processes and threads: every request in flight and where it is, which
+replica gets the next one, stop strings, finished lengths, the plan's triggers, and the planner snapshot.
+
+The driver (:mod:`rollout_worker.engine.driver`) feeds it the ranks' reports under one lock and sends the
+commands it returns. Everything here is deterministic given the reports, and unit-tested directly.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_worker.api.errors import UserError
+from rollout_worker.api.layout import Layout
+from rollout_worker.api.plan import Plan, ReconfigEvent, Trigger
+from rollout_worker.api.requests import RequestSpec
+from rollout_worker.api.state import (
+    EngineState,
+    FinishedLengths,
+    ReplicaRequests,
+    RunningRequest,
+    WaitingRequest,
+)
+from rollout_worker.engine.messages import Finish, PromptLogprobs, StepReport, Switched, TokenOut
+
+Decode = Callable[[list[int]], str]
+FINISHED_KEPT = 8192  # finished lengths kept for the planner (the most recent ones)
+
+
+@dataclass(eq=False, slots=True)
+class Tracked:
+    """A request as the driver knows it."""
+
+    spec: RequestSpec
+    stop: tuple[str, ...]
+    arrived: float
+    status: str = "queued"  # queued (not yet on a replica) | waiting | running
+    replica: int | None = None
+    output: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    placements: list[dict[str, Any]] = field(default_factory=list)  # {"layout", "replica", "step"}
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    """What a consumer of one request learns from one report."""
+
+    rid: str
+    tokens: tuple[TokenOut, ...] = ()
+    prompt: PromptLogprobs | None = None
+    finish: Finish | None = None
+    placements: tuple[dict[str, Any], ...] = ()  # set with the finish
+    latency: tuple[float | None, float] | None = None  # (TTFT s or None, e2e s), set with the finish
+
+
+@dataclass(slots=True)
+class Outcome:
+    """The result of feeding the book one report: consumer updates, aborts to send, token timings."""
+
+    updates: list[Update] = field(default_factory=list)
+    aborts: list[tuple[int, str, Finish]] = field(default_factory=list)  # (replica, rid, finish) to stop
+    itl_s: list[float] = field(default_factory=list)
+    ttft_s: list[float] = field(default_factory=list)
+
+
+class Book:
+    def __init__(self, layout: Layout, decode: Decode | None = None) -> None:
+        self.layout, self.decode = layout, decode
+        self.epoch = self.step = 0
+        self.reqs: dict[str, Tracked] = {}
+        self.queued: deque[str] = deque()
+        self.plan: Plan | None = None
+        self.events: list[ReconfigEvent] = []
+        self.finished: deque[tuple[int, int, bool]] = deque(maxlen=FINISHED_KEPT)  # (step, length, capped)
+        self.finished_total = 0
+        self.step_ms: deque[float] = deque(maxlen=64)
+        self.kv: dict[int, tuple[int, int]] = {}  # replica -> (KV tokens used, KV token slots allocated)
+        self.prompt_tokens = self.generation_tokens = self.aborted = 0
+
+    # -- admission and dispatch ------------------------------------------------------------------------
+    def add(self, spec: RequestSpec, stop: tuple[str, ...], now: float) -> None:
+        if spec.id in self.reqs:
+            raise UserError(f"a request with id {spec.id!r} is already in flight", "rid")
+        self.reqs[spec.id] = Tracked(spec, stop, now)
+        self.queued.append(spec.id)
+        self.prompt_tokens += len(spec.prompt_ids)
+
+    def load(self) -> list[int]:
+        """Unfinished requests on each replica of the current layout."""
+        out = [0] * self.layout.replicas
+        for t in self.reqs.values():
+            if t.replica is not None:
+                out[t.replica] += 1
+        return out
+
+    def dispatch(self) -> list[tuple[int, RequestSpec]]:
+        """Give every queued request a replica: the least loaded (lowest index on a tie)."""
+        load, out = self.load(), []
+        while self.queued:
+            t = self.reqs[self.queued.popleft()]
+            d = min(range(len(load)), key=lambda i: (load[i], i))
+            load[d] += 1
+            t.status, t.replica = "waiting", d
+            t.placements.append({"layout": str(self.layout), "replica": d, "step": self.step})
+            out.append((d, t.spec))
+        return out
+
+    @property
+    def unfinished(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def dispatched(self) -> int:
+        return len(self.reqs) - len(self.queued)
+
+    # -- reports ---------------------------------------------------------------------------------------
+    def on_step(self, r: StepReport, now: float) -> Outcome:
+        out = Outcome()
+        self.step = max(self.step, r.step)
+        if r.kind == "decode":
+            self.step_ms.append(r.ms)
+        current = r.epoch == self.epoch  # a report from before a switch still carries true tokens
+        if current:
+            self.kv[r.replica] = (r.kv_tokens, r.kv_capacity)
+        for rid in r.admitted:
+            t = self.reqs.get(rid)
+            if t is not None and current:
+                t.status = "running"
+        for rid in r.retracted:
+            t = self.reqs.get(rid)
+            if t is not None and current:
+                t.status = "waiting"
+        for rid, pl in r.prompt_logprobs.items():
+            if rid in self.reqs:
+                out.updates.append(Update(rid, prompt=pl))
+        for tok in r.tokens:
+            self._token(tok, now, out)
+        for rid, finish in r.finished:
+            if rid in self.reqs:
+                out.updates.append(self.finalize(rid, finish, now))
+        return out
+
+    def _token(self, tok: TokenOut, now: float, out: Outcome) -> None:
+        t = self.reqs.get(tok.rid)
+        if t is None:  # finished already (a stop string matched): the rank has not heard yet
+            return
+        t.output.append(tok.token)
+        self.generation_tokens += 1
+        if t.first_token_at is None:
+            t.first_token_at = now
+            out.ttft_s.append(now - t.arrived)
+        elif t.last_token_at is not None:
+            out.itl_s.append(now - t.last_token_at)
+        t.last_token_at = now
+        out.updates.append(Update(tok.rid, tokens=(tok,)))
+        matched = self._stop_matched(t)
+        if matched is not None and t.replica is not None:
+            finish = {"type": "stop", "matched": matched}
+            out.aborts.append((t.replica, tok.rid, finish))
+            out.updates.append(self.finalize(tok.rid, finish, now))
+
+    def _stop_matched(self, t: Tracked) -> str | None:
+        """The first stop string the output now contains (checked on a tail that covers the newest token)."""
+        if not t.stop or self.decode is None or len(t.output) < t.spec.min_new_tokens:
+            return None
+        window = 4 * max(len(s) for s in t.stop) + 4
+        tail = self.decode(t.output[-window:])
+        return next((s for s in t.stop if s in tail), None)
+
+    def finalize(self, rid: str, finish: Finish, now: float) -> Update:
+        t = self.reqs.pop(rid)
+        if t.status == "queued":
+            self.queued.remove(rid)
+        n = len(t.output)
+        self.finished.append((self.step, n, finish.get("type") == "length" and n >= t.spec.max_new_tokens))
+        self.finished_total += 1
+        if finish.get("type") == "abort":
+            self.aborted += 1
+        ttft = None if t.first_token_at is None else t.first_token_at - t.arrived
+        return Update(rid, finish=finish, placements=tuple(t.placements), latency=(ttft, now - t.arrived))
+
+    def on_switched(self, msg: Switched, time_s: float) -> ReconfigEvent:
+        event = msg.event.model_copy(update={"time_s": round(time_s, 4)})
+        self.events.append(event)
+        if event.outcome == "committed":
+            self.layout, self.epoch, self.step = event.dst, msg.epoch, max(self.step, msg.step)
+            self.kv = {}
+            for rid, replica, running in msg.placements:
+                t = self.reqs.get(rid)
+                if t is not None:
+                    t.replica, t.status = replica, "running" if running else "waiting"
+                    t.placements.append({"layout": str(self.layout), "replica": replica, "step": self.step})
+        return event
+
+    def abort_all(self, finish: Finish, now: float) -> list[Update]:
+        return [self.finalize(rid, finish, now) for rid in list(self.reqs)]
+
+    # -- the plan ------------------------------------------------------------------------------------
+    def set_plan(self, plan: Plan | None) -> None:
+        self.plan = plan
+
+    def fire(self) -> Trigger | None:
+        """The trigger that fires now, if any: the lowest threshold reached (one switch, not a chain of
+        switches, when unfinished requests dropped past several thresholds at once). Triggers at or above
+        it are used up; a trigger to the current layout fires without a switch."""
+        if self.plan is None or not self.plan.triggers:
+            return None
+        n = self.unfinished
+        due = [t for t in self.plan.triggers if n <= t.unfinished_at_most]
+        if not due:
+            return None
+        trig = min(due, key=lambda t: t.unfinished_at_most)
+        rest = [t for t in self.plan.triggers if t.unfinished_at_most < trig.unfinished_at_most]
+        self.plan = self.plan.model_copy(update={"triggers": rest}) if rest else None
+        return None if trig.layout == self.layout else trig
+
+    # -- the planner's view --------------------------------------------------------------------------
+    def snapshot(
+        self, since_step: int, time_s: float, ready: list[bool], paused: bool, switching: bool, version: str
+    ) -> EngineState:
+        reps = [ReplicaRequests() for _ in range(self.layout.replicas)]
+        queued: list[WaitingRequest] = []
+        for rid, t in self.reqs.items():
+            spec = t.spec
+            if t.status == "running" and t.replica is not None:
+                reps[t.replica].running.append(
+                    RunningRequest(
+                        rid=rid,
+                        prompt_len=len(spec.prompt_ids),
+                        generated=len(t.output),
+                        max_new_tokens=spec.max_new_tokens,
+                    )
+                )
+            else:
+                w = WaitingRequest(
+                    rid=rid,
+                    prompt_len=len(spec.prompt_ids),
+                    max_new_tokens=spec.max_new_tokens,
+                    generated=len(t.output),
+                )
+                (reps[t.replica].waiting if t.replica is not None else queued).append(w)
+        recent = [f for f in self.finished if f[0] > since_step]
+        dropped = self.finished_total > len(self.finished) and (
+            not self.finished or self.finished[0][0] > since_step
+        )
+        return EngineState(
+            layout=self.layout,
+            step=self.step,
+            time_s=round(time_s, 4),
+            ranks_ready=ready,
+            paused=paused,
+            reconfiguring=switching,
+            step_ms=round(statistics.median(self.step_ms), 4) if self.step_ms else None,
+            replicas=reps,
+            queued=queued,
+            finished=FinishedLengths(
+                since_step=since_step,
+                lengths=[f[1] for f in recent],
+                capped=[f[2] for f in recent],
+                total=self.finished_total,
+                truncated=dropped,
+            ),
+            plan=self.plan,
+            weight_version=version,
+            reconfigurations=sum(1 for e in self.events if e.outcome == "committed"),
+        )

@@ -1,0 +1,284 @@
+"""A rank process: long-lived, driven by its inbox, stepping its replica at its own pace.
+
+Each step boundary the rank takes its new commands. The driver sends every command meant for a replica to
+each of its ranks, in the same order; the replica's leader (shard 0) decides how many it applies now and
+tells the other ranks of its TP group with one small broadcast, so every rank of a replica applies the
+same commands at the same step. TP-1 replicas need no collective at all. Replicas never wait for each
+other, except at a *global* command (a reconfiguration, a weight load), where every rank of the pod meets.
+An idle or paused replica blocks on its inbox instead of spinning.
+
+The rank dies with the driver: a watchdog thread waits on the driver's pidfd (any death, SIGKILL included)
+and ends the process; PR_SET_PDEATHSIG covers the parent (a forkserver on CPU) as well.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import queue as queue_mod
+import select
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rollout_worker.api.errors import UserError
+from rollout_worker.engine import messages as m
+from rollout_worker.engine.config import EngineConfig
+from rollout_worker.engine.model import Decoder
+from rollout_worker.engine.reconfig import reconfigure
+from rollout_worker.engine.sequence import Sequence
+from rollout_worker.engine.state import Faults, RankState, build_state, device_for, load_weights
+
+Task = Callable[[RankState, dict[str, Any]], dict[str, Any]]
+
+
+class Outbox:
+    """The one pipe every rank writes to, under a lock: a message written before a collective is read by
+    the driver before any message written after it (the driver relies on this order)."""
+
+    def __init__(self, conn: Any, lock: Any) -> None:
+        self.conn, self.lock = conn, lock
+
+    def send(self, msg: m.Report) -> None:
+        with self.lock:
+            self.conn.send(msg)
+
+
+class RankLoop:
+    def __init__(self, st: RankState, inbox: Any, outbox: Outbox) -> None:
+        self.st, self.inbox, self.outbox = st, inbox, outbox
+        self.stopping = False
+        self.pending: list[tuple[str, m.Finish]] = []  # finished by a command, reported at the next report
+        self.retracted: list[str] = []
+        self.step_ms: list[float] = []
+
+    @property
+    def idle(self) -> bool:
+        return self.st.paused or self.st.replica.unfinished == 0
+
+    def run(self) -> None:
+        while not self.stopping:
+            for cmd in self.take(block=self.idle):
+                self.handle(cmd)
+            if self.stopping:
+                break
+            if not self.idle:
+                self.step()
+            elif self.pending or self.retracted:
+                self.report(m.StepReport(self.st.replica_index, self.st.epoch, self.st.step, "idle", 0.0))
+
+    # -- inbox ---------------------------------------------------------------------------------------
+    def take(self, block: bool) -> list[m.Command]:
+        st = self.st
+        if st.layout.tp == 1:
+            return self._drain(block)
+        if st.is_leader:
+            msgs = self._drain(block)
+            self.st.group_sync(len(msgs))
+            return msgs
+        first = [self.inbox.get()] if block else []
+        k = self.st.group_sync(0)
+        return first + [self.inbox.get() for _ in range(k - len(first))]
+
+    def _drain(self, block: bool) -> list[m.Command]:
+        """Everything in the inbox now (at least one message when ``block``), up to a global command."""
+        msgs = [self.inbox.get()] if block else []
+        while not (msgs and isinstance(msgs[-1], m.GLOBAL_COMMANDS)):
+            try:
+                msgs.append(self.inbox.get_nowait())
+            except queue_mod.Empty:
+                break
+        return msgs
+
+    # -- commands ------------------------------------------------------------------------------------
+    def handle(self, cmd: m.Command) -> None:
+        st, rep = self.st, self.st.replica
+        if isinstance(cmd, m.Submit):
+            rep.add(Sequence(spec=cmd.spec))
+        elif isinstance(cmd, m.Abort):
+            self.pending += rep.abort(cmd.rids, cmd.finish)
+        elif isinstance(cmd, m.Pause):
+            st.paused = True
+            if cmd.mode == "abort":
+                self.pending += rep.abort(None, {"type": "abort", "message": "aborted by pause_generation"})
+            elif cmd.mode == "retract":
+                self.retracted += rep.retract()
+        elif isinstance(cmd, m.Resume):
+            st.paused = False
+        elif isinstance(cmd, m.Reconfigure):
+            self.reconfigure(cmd)
+        elif isinstance(cmd, m.LoadWeights):
+            self.load(cmd)
+        elif isinstance(cmd, m.ReleaseMemory | m.ResumeMemory):
+            self.memory(cmd)
+        elif isinstance(cmd, m.Shutdown):
+            self.stopping = True
+
+    def reconfigure(self, cmd: m.Reconfigure) -> None:
+        self.flush()  # the driver learns of everything before the switch first
+        self.st, event, placements = reconfigure(self.st, cmd.target, cmd.method, cmd.reason)
+        if self.st.rank == 0:
+            self.outbox.send(m.Switched(cmd.ticket, event, tuple(placements), self.st.epoch, self.st.step))
+        dist.barrier()  # ... and of the switch before any report of the new layout
+
+    def load(self, cmd: m.LoadWeights) -> None:
+        """Load new weights for the current layout on every rank; all keep them or none does."""
+        st, error = self.st, ""
+        try:
+            weights = load_weights(st.cfg, cmd.path, st.layout, st.rank, st.device)
+            st.fault("load")
+        except Exception as exc:  # a bad checkpoint on one rank: every rank keeps its old weights
+            why = str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"
+            error = f"rank {st.rank}: {why}"
+        flag = torch.tensor([0 if error else 1], dtype=torch.int64, device=st.sync_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        ok = bool(flag.item())
+        if ok:
+            st.weights, st.weights_path = weights, cmd.path
+            st.replica.decoder = Decoder(st.model, weights, st.pstate(st.layout))
+        if st.rank == 0:
+            self.outbox.send(m.Done(cmd.ticket, st.rank, ok, error or ("" if ok else "another rank failed")))
+        dist.barrier()
+
+    def memory(self, cmd: m.ReleaseMemory | m.ResumeMemory) -> None:
+        """Release or re-acquire weights / KV cache memory (the engine is idle: the driver checked)."""
+        st = self.st
+        try:
+            if isinstance(cmd, m.ReleaseMemory):
+                if "kv_cache" in cmd.tags:
+                    st.replica.slab.release()
+                if "weights" in cmd.tags:
+                    st.weights = {}
+                    st.replica.decoder.release()
+            elif "weights" in cmd.tags and not st.weights:
+                st.weights = load_weights(st.cfg, st.weights_path, st.layout, st.rank, st.device)
+                st.replica.decoder = Decoder(st.model, st.weights, st.pstate(st.layout))
+            self.outbox.send(m.Done(cmd.ticket, st.rank, True))
+        except Exception as exc:
+            self.outbox.send(
+                m.Done(cmd.ticket, st.rank, False, f"rank {st.rank}: {type(exc).__name__}: {exc}")
+            )
+
+    # -- stepping ------------------------------------------------------------------------------------
+    def step(self) -> None:
+        st = self.st
+        t0 = time.perf_counter()
+        out = st.replica.step()
+        ms = (time.perf_counter() - t0) * 1e3
+        st.step += 1
+        if not st.is_leader:
+            return
+        report = m.StepReport(
+            replica=st.replica_index,
+            epoch=st.epoch,
+            step=st.step,
+            kind=out.kind,
+            ms=ms,
+            admitted=tuple(out.admitted),
+            tokens=[m.TokenOut(seq.spec.id, d.token, d.logprob, d.top) for seq, d in out.draws],
+            finished=out.finished,
+            prompt_logprobs=out.prompt_logprobs,
+        )
+        self.report(report)
+
+    def report(self, r: m.StepReport) -> None:
+        """Send (leaders only) with the replica's counts and anything commands finished or retracted."""
+        rep = self.st.replica
+        r.finished = [*self.pending, *r.finished]
+        r.retracted = tuple(self.retracted)
+        r.running, r.waiting = len(rep.running), len(rep.waiting)
+        r.kv_tokens, r.kv_capacity = rep.kv_tokens, rep.slab.slots * rep.slab.capacity
+        self.pending, self.retracted = [], []
+        if self.st.is_leader:
+            self.outbox.send(r)
+
+    def flush(self) -> None:
+        if self.pending or self.retracted:
+            self.report(m.StepReport(self.st.replica_index, self.st.epoch, self.st.step, "idle", 0.0))
+
+
+# -- process entry ------------------------------------------------------------------------------------
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent dies."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:  # pragma: no cover - not Linux
+        pass
+
+
+def _watch(driver_pid: int) -> None:
+    """End this process as soon as the driver process is gone, however it died."""
+    try:
+        fd = os.pidfd_open(driver_pid)
+    except ProcessLookupError:
+        os._exit(1)
+    except (AttributeError, OSError):  # pragma: no cover - no pidfd: poll instead
+        fd = None
+
+    def wait() -> None:
+        if fd is not None:
+            select.select([fd], [], [])
+        else:  # pragma: no cover
+            while True:
+                try:
+                    os.kill(driver_pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=wait, name="driver-watchdog", daemon=True).start()
+
+
+def rank_main(
+    rank: int,
+    cfg: EngineConfig,
+    init_method: str,
+    inbox: Any,
+    outbox_conn: Any,
+    outbox_lock: Any,
+    driver_pid: int,
+    faults: Faults | None = None,
+    task: Task | None = None,
+    task_args: dict[str, Any] | None = None,
+) -> None:
+    """Process entry: set up, then serve the inbox until Shutdown (or run one measurement ``task``)."""
+    _die_with_parent()
+    _watch(driver_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver handles Ctrl-C and stops the ranks
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    outbox = Outbox(outbox_conn, outbox_lock)
+    try:
+        _, backend, _ = device_for(rank, cfg)
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=cfg.world,
+            timeout=timedelta(seconds=cfg.collective_timeout_s),
+        )
+        st = build_state(rank, cfg, faults)
+        if task is not None:
+            result = task(st, task_args or {})
+            dist.barrier()
+            outbox.send(m.TaskResult(rank, result))
+            return
+        outbox.send(m.Ready(rank, os.getpid()))
+        RankLoop(st, inbox, outbox).run()
+    except BaseException as exc:
+        msg = str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"
+        with contextlib.suppress(OSError):  # the driver may be gone already
+            outbox.send(m.Failed(rank, msg, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

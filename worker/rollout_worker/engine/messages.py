@@ -1,0 +1,164 @@
+"""Typed messages between the driver (the process that owns the engine) and its rank processes.
+
+Driver -> rank, through each rank's inbox, applied at a step boundary:
+    Submit, Abort, Pause, Resume, ReleaseMemory, ResumeMemory, Shutdown  (per replica: every rank of a
+    replica applies the same messages at the same step), and the *global* commands Reconfigure and
+    LoadWeights, at which every rank of the pod meets.
+Rank -> driver, through one shared pipe written under a lock (so messages are ordered causally):
+    Ready, StepReport (replica leaders only), Switched / Done (outcomes of commands), Failed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_worker.api.costs import Method
+from rollout_worker.api.layout import Layout
+from rollout_worker.api.plan import ReconfigEvent
+from rollout_worker.api.requests import RequestSpec
+
+Finish = dict[str, Any]  # SGLang's finish_reason: {"type": "stop"|"length"|"abort", ...}
+TopLogprobs = tuple[tuple[float, int], ...]  # (logprob, token id), best first
+PAUSE_MODES = ("abort", "retract", "in_place")
+MEMORY_TAGS = ("weights", "kv_cache")
+
+
+# -- driver -> rank ---------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Submit:
+    spec: RequestSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    rids: tuple[str, ...] | None  # None: every request of the replica
+    finish: Finish
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    mode: str  # abort | retract | in_place
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Reconfigure:
+    target: Layout
+    method: Method
+    reason: str
+    ticket: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoadWeights:
+    path: str
+    ticket: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseMemory:
+    tags: tuple[str, ...]
+    ticket: int
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeMemory:
+    tags: tuple[str, ...]
+    ticket: int
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    pass
+
+
+Command = (
+    Submit | Abort | Pause | Resume | Reconfigure | LoadWeights | ReleaseMemory | ResumeMemory | Shutdown
+)
+GLOBAL_COMMANDS = (Reconfigure, LoadWeights)
+
+
+# -- rank -> driver ---------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Ready:
+    rank: int
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class TokenOut:
+    rid: str
+    token: int
+    logprob: float | None = None
+    top: TopLogprobs | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """Logprob of each prompt token from ``start`` on (None for token 0), and optional top logprobs."""
+
+    start: int
+    logprobs: tuple[float | None, ...]
+    top: tuple[TopLogprobs | None, ...] | None = None
+
+
+@dataclass(slots=True)
+class StepReport:
+    """What one replica did at one step (sent by the replica's leader, shard 0)."""
+
+    replica: int
+    epoch: int  # committed reconfigurations so far
+    step: int
+    kind: str  # prefill | decode | idle
+    ms: float
+    admitted: tuple[str, ...] = ()
+    tokens: list[TokenOut] = field(default_factory=list)
+    finished: list[tuple[str, Finish]] = field(default_factory=list)
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    retracted: tuple[str, ...] = ()
+    running: int = 0
+    waiting: int = 0
+    kv_tokens: int = 0  # KV tokens held by the running requests
+    kv_capacity: int = 0  # KV token slots allocated (slots x capacity)
+
+
+@dataclass(frozen=True, slots=True)
+class Switched:
+    """A global reconfiguration's outcome (sent by rank 0 after every rank voted)."""
+
+    ticket: int
+    event: ReconfigEvent
+    placements: tuple[tuple[str, int, bool], ...]  # (rid, new replica, running)
+    epoch: int
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    ticket: int
+    rank: int
+    ok: bool
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TaskResult:
+    """The result of a measurement task run on a rank instead of the serving loop."""
+
+    rank: int
+    result: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    rank: int
+    error: str
+    traceback: str
+
+
+Report = Ready | StepReport | Switched | Done | TaskResult | Failed

@@ -1,0 +1,183 @@
+"""Per-rank engine state, and how it is built. The step loop (:mod:`rollout_worker.engine.loop`) owns one
+:class:`RankState` and replaces it wholesale when a reconfiguration or a weight load commits
+(:func:`rollout_worker.engine.reconfig.reconfigure` returns a new state; it never mutates the old one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rollout_worker.api.costs import CostModel
+from rollout_worker.api.errors import ReconfigurationFailed
+from rollout_worker.api.layout import Layout
+from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.engine.checkpoint import CheckpointReader, parse_dtype
+from rollout_worker.engine.config import EngineConfig
+from rollout_worker.engine.kvcache import KVSlab
+from rollout_worker.engine.model import Decoder
+from rollout_worker.engine.parallel import ParallelState
+from rollout_worker.engine.replica import Limits, Replica
+from rollout_worker.engine.weights import Weights, load_shard, random_shard
+
+Groups = dict[Layout, list[Any]]  # layout -> process group of each replica (None for TP 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Faults:
+    """Test hook, kept out of the engine's configuration: rank ``rank`` fails in phase ``phase``."""
+
+    phase: str  # migrate | commit | load
+    rank: int
+
+    def check(self, phase: str, rank: int) -> None:
+        if phase == self.phase and rank == self.rank:
+            raise ReconfigurationFailed(f"injected fault in phase {phase!r}")
+
+
+@dataclass(slots=True)
+class RankState:
+    rank: int
+    cfg: EngineConfig
+    device: torch.device
+    backend: str  # gloo | nccl
+    stage_cpu: bool  # gloo collectives on CUDA tensors go through host memory
+    groups: Groups
+    layout: Layout
+    weights: Weights
+    replica: Replica
+    costs: CostModel
+    weights_path: str
+    epoch: int = 0  # committed reconfigurations
+    step: int = 0
+    paused: bool = False
+    faults: Faults | None = field(default=None, repr=False)
+
+    @property
+    def model(self) -> ModelConfig:
+        return self.cfg.model
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return parse_dtype(self.cfg.dtype)
+
+    @property
+    def replica_index(self) -> int:
+        return self.layout.replica_of(self.rank)
+
+    @property
+    def is_leader(self) -> bool:
+        """Shard 0 of its replica: the rank that reports the replica's progress."""
+        return self.layout.shard_of(self.rank) == 0
+
+    @property
+    def sync_device(self) -> torch.device:
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
+    def group_sync(self, count: int) -> int:
+        """The leader's ``count`` to every rank of this replica's TP group (one small broadcast): how
+        the serving loop agrees, each step, on how many inbox commands to apply."""
+        t = torch.tensor([count], dtype=torch.int64, device=self.sync_device)
+        leader = self.layout.ranks_of(self.replica_index)[0]
+        dist.broadcast(t, src=leader, group=self.groups[self.layout][self.replica_index])
+        return int(t.item())
+
+    def pstate(self, lay: Layout) -> ParallelState:
+        return parallel_state(self.rank, lay, self.groups, self.stage_cpu)
+
+    def make_replica(self, lay: Layout, weights: Weights) -> Replica:
+        return make_replica(self.cfg, self.rank, lay, weights, self.groups, self.device, self.stage_cpu)
+
+    def fault(self, phase: str) -> None:
+        if self.faults is not None:
+            self.faults.check(phase, self.rank)
+
+
+def device_for(rank: int, cfg: EngineConfig) -> tuple[torch.device, str, bool]:
+    """(device, backend, stage collectives through CPU). Several ranks may share one GPU over gloo."""
+    if cfg.device == "cpu":
+        return torch.device("cpu"), "gloo", False
+    n = torch.cuda.device_count()
+    if n == 0:
+        raise RuntimeError("device cuda: no CUDA device is visible")
+    dev = torch.device("cuda", rank % n)
+    torch.cuda.set_device(dev)
+    if cfg.world <= n:
+        return dev, "nccl", False
+    return dev, "gloo", True
+
+
+def create_groups(cfg: EngineConfig, backend: str) -> Groups:
+    """Every candidate layout's TP groups, created once, by every rank, in one fixed order."""
+    timeout = timedelta(seconds=cfg.collective_timeout_s)
+    groups: Groups = {}
+    for lay in sorted(cfg.candidates, key=lambda x: x.tp):
+        if lay.tp == 1:
+            groups[lay] = [None] * lay.replicas
+        else:
+            groups[lay] = [dist.new_group(r, timeout=timeout, backend=backend) for r in lay.groups()]
+    return groups
+
+
+def parallel_state(rank: int, lay: Layout, groups: Groups, stage_cpu: bool) -> ParallelState:
+    return ParallelState(
+        tp=lay.tp, shard=lay.shard_of(rank), group=groups[lay][lay.replica_of(rank)], stage_cpu=stage_cpu
+    )
+
+
+def make_replica(
+    cfg: EngineConfig,
+    rank: int,
+    lay: Layout,
+    weights: Weights,
+    groups: Groups,
+    device: torch.device,
+    stage_cpu: bool,
+) -> Replica:
+    m = cfg.model
+    decoder = Decoder(m, weights, parallel_state(rank, lay, groups, stage_cpu))
+    slab = KVSlab(
+        m.num_layers,
+        cfg.max_batch,
+        m.kv_heads_per_rank(lay.tp),
+        cfg.context_length + 1,
+        m.head_dim,
+        parse_dtype(cfg.dtype),
+        device,
+    )
+    limits = Limits(cfg.max_batch, cfg.kv_budget_tokens, cfg.max_prefill_tokens)
+    return Replica(decoder, slab, limits, m.eos_token_ids)
+
+
+def load_weights(cfg: EngineConfig, path: str, lay: Layout, rank: int, device: torch.device) -> Weights:
+    shard, dtype = lay.shard_of(rank), parse_dtype(cfg.dtype)
+    if cfg.random_weights:  # profiling a shape: no checkpoint needed
+        return random_shard(cfg.model, lay.tp, shard, dtype, device)
+    reader = CheckpointReader(path, cfg.model)
+    return load_shard(reader, cfg.model, lay.tp, shard, dtype, device)
+
+
+def build_state(rank: int, cfg: EngineConfig, faults: Faults | None = None) -> RankState:
+    """Groups, this rank's shard of the weights and an empty replica (the process group is initialised)."""
+    device, backend, stage_cpu = device_for(rank, cfg)
+    groups = create_groups(cfg, backend)
+    weights = load_weights(cfg, cfg.model_dir, cfg.layout, rank, device)
+    replica = make_replica(cfg, rank, cfg.layout, weights, groups, device, stage_cpu)
+    return RankState(
+        rank=rank,
+        cfg=cfg,
+        device=device,
+        backend=backend,
+        stage_cpu=stage_cpu,
+        groups=groups,
+        layout=cfg.layout,
+        weights=weights,
+        replica=replica,
+        costs=cfg.costs,
+        weights_path=cfg.model_dir,
+        faults=faults,
+    )

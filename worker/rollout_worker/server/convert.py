@@ -1,0 +1,192 @@
+"""SGLang ``/generate`` bodies <-> engine requests and SGLang-shaped responses.
+
+A body becomes one :class:`Job` per prompt and per sample (``n``); each job's :class:`Output` accumulates the
+engine's updates and renders SGLang's response: cumulative ``text`` and ``output_ids``, and ``meta_info``
+with ``finish_reason``, token counts, latency and, when asked, ``[logprob, token_id, text|null]`` triples.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_worker.api.errors import UserError
+from rollout_worker.api.requests import RequestSpec
+from rollout_worker.api.sampling import SamplingParams, default_seed, derived_seed
+from rollout_worker.api.sglang import GenerateRequest
+from rollout_worker.api.sglang import SamplingParams as SglSampling
+from rollout_worker.engine.book import Update
+from rollout_worker.engine.messages import TopLogprobs
+from rollout_worker.engine.tokenizer import IncrementalText, TextCodec
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    spec: RequestSpec
+    stop: tuple[str, ...]
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    text_in_logprobs: bool = False
+
+
+def to_jobs(req: GenerateRequest, codec: TextCodec | None) -> list[Job]:
+    """One job per prompt x sample; errors name the field (``sampling_params.top_p``, ``text``)."""
+    jobs: list[Job] = []
+    prompts = req.prompts()
+    base_rids = _rids(req.rid, len(prompts))
+    for i, prompt in enumerate(prompts):
+        sp = _pick(req, req.sampling_params, i, SglSampling())
+        ids = _encode(prompt, codec, "text" if req.text is not None else "input_ids")
+        rid = base_rids[i]
+        for j in range(sp.n):
+            sub = rid if sp.n == 1 else f"{rid}-{j}"
+            seed = sp.sampling_seed if sp.sampling_seed is not None else default_seed(sub)
+            if sp.n > 1 and sp.sampling_seed is not None:
+                seed = derived_seed(seed, j)
+            jobs.append(
+                Job(
+                    RequestSpec(
+                        id=sub,
+                        prompt_ids=tuple(ids),
+                        max_new_tokens=128 if sp.max_new_tokens is None else sp.max_new_tokens,
+                        sampling=SamplingParams(sp.temperature, sp.top_p, max(sp.top_k, 0), sp.min_p, seed),
+                        ignore_eos=sp.ignore_eos,
+                        stop_token_ids=tuple(sp.stop_token_ids or ()),
+                        min_new_tokens=sp.min_new_tokens,
+                        return_logprob=bool(_pick(req, req.return_logprob, i, False)),
+                        logprob_start_len=int(_pick(req, req.logprob_start_len, i, -1)),
+                        top_logprobs_num=int(_pick(req, req.top_logprobs_num, i, 0)),
+                    ),
+                    sp.stops(),
+                    sp.skip_special_tokens,
+                    sp.no_stop_trim,
+                    req.return_text_in_logprobs,
+                )
+            )
+    return jobs
+
+
+def _pick(req: GenerateRequest, value: Any, i: int, default: Any) -> Any:
+    try:
+        return req.at(value, i, default)
+    except ValueError as exc:
+        raise UserError(str(exc), "sampling_params") from None
+
+
+def _rids(rid: str | list[str] | None, n: int) -> list[str]:
+    if isinstance(rid, list):
+        if len(rid) != n:
+            raise UserError(f"{len(rid)} rid(s) for {n} prompt(s)", "rid")
+        return rid
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(n)]
+    return [rid] if n == 1 else [f"{rid}_{i}" for i in range(n)]
+
+
+def _encode(prompt: str | list[int], codec: TextCodec | None, field_name: str) -> list[int]:
+    if isinstance(prompt, str):
+        if codec is None:
+            raise UserError("this model has no tokenizer.json; send input_ids", "text")
+        ids = codec.encode(prompt)
+    else:
+        ids = prompt
+    if not ids:
+        raise UserError("the prompt is empty", field_name)
+    return ids
+
+
+@dataclass(slots=True)
+class Output:
+    """One job's output as it grows; renders SGLang's response dict."""
+
+    job: Job
+    codec: TextCodec | None
+    weight_version: str = "default"
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    tops: list[TopLogprobs | None] = field(default_factory=list)
+    prompt: Any = None
+    finish: dict[str, Any] | None = None
+    started: float = field(default_factory=time.perf_counter)
+    latency: float | None = None
+    _text: IncrementalText | None = None
+
+    def __post_init__(self) -> None:
+        if self.codec is not None:
+            self._text = IncrementalText(self.codec, self.job.skip_special_tokens)
+
+    def add(self, u: Update) -> None:
+        for tok in u.tokens:
+            self.ids.append(tok.token)
+            self.logprobs.append(tok.logprob)
+            self.tops.append(tok.top)
+        if self._text is not None and u.tokens:
+            self._text.extend([t.token for t in u.tokens])
+        if u.prompt is not None:
+            self.prompt = u.prompt
+        if u.finish is not None:
+            self.finish = u.finish
+            self.latency = time.perf_counter() - self.started
+
+    @property
+    def text(self) -> str:
+        if self._text is None:
+            return ""
+        if self.finish is None:
+            return self._text.text
+        return self._final_text()
+
+    def _final_text(self) -> str:
+        assert self._text is not None and self.finish is not None
+        matched = self.finish.get("matched")
+        if self.job.no_stop_trim or matched is None:
+            return self._text.final()
+        if isinstance(matched, str):
+            full = self._text.final()
+            pos = full.find(matched)
+            return full[:pos] if pos >= 0 else full
+        assert self.codec is not None
+        return self.codec.decode(self.ids[:-1], self.job.skip_special_tokens)  # the matched stop token
+
+    def render(self) -> dict[str, Any]:
+        spec = self.job.spec
+        meta: dict[str, Any] = {
+            "id": spec.id,
+            "finish_reason": self.finish,
+            "prompt_tokens": len(spec.prompt_ids),
+            "completion_tokens": len(self.ids),
+            "cached_tokens": 0,
+            "weight_version": self.weight_version,
+        }
+        if self.latency is not None:
+            meta["e2e_latency"] = round(self.latency, 6)
+        if spec.return_logprob:
+            self._logprob_meta(meta)
+        return {"text": self.text, "output_ids": list(self.ids), "meta_info": meta}
+
+    def _logprob_meta(self, meta: dict[str, Any]) -> None:
+        spec, want_text = self.job.spec, self.job.text_in_logprobs
+        meta["output_token_logprobs"] = [
+            [lp, tok, self._tok_text(tok, want_text)] for lp, tok in zip(self.logprobs, self.ids, strict=True)
+        ]
+        start = spec.logprob_start_len
+        if self.prompt is not None:
+            toks = spec.prompt_ids[self.prompt.start :]
+            meta["input_token_logprobs"] = [
+                [lp, tok, self._tok_text(tok, want_text)]
+                for lp, tok in zip(self.prompt.logprobs, toks, strict=True)
+            ]
+        else:
+            meta["input_token_logprobs"] = [] if start < 0 else None
+        if spec.top_logprobs_num > 0:
+            meta["output_top_logprobs"] = [self._tops(t, want_text) for t in self.tops]
+            prompt_tops = self.prompt.top if self.prompt is not None and self.prompt.top is not None else ()
+            meta["input_top_logprobs"] = [self._tops(t, want_text) for t in prompt_tops]
+
+    def _tops(self, top: TopLogprobs | None, want_text: bool) -> list[list[Any]] | None:
+        return None if top is None else [[lp, tok, self._tok_text(tok, want_text)] for lp, tok in top]
+
+    def _tok_text(self, tok: int, want: bool) -> str | None:
+        return self.codec.token_text(tok) if want and self.codec is not None else None

@@ -1,0 +1,47 @@
+"""What the routes share: the server's state, reached from a request."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import Request
+
+from rollout_worker.api.errors import Unavailable
+from rollout_worker.engine.config import EngineConfig
+from rollout_worker.engine.driver import Engine
+from rollout_worker.engine.tokenizer import TextCodec
+from rollout_worker.server.bridge import AsyncEngine
+from rollout_worker.server.metrics import Metrics
+from rollout_worker.server.settings import ServerSettings
+
+
+@dataclass
+class ServerState:
+    settings: ServerSettings
+    cfg: EngineConfig
+    codec: TextCodec | None
+    metrics: Metrics
+    bridge: AsyncEngine = field(default_factory=AsyncEngine)
+    engine: Engine | None = None
+    exit_code: int | None = None
+    request_exit: Callable[[int], None] = lambda code: None
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.served_model_name or str(self.settings.model)
+
+    @property
+    def weights_root(self) -> Path:
+        return (self.settings.weights_root or Path(self.settings.model).resolve().parent).resolve()
+
+    def ready_engine(self) -> Engine:
+        if self.engine is None:
+            raise Unavailable("engine is starting")
+        return self.engine
+
+
+def server_state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.server
+    return state

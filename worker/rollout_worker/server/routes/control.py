@@ -1,0 +1,110 @@
+"""SGLang's control endpoints: abort, pause / continue, flush, weight updates, memory release. Every one
+answers with a JSON body (slime calls ``.json()`` on them)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from rollout_worker.api.errors import Forbidden, UserError
+from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.api.sglang import AbortRequest, MemoryRequest, PauseRequest, UpdateWeightsRequest
+from rollout_worker.server.deps import ServerState, server_state
+
+router = APIRouter(tags=["sglang control"])
+
+
+@router.post("/abort_request", summary="Abort one request (rid) or all (abort_all)")
+async def abort_request(body: AbortRequest, request: Request) -> dict[str, Any]:
+    engine = server_state(request).ready_engine()
+    if body.abort_all:
+        n = engine.abort(None, "aborted by abort_request")
+    else:
+        n = engine.abort(body.rid, "aborted by abort_request") if body.rid else 0
+    return {"success": True, "aborted": n, "message": f"aborted {n} request(s)"}
+
+
+@router.post("/pause_generation", summary="Pause: abort, retract (KV dropped) or in_place")
+async def pause_generation(request: Request, body: PauseRequest | None = None) -> dict[str, Any]:
+    mode = (body or PauseRequest()).mode
+    server_state(request).ready_engine().pause(mode)
+    return {"message": f"Generation paused (mode {mode})", "status": "ok"}
+
+
+@router.post("/continue_generation", summary="Continue after a pause")
+async def continue_generation(request: Request) -> dict[str, Any]:
+    server_state(request).ready_engine().resume()
+    return {"message": "Generation continued", "status": "ok"}
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"], summary="Flush (400 while requests are in flight)")
+async def flush_cache(request: Request) -> JSONResponse:
+    engine = server_state(request).ready_engine()
+    busy = engine.book.unfinished
+    if busy:
+        msg = f"Cache not flushed: {busy} request(s) in flight"
+        return JSONResponse({"success": False, "message": msg}, status_code=400)
+    return JSONResponse({"success": True, "message": "Cache flushed (this engine keeps no prefix cache)."})
+
+
+def _checkpoint_in_root(state: ServerState, raw: str) -> Path:
+    """The checkpoint path, refused (403) unless it resolves below the weights root."""
+    root = state.weights_root
+    path = Path(raw).resolve()
+    if os.path.commonpath([root, path]) != str(root):
+        raise Forbidden(f"{raw} is outside the weights root {root}", "model_path")
+    if not (path / "config.json").is_file():
+        raise UserError(f"{raw} has no config.json", "model_path")
+    new, cur = ModelConfig.load(path), state.cfg.model
+    if (
+        new.architecture,
+        new.hidden_size,
+        new.num_layers,
+        new.num_heads,
+        new.num_kv_heads,
+        new.vocab_size,
+    ) != (
+        cur.architecture,
+        cur.hidden_size,
+        cur.num_layers,
+        cur.num_heads,
+        cur.num_kv_heads,
+        cur.vocab_size,
+    ):
+        raise UserError(f"{raw} is a different model shape than the one being served", "model_path")
+    return path
+
+
+@router.post("/update_weights_from_disk", summary="Load new weights between steps (below --weights-root)")
+async def update_weights_from_disk(body: UpdateWeightsRequest, request: Request) -> dict[str, Any]:
+    state = server_state(request)
+    engine = state.ready_engine()
+    path = _checkpoint_in_root(state, body.model_path)
+    waited = await state.bridge.call(
+        engine.update_weights, str(path), body.weight_version, body.abort_all_requests
+    )
+    return {
+        "success": True,
+        "message": f"weights loaded from {path} (version {engine.weight_version})",
+        "num_paused_requests": waited,
+    }
+
+
+@router.post("/release_memory_occupation", summary="Free weights and/or KV cache memory")
+async def release_memory_occupation(request: Request, body: MemoryRequest | None = None) -> dict[str, Any]:
+    tags = tuple((body.tags if body else None) or ("weights", "kv_cache"))
+    engine = server_state(request).ready_engine()
+    await server_state(request).bridge.call(engine.release_memory, tags)
+    return {"success": True, "message": f"released {', '.join(tags)}"}
+
+
+@router.post("/resume_memory_occupation", summary="Re-acquire released memory")
+async def resume_memory_occupation(request: Request, body: MemoryRequest | None = None) -> dict[str, Any]:
+    tags = tuple((body.tags if body else None) or ("weights", "kv_cache"))
+    engine = server_state(request).ready_engine()
+    await server_state(request).bridge.call(engine.resume_memory, tags)
+    return {"success": True, "message": f"resumed {', '.join(tags)}"}

@@ -1,0 +1,127 @@
+"""``POST /generate`` (and PUT): SGLang's native generation endpoint, single or batch, streaming or not."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from rollout_worker.api.errors import UserError
+from rollout_worker.api.sglang import GenerateRequest
+from rollout_worker.server.convert import Job, Output, to_jobs
+from rollout_worker.server.deps import ServerState, server_state
+
+router = APIRouter(tags=["sglang"])
+
+
+class Generation:
+    """The jobs of one HTTP request, submitted together and followed to the end."""
+
+    def __init__(self, state: ServerState, jobs: list[Job]) -> None:
+        self.state, self.jobs = state, jobs
+        engine = state.ready_engine()
+        for job in jobs:  # all or nothing: validate every job before submitting any
+            engine.check(job.spec)
+        version = engine.weight_version
+        self.outs = {j.spec.id: Output(j, state.codec, version) for j in jobs}
+        self.index = {j.spec.id: i for i, j in enumerate(jobs)}
+        self.queues: dict[str, Any] = {}
+        self.finished = False
+
+    def start(self) -> None:
+        """Submit every job (after validation passed); on a refusal, abort the ones already submitted."""
+        engine = self.state.ready_engine()
+        self.queues = self.state.bridge.open(list(self.outs))
+        try:
+            for job in self.jobs:
+                engine.submit(job.spec, job.stop)
+                self.state.metrics.submitted(len(job.spec.prompt_ids))
+        except UserError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self.state.bridge.close(list(self.outs), abort=not self.finished)
+
+    async def updates(self) -> AsyncIterator[tuple[str, Output]]:
+        async for u in self.state.bridge.updates(self.queues):
+            out = self.outs[u.rid]
+            out.add(u)
+            if u.tokens or u.finish is not None:
+                yield u.rid, out
+        self.finished = True
+
+
+async def run_generation(state: ServerState, jobs: list[Job], request: Request) -> list[Output]:
+    """Run to the end (non-streaming), aborting every job if the client goes away first."""
+    gen = Generation(state, jobs)
+    gen.start()
+
+    async def consume() -> None:
+        async for _ in gen.updates():
+            pass
+
+    task = asyncio.create_task(consume())
+    try:
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if not done and await request.is_disconnected():
+                task.cancel()
+                break
+        await asyncio.gather(task, return_exceptions=True)
+    finally:
+        gen.close()
+    return list(gen.outs.values())
+
+
+async def stream_generation(
+    state: ServerState,
+    jobs: list[Job],
+    batch: bool,
+    render: Callable[[str, Output], dict[str, Any] | None] | None = None,
+    final: Callable[[list[Output]], dict[str, Any] | None] | None = None,
+) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per new token (SGLang: cumulative), an optional ``final`` chunk, then
+    ``data: [DONE]``."""
+    gen = Generation(state, jobs)
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            try:
+                gen.start()
+            except UserError as exc:  # the response has started: SGLang reports errors in the stream
+                yield f"data: {json.dumps({'error': {'message': str(exc), 'field': exc.field}})}\n\n"
+                yield "data: [DONE]\n\n"
+                return
+            async for rid, out in gen.updates():
+                chunk = out.render() if render is None else render(rid, out)
+                if chunk is None:
+                    continue
+                if batch:
+                    chunk["index"] = gen.index[rid]
+                yield f"data: {json.dumps(chunk)}\n\n"
+            last = final(list(gen.outs.values())) if final is not None else None
+            if last is not None:
+                yield f"data: {json.dumps(last)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:  # also when the client disconnects: the generator is closed, the requests aborted
+            gen.close()
+
+    return events()
+
+
+@router.api_route("/generate", methods=["POST", "PUT"], summary="Generate (SGLang native)")
+async def generate(body: GenerateRequest, request: Request) -> Any:
+    state = server_state(request)
+    jobs = to_jobs(body, state.codec)
+    batch = body.is_batch or len(jobs) > 1
+    if body.stream:
+        events = await stream_generation(state, jobs, batch)
+        return StreamingResponse(events, media_type="text/event-stream")
+    outs = await run_generation(state, jobs, request)
+    rendered = [o.render() for o in outs]
+    return JSONResponse(rendered if batch else rendered[0])

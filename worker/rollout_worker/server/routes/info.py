@@ -1,0 +1,156 @@
+"""Health, model and server information, load, and Prometheus metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from rollout_worker import __version__
+from rollout_worker.api.requests import RequestSpec
+from rollout_worker.api.sampling import SamplingParams
+from rollout_worker.server.deps import ServerState, server_state
+
+router = APIRouter(tags=["sglang info"])
+
+
+def _health(state: ServerState) -> tuple[int, dict[str, Any]]:
+    eng = state.engine
+    status = "starting" if eng is None else eng.health
+    body: dict[str, Any] = {"status": status}
+    if eng is not None and eng.failure:
+        body["message"] = eng.failure
+    return (200 if status == "ready" and state.exit_code is None else 503), body
+
+
+@router.get("/health", summary="200 when every rank serves; 503 while starting or failed")
+async def health(request: Request) -> JSONResponse:
+    code, body = _health(server_state(request))
+    return JSONResponse(body, status_code=code)
+
+
+@router.get("/health_generate", summary="Like /health, and the engine generates one token")
+async def health_generate(request: Request) -> JSONResponse:
+    state = server_state(request)
+    code, body = _health(state)
+    if code != 200:
+        return JSONResponse(body, status_code=code)
+    engine = state.ready_engine()
+    if engine.paused is not None or engine.book.unfinished:
+        return JSONResponse({**body, "message": "serving requests"})  # busy ranks are alive ranks
+    rid = f"health-{uuid.uuid4().hex}"
+    q = state.bridge.open([rid])[rid]
+    try:
+        engine.submit(RequestSpec(rid, (0,), 1, SamplingParams(), ignore_eos=True))
+        while (await asyncio.wait_for(q.get(), timeout=20.0)).finish is None:
+            pass
+    except TimeoutError:
+        return JSONResponse({"status": "unhealthy", "message": "no token in 20 s"}, status_code=503)
+    finally:
+        state.bridge.close([rid], abort=True)
+    return JSONResponse(body)
+
+
+def _model_info(state: ServerState) -> dict[str, Any]:
+    eng = state.engine
+    return {
+        "model_path": str(state.settings.model),
+        "tokenizer_path": str(state.settings.model) if state.codec else None,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": eng.weight_version if eng else "default",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+    }
+
+
+@router.get("/get_model_info", summary="Model path, tokenizer, weight version")
+async def get_model_info(request: Request) -> dict[str, Any]:
+    return _model_info(server_state(request))
+
+
+@router.get("/model_info", include_in_schema=False)
+async def model_info(request: Request) -> dict[str, Any]:
+    return _model_info(server_state(request))
+
+
+def _server_info(state: ServerState) -> dict[str, Any]:
+    s, cfg, eng = state.settings, state.cfg, state.engine
+    layout = eng.layout if eng else cfg.layout
+    return {
+        "model_path": str(s.model),
+        "tokenizer_path": str(s.model),
+        "served_model_name": state.model_name,
+        "tp_size": layout.tp,
+        "dp_size": layout.replicas,
+        "pp_size": 1,
+        "ep_size": 1,
+        "nnodes": 1,
+        "layout": str(layout),
+        "candidate_layouts": [str(x) for x in cfg.candidates],
+        "ranks": cfg.world,
+        "dtype": cfg.dtype,
+        "device": cfg.device,
+        "context_length": cfg.context_length,
+        "max_running_requests": cfg.max_batch * layout.replicas,
+        "kv_budget_tokens_per_replica": cfg.kv_budget_tokens,
+        "host": s.host,
+        "port": s.port,
+        "weight_version": eng.weight_version if eng else "default",
+        "internal_states": [{"layout": str(layout), "avg_spec_accept_length": None, **state.metrics.state()}],
+        "version": __version__,
+        "engine": "elastic-rollout",
+    }
+
+
+@router.get("/get_server_info", summary="Server arguments, current TP size (tp_size) and replicas (dp_size)")
+async def get_server_info(request: Request) -> dict[str, Any]:
+    return _server_info(server_state(request))
+
+
+@router.get("/server_info", include_in_schema=False)
+async def server_info(request: Request) -> dict[str, Any]:
+    return _server_info(server_state(request))
+
+
+@router.get("/get_load", summary="Per replica: running and waiting requests")
+async def get_load(request: Request) -> list[dict[str, Any]]:
+    engine = server_state(request).ready_engine()
+    return [
+        {"dp_rank": d, "num_reqs": r["running"], "num_waiting_reqs": r["waiting"], "num_tokens": 0}
+        for d, r in enumerate(engine.load())
+    ]
+
+
+@router.get("/v1/loads", summary="Load snapshot (SGLang 0.5 shape)")
+async def v1_loads(request: Request) -> dict[str, Any]:
+    state = server_state(request)
+    engine = state.ready_engine()
+    used, cap = engine.kv_usage()
+    loads = [
+        {
+            "dp_rank": d,
+            "num_running_reqs": r["running"],
+            "num_waiting_reqs": r["waiting"] + (engine.queued() if d == 0 else 0),
+            "num_total_reqs": r["running"] + r["waiting"],
+        }
+        for d, r in enumerate(engine.load())
+    ]
+    return {
+        "timestamp": time.time(),
+        "version": __version__,
+        "num_accelerators": state.cfg.world,
+        "loads": loads,
+        "num_used_tokens": used,
+        "token_usage": used / cap if cap else 0.0,
+    }
+
+
+@router.get("/metrics", summary="Prometheus metrics")
+async def metrics(request: Request) -> Response:
+    body, ctype = server_state(request).metrics.render()
+    return Response(body, media_type=ctype)

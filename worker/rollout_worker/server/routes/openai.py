@@ -1,0 +1,193 @@
+"""OpenAI-compatible ``GET /v1/models`` and ``POST /v1/completions`` (with SGLang's extra sampling fields)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rollout_worker.api.sglang import GenerateRequest
+from rollout_worker.server.convert import Output, to_jobs
+from rollout_worker.server.deps import ServerState, server_state
+from rollout_worker.server.routes.generate import run_generation, stream_generation
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None,),
+    "logit_bias": (None, {}),
+}
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=64)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
+    seed: int | None = Field(None, ge=0)
+    user: str | None = None
+    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
+    presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
+    best_of: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    logit_bias: dict[str, float] | None = None
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    rid: str | list[str] | None = None
+
+    @model_validator(mode="after")
+    def _neutral(self) -> CompletionRequest:
+        for key, ok in _NEUTRAL.items():
+            if getattr(self, key) not in ok:
+                raise ValueError(f"{key}={getattr(self, key)!r} is not supported by this engine")
+        return self
+
+    def to_generate(self) -> GenerateRequest:
+        p = self.prompt
+        text_in = isinstance(p, str) or (isinstance(p, list) and bool(p) and isinstance(p[0], str))
+        sampling = {
+            "max_new_tokens": self.max_tokens,
+            "min_new_tokens": self.min_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "no_stop_trim": self.no_stop_trim,
+            "n": self.n,
+            "sampling_seed": self.seed,
+        }
+        return GenerateRequest.model_validate(
+            {
+                ("text" if text_in else "input_ids"): p,
+                "sampling_params": sampling,
+                "rid": self.rid,
+                "return_logprob": self.logprobs is not None,
+                "top_logprobs_num": self.logprobs or 0,
+                "return_text_in_logprobs": True,
+            }
+        )
+
+
+def _models(state: ServerState) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": state.model_name,
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": "elastic-rollout",
+                "root": state.model_name,
+                "max_model_len": state.cfg.context_length,
+            }
+        ],
+    }
+
+
+@router.get("/models", summary="The served model")
+async def models(request: Request) -> dict[str, Any]:
+    return _models(server_state(request))
+
+
+def _logprobs(out: Output, start: int, want: bool) -> dict[str, Any] | None:
+    if not want:
+        return None
+    codec = out.codec
+    toks = out.ids[start:]
+    texts = [codec.token_text(t) if codec else str(t) for t in toks]
+    tops = out.tops[start:]
+    offsets, pos = [], len(out.text[:0])
+    for t in texts:
+        offsets.append(pos)
+        pos += len(t)
+    return {
+        "tokens": texts,
+        "token_logprobs": out.logprobs[start:],
+        "top_logprobs": [
+            {(codec.token_text(tok) if codec else str(tok)): lp for lp, tok in top} if top else None
+            for top in tops
+        ],
+        "text_offset": offsets,
+    }
+
+
+def _choice(i: int, out: Output, text: str, start: int, want_logprobs: bool) -> dict[str, Any]:
+    finish = out.finish
+    return {
+        "index": i,
+        "text": text,
+        "logprobs": _logprobs(out, start, want_logprobs),
+        "finish_reason": _FINISH.get(finish["type"], "stop") if finish else None,
+        "matched_stop": finish.get("matched") if finish else None,
+    }
+
+
+def _usage(outs: list[Output], n: int) -> dict[str, int]:
+    prompt = sum(len(o.job.spec.prompt_ids) for o in outs) // max(n, 1)
+    completion = sum(len(o.ids) for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+@router.post("/completions", summary="OpenAI completions (stream and not)")
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    state = server_state(request)
+    jobs = to_jobs(body.to_generate(), state.codec)
+    head = {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": body.model,
+    }
+    want = body.logprobs is not None
+    index = {j.spec.id: i for i, j in enumerate(jobs)}
+    if not body.stream:
+        outs = await run_generation(state, jobs, request)
+        choices = [_choice(i, o, o.text, 0, want) for i, o in enumerate(outs)]
+        return JSONResponse({**head, "choices": choices, "usage": _usage(outs, body.n)})
+    sent_text: dict[str, int] = {}
+    sent_tokens: dict[str, int] = {}
+
+    def render(rid: str, out: Output) -> dict[str, Any] | None:
+        text = out.text
+        delta = text[sent_text.get(rid, 0) :]
+        if not delta and out.finish is None:
+            return None
+        start = sent_tokens.get(rid, 0)
+        sent_text[rid], sent_tokens[rid] = max(len(text), sent_text.get(rid, 0)), len(out.ids)
+        return {**head, "choices": [_choice(index[rid], out, delta, start, want)]}
+
+    def final(outs: list[Output]) -> dict[str, Any] | None:
+        if body.stream_options is None or not body.stream_options.include_usage:
+            return None
+        return {**head, "choices": [], "usage": _usage(outs, body.n)}
+
+    events = await stream_generation(state, jobs, False, render, final)
+    return StreamingResponse(events, media_type="text/event-stream")

@@ -1,0 +1,55 @@
+"""Running the server: uvicorn, with SIGTERM / Ctrl-C handled the way a pod needs it."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import uvicorn
+
+from rollout_worker.engine.config import EngineConfig
+from rollout_worker.server.app import create_app
+from rollout_worker.server.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    """On SIGTERM or Ctrl-C, first end the requests in flight (drain for ``drain_seconds``, then abort:
+    their clients get partial outputs with finish_reason abort), so open streams close and the graceful
+    shutdown is quick; then stop every rank."""
+
+    def __init__(self, config: uvicorn.Config, app: Any) -> None:
+        super().__init__(config)
+        self.app_state = app.state.server
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        engine = self.app_state.engine
+        if engine is not None and not self.should_exit:
+            drain = self.app_state.settings.drain_seconds
+            threading.Thread(target=engine.shutdown, args=(drain,), name="drain", daemon=True).start()
+        super().handle_exit(sig, frame)
+
+
+def serve(settings: ServerSettings, cfg: EngineConfig) -> int:
+    """Serve until stopped; the exit code is 1 when the engine failed (a rank died), else 0."""
+    app = create_app(settings, cfg)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        timeout_graceful_shutdown=max(5, int(settings.drain_seconds) + 5),
+        lifespan="on",
+    )
+    server = _Server(config, app)
+    state = app.state.server
+
+    def request_exit(code: int) -> None:
+        state.exit_code = code
+        server.should_exit = True
+
+    state.request_exit = request_exit
+    server.run()
+    return state.exit_code or 0
