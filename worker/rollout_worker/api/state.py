@@ -44,7 +44,10 @@ class FinishedLengths(BaseModel):
 
 class EngineState(BaseModel):
     layout: LayoutField
-    step: int
+    step: int = Field(
+        description="Monotonic engine clock: +1 per replica step report, driver-side finish and switch. "
+        "Pass it back as since_step to get each finished length exactly once."
+    )
     time_s: float
     ranks_ready: list[bool]
     paused: bool

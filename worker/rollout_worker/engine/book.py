@@ -1,6 +1,11 @@
 """The driver's bookkeeping, free of processes and threads: every request in flight and where it is, which
 replica gets the next one, stop strings, finished lengths, the plan's triggers, and the planner snapshot.
 
+The engine's ``step`` is a monotonic clock: every replica's step report advances it by one, and so does
+every finish the driver decides itself (an abort of a request not yet on a replica) and every switch.
+Finished lengths carry the step at which they were recorded, so ``snapshot(since_step)`` returns each one
+exactly once to a reader that passes the step of its previous snapshot.
+
 The driver (:mod:`rollout_worker.engine.driver`) feeds it the ranks' reports under one lock and sends the
 commands it returns. Everything here is deterministic given the reports, and unit-tested directly.
 """
@@ -120,7 +125,7 @@ class Book:
     # -- reports ---------------------------------------------------------------------------------------
     def on_step(self, r: StepReport, now: float) -> Outcome:
         out = Outcome()
-        self.step = max(self.step, r.step)
+        self.step += 1
         if r.kind == "decode":
             self.step_ms.append(r.ms)
         current = r.epoch == self.epoch  # a report from before a switch still carries true tokens
@@ -171,7 +176,11 @@ class Book:
         tail = self.decode(t.output[-window:])
         return next((s for s in t.stop if s in tail), None)
 
-    def finalize(self, rid: str, finish: Finish, now: float) -> Update:
+    def finalize(self, rid: str, finish: Finish, now: float, in_report: bool = True) -> Update:
+        """Finish a request; outside a report (the driver decided it) the engine's step advances too, so
+        that a reader of ``since_step`` sees every finish exactly once."""
+        if not in_report:
+            self.step += 1
         t = self.reqs.pop(rid)
         if t.status == "queued":
             self.queued.remove(rid)
@@ -184,10 +193,11 @@ class Book:
         return Update(rid, finish=finish, placements=tuple(t.placements), latency=(ttft, now - t.arrived))
 
     def on_switched(self, msg: Switched, time_s: float) -> ReconfigEvent:
-        event = msg.event.model_copy(update={"time_s": round(time_s, 4)})
+        self.step += 1
+        event = msg.event.model_copy(update={"time_s": round(time_s, 4), "step": self.step})
         self.events.append(event)
         if event.outcome == "committed":
-            self.layout, self.epoch, self.step = event.dst, msg.epoch, max(self.step, msg.step)
+            self.layout, self.epoch = event.dst, msg.epoch
             self.kv = {}
             for rid, replica, running in msg.placements:
                 t = self.reqs.get(rid)
@@ -197,7 +207,7 @@ class Book:
         return event
 
     def abort_all(self, finish: Finish, now: float) -> list[Update]:
-        return [self.finalize(rid, finish, now) for rid in list(self.reqs)]
+        return [self.finalize(rid, finish, now, in_report=False) for rid in list(self.reqs)]
 
     # -- the plan ------------------------------------------------------------------------------------
     def set_plan(self, plan: Plan | None) -> None:

@@ -127,6 +127,10 @@ class Engine:
     def layout(self) -> Layout:
         return self.book.layout
 
+    @property
+    def rank_pids(self) -> list[int | None]:
+        return [p.pid for p in self._procs.procs]
+
     def _now(self) -> float:
         return time.monotonic()
 
@@ -166,7 +170,9 @@ class Engine:
         with self._lock:
             rids = list(self.book.reqs) if rid is None else [rid] if rid in self.book.reqs else []
             on_ranks = [r for r in rids if self.book.reqs[r].replica is not None]
-            updates = [self.book.finalize(r, finish, self._now()) for r in rids if r not in on_ranks]
+            updates = [
+                self.book.finalize(r, finish, self._now(), in_report=False) for r in rids if r not in on_ranks
+            ]
             if on_ranks:  # to every rank: a switch may be moving the request to another replica right now
                 self._procs.broadcast(m.Abort(tuple(on_ranks), finish))
             if updates:

@@ -117,7 +117,11 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     """400 naming the field, e.g. ``sampling_params.top_p: Input should be less than or equal to 1``."""
     assert isinstance(exc, RequestValidationError)
     err = exc.errors()[0]
-    loc = [str(x) for x in err.get("loc", ()) if x != "body" and not str(x).startswith("function-")]
+    loc = [
+        str(x)
+        for x in err.get("loc", ())
+        if x not in ("body", "query", "path") and not str(x).startswith("function-")
+    ]
     loc = [x for x in loc if x not in ("list[SamplingParams]", "SamplingParams", "str", "list[str]")]
     where = ".".join(loc) or "body"
     msg = err.get("msg", "invalid")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 from typing import Any
 
@@ -51,5 +52,9 @@ def serve(settings: ServerSettings, cfg: EngineConfig) -> int:
         server.should_exit = True
 
     state.request_exit = request_exit
+    # uvicorn handles SIGINT/SIGTERM while it runs and re-raises them after its graceful shutdown; that
+    # shutdown is the whole answer to the signal, so the re-raised one must not turn into an error exit.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     server.run()
     return state.exit_code or 0

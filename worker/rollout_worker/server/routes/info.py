@@ -101,6 +101,7 @@ def _server_info(state: ServerState) -> dict[str, Any]:
         "host": s.host,
         "port": s.port,
         "weight_version": eng.weight_version if eng else "default",
+        "rank_pids": eng.rank_pids if eng else [],
         "internal_states": [{"layout": str(layout), "avg_spec_accept_length": None, **state.metrics.state()}],
         "version": __version__,
         "engine": "elastic-rollout",

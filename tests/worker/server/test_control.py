@@ -1,0 +1,256 @@
+"""Control verbs on a real server: abort (one, all, client disconnect), pause / continue in every mode,
+flush, weight updates from disk (and the weights root), memory release."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from rollout_worker.api.requests import RequestSpec
+from rollout_worker.api.sampling import SamplingParams
+from rollout_worker.engine.batch import run_batch
+from rollout_worker.engine.checkpoint import make_model
+from rollout_worker.engine.config import EngineConfig
+
+from tests.worker.server.served import Served, start
+
+pytestmark = pytest.mark.multiproc
+LONG = {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two checkpoints of the same shape (different seeds) under one weights root."""
+    root = tmp_path_factory.mktemp("weights")
+    make_model("tiny", 0, root / "a", "float64")
+    make_model("tiny", 5, root / "b", "float64")
+    return root
+
+
+@pytest.fixture(scope="module")
+def ctl(root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    s = start(
+        root / "a",
+        tmp_path_factory.mktemp("ctl"),
+        "--ranks",
+        "2",
+        "--dtype",
+        "float64",
+        "--weights-root",
+        str(root),
+        key="s3cret-key",
+    )
+    yield s
+    s.stop()
+
+
+def test_api_key_guards_every_route_but_health_and_metrics(ctl: Served) -> None:
+    spec = ctl.get("/openapi.json").json()
+    routes = [(m.upper(), path) for path, ops in spec["paths"].items() for m in ops]
+    routes += [("GET", "/model_info"), ("GET", "/server_info"), ("GET", "/docs"), ("GET", "/no/such/route")]
+    assert len(routes) > 25
+    with httpx.Client(base_url=ctl.url, timeout=10) as c:
+        for method, path in routes:
+            url = path.replace("{", "").replace("}", "")
+            none = c.request(method, url)
+            wrong = c.request(method, url, headers={"Authorization": "Bearer nope"})
+            if path in ("/health", "/health_generate", "/metrics"):
+                assert none.status_code == 200 and wrong.status_code == 200, path
+            else:
+                assert none.status_code == 401 and "bearer" in none.json()["error"]["message"], (method, path)
+                assert wrong.status_code == 403, (method, path)
+        assert c.get("/openapi.json").status_code == 401
+
+
+def _stream(
+    server: Served,
+    body: dict[str, Any],
+    out: list[dict[str, Any]],
+    chunks_before: threading.Event | None = None,
+    n: int = 5,
+) -> None:
+    with server.client(120) as c, c.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                out.append(json.loads(line[6:]))
+                if chunks_before is not None and len(out) >= n:
+                    chunks_before.set()
+
+
+def _running(server: Served) -> int:
+    return sum(len(r["running"]) + len(r["waiting"]) for r in server.get("/v1/state").json()["replicas"])
+
+
+def _wait(cond: Any, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def test_abort_one_request_mid_decode(ctl: Served) -> None:
+    chunks: list[dict[str, Any]] = []
+    started = threading.Event()
+    t = threading.Thread(
+        target=_stream,
+        args=(ctl, {"input_ids": [1, 2, 3], "sampling_params": LONG, "rid": "victim"}, chunks, started),
+    )
+    t.start()
+    assert started.wait(30)
+    r = ctl.post("/abort_request", {"rid": "victim"})
+    assert r.status_code == 200 and r.json()["aborted"] == 1
+    t.join(30)
+    last = chunks[-1]
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 5 <= len(last["output_ids"]) < 1500  # partial output comes back
+    _wait(lambda: _running(ctl) == 0)
+
+
+def test_abort_all(ctl: Served) -> None:
+    results: list[Any] = []
+
+    def one(i: int) -> None:
+        results.append(
+            ctl.post("/generate", {"input_ids": [i + 1, 2], "sampling_params": LONG}, timeout=120).json()
+        )
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    _wait(lambda: _running(ctl) == 3)
+    time.sleep(0.2)
+    assert ctl.post("/abort_request", {"abort_all": True}).json()["aborted"] == 3
+    for t in threads:
+        t.join(30)
+    assert [r["meta_info"]["finish_reason"]["type"] for r in results] == ["abort"] * 3
+    assert all(0 < r["meta_info"]["completion_tokens"] < 1500 for r in results)
+
+
+def _aborted(server: Served) -> float:
+    line = next(
+        x
+        for x in server.get("/metrics").text.splitlines()
+        if x.startswith("sglang:num_aborted_requests_total")
+    )
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_client_disconnect_frees_the_slot(ctl: Served) -> None:
+    before, step = _aborted(ctl), ctl.get("/v1/state").json()["step"]
+    with (
+        ctl.client() as c,
+        c.stream(
+            "POST", "/generate", json={"input_ids": [4, 5], "sampling_params": LONG, "stream": True}
+        ) as r,
+    ):
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # one chunk, then the client goes away
+    _wait(lambda: _running(ctl) == 0, 10)  # the slot is free again
+    assert _aborted(ctl) == before + 1  # ... because the server aborted it
+    lengths = ctl.get("/v1/state", params={"since_step": step}).json()["finished"]["lengths"]
+    assert lengths and max(lengths) < 1500  # partial
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract", "abort"])
+def test_pause_and_continue(ctl: Served, mode: str) -> None:
+    body = {"input_ids": [7, 8, 9], "sampling_params": {**LONG, "max_new_tokens": 300}}
+    reference = ctl.post("/generate", body).json()["output_ids"]
+    chunks: list[dict[str, Any]] = []
+    started = threading.Event()
+    t = threading.Thread(target=_stream, args=(ctl, body, chunks, started))
+    t.start()
+    assert started.wait(30)
+    assert ctl.post("/pause_generation", {"mode": mode}).json()["status"] == "ok"
+    time.sleep(0.3)
+    late: list[Any] = []
+    waiter = threading.Thread(
+        target=lambda: late.append(
+            ctl.post(
+                "/generate", {"input_ids": [3, 3], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+            ).json()
+        )
+    )
+    waiter.start()
+    seen = len(chunks)
+    time.sleep(0.5)
+    if mode != "abort":
+        assert len(chunks) == seen  # nothing generated while paused
+    assert not late  # new requests wait while paused
+    assert ctl.post("/continue_generation", {}).json()["status"] == "ok"
+    t.join(60)
+    waiter.join(30)
+    assert late and late[0]["meta_info"]["completion_tokens"] == 4
+    final = chunks[-1]
+    if mode == "abort":
+        assert final["meta_info"]["finish_reason"]["type"] == "abort"
+    else:  # in place or retracted (KV dropped, recomputed later): the very same tokens
+        assert final["output_ids"] == reference
+
+
+def test_flush_cache_only_when_idle(ctl: Served) -> None:
+    chunks: list[dict[str, Any]] = []
+    started = threading.Event()
+    t = threading.Thread(
+        target=_stream,
+        args=(ctl, {"input_ids": [6], "sampling_params": LONG, "rid": "busy"}, chunks, started),
+    )
+    t.start()
+    assert started.wait(30)
+    assert ctl.post("/flush_cache").status_code == 400
+    ctl.post("/abort_request", {"rid": "busy"})
+    t.join(30)
+    _wait(lambda: _running(ctl) == 0)
+    r = ctl.post("/flush_cache")
+    assert r.status_code == 200 and r.json()["success"] is True
+
+
+def _static(model: Path, prompts: list[list[int]]) -> list[list[int]]:
+    cfg = EngineConfig.load(str(model), 1, dtype="float64")
+    specs = [
+        RequestSpec(f"s{i}", tuple(p), 12, SamplingParams(), ignore_eos=True) for i, p in enumerate(prompts)
+    ]
+    return [o["output_ids"] for o in run_batch(cfg, specs).outputs]
+
+
+def test_update_weights_from_disk(ctl: Served, root: Path, tmp_path: Path) -> None:
+    prompts = [[1, 2, 3], [40, 41], [200, 100, 50, 25]]
+    body = {
+        "input_ids": prompts,
+        "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True},
+    }
+    before = [b["output_ids"] for b in ctl.post("/generate", body).json()]
+    assert before == _static(root / "a", prompts)
+    outside = tmp_path / "elsewhere"
+    make_model("tiny", 9, outside, "float64")
+    r = ctl.post("/update_weights_from_disk", {"model_path": str(outside)})
+    assert r.status_code == 403 and r.json()["error"]["field"] == "model_path"
+    r = ctl.post("/update_weights_from_disk", {"model_path": str(root / "a" / ".." / ".." / outside.name)})
+    assert r.status_code in (400, 403)
+    r = ctl.post("/update_weights_from_disk", {"model_path": str(root / "missing")})
+    assert r.status_code == 400 and "config.json" in r.json()["error"]["message"]
+    r = ctl.post("/update_weights_from_disk", {"model_path": str(root / "b"), "weight_version": "v2"})
+    assert r.status_code == 200 and r.json()["success"] is True, r.text
+    after = ctl.post("/generate", body).json()
+    assert [b["output_ids"] for b in after] == _static(root / "b", prompts) != before
+    assert after[0]["meta_info"]["weight_version"] == "v2"
+    assert ctl.get("/get_model_info").json()["weight_version"] == "v2"
+
+
+def test_release_and_resume_memory(ctl: Served) -> None:
+    body = {
+        "input_ids": [5, 5, 5],
+        "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+    }
+    before = ctl.post("/generate", body).json()["output_ids"]
+    assert ctl.post("/release_memory_occupation", {"tags": None}).status_code == 200
+    r = ctl.post("/generate", body)
+    assert r.status_code == 503 and "released" in r.json()["error"]["message"]
+    assert ctl.post("/resume_memory_occupation", {}).status_code == 200
+    assert ctl.post("/generate", body).json()["output_ids"] == before

@@ -1,0 +1,155 @@
+"""Faults and signals: a rank killed mid-run (503, every request ends with an abort naming the dead rank,
+non-zero exit, nothing left behind); SIGTERM and SIGKILL of the server and of `rolloutctl generate`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.worker.server.served import alive, descendants, start
+
+pytestmark = pytest.mark.multiproc
+LONG = {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}
+
+
+def _gone_within(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive(pids)
+
+
+def test_a_killed_rank_fails_the_server_cleanly(tiny64: Path, tmp_path: Path) -> None:
+    s = start(tiny64, tmp_path, "--ranks", "2", "--dtype", "float64")
+    family = descendants(s.proc.pid)
+    pids = s.get("/get_server_info").json()["rank_pids"]
+    results: list[Any] = []
+    chunks: list[Any] = []
+
+    def plain() -> None:
+        results.append(
+            s.post("/generate", {"input_ids": [1, 2, 3], "sampling_params": LONG}, timeout=60).json()
+        )
+
+    def streamed() -> None:
+        with (
+            s.client() as c,
+            c.stream(
+                "POST", "/generate", json={"input_ids": [4, 5], "sampling_params": LONG, "stream": True}
+            ) as r,
+        ):
+            chunks.extend(json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {"))
+
+    threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 20
+    while len(chunks) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(pids[1], signal.SIGKILL)
+    saw_503, t0 = False, time.monotonic()
+    while time.monotonic() - t0 < 5 and not saw_503:
+        try:
+            saw_503 = httpx.get(s.url + "/health", timeout=2).status_code == 503
+        except httpx.HTTPError:
+            break
+        time.sleep(0.05)
+    assert saw_503, "/health never answered 503"
+    for t in threads:
+        t.join(20)
+        assert not t.is_alive(), "a client hangs"
+    for finish in [results[0]["meta_info"]["finish_reason"], chunks[-1]["meta_info"]["finish_reason"]]:
+        assert finish["type"] == "abort" and "rank 1" in finish["message"], finish
+    assert s.proc.wait(timeout=20) != 0
+    assert _gone_within(family, 10) == []
+
+
+def test_sigterm_of_the_server_leaves_nothing(tiny64: Path, tmp_path: Path) -> None:
+    s = start(tiny64, tmp_path, "--ranks", "2")
+    family = descendants(s.proc.pid)
+    assert len(family) >= 3  # forkserver, resource tracker, ranks
+    out: list[Any] = []
+    t = threading.Thread(
+        target=lambda: out.append(
+            s.post("/generate", {"input_ids": [1], "sampling_params": LONG}, timeout=60).json()
+        )
+    )
+    t.start()
+    time.sleep(0.3)
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(timeout=20) == 0
+    t.join(10)
+    assert out and out[0]["meta_info"]["finish_reason"]["type"] == "abort"  # aborted, answered, not dropped
+    assert _gone_within(family, 10) == []
+
+
+def test_sigkill_of_the_server_leaves_nothing(tiny64: Path, tmp_path: Path) -> None:
+    s = start(tiny64, tmp_path, "--ranks", "2")
+    family = descendants(s.proc.pid)
+    s.proc.kill()
+    s.proc.wait(timeout=5)
+    assert _gone_within(family, 10) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_signals_to_generate_leave_nothing(tiny64: Path, tmp_path: Path, sig: int) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": f"r{i}",
+                    "input_ids": [i + 1, 2],
+                    "max_new_tokens": 6 if i < 2 else 1500,
+                    "ignore_eos": True,
+                }
+            )
+            + "\n"
+            for i in range(6)
+        )
+    )
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rollout_operator.cli.main",
+            "generate",
+            "--model",
+            str(tiny64),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(out),
+            "--ranks",
+            "2",
+            "--log-every",
+            "0.2",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr is not None
+    for line in proc.stderr:  # wait until it generates
+        if line.startswith("step "):
+            break
+    family = descendants(proc.pid)
+    assert len(family) >= 3
+    proc.send_signal(sig)
+    rest = proc.stderr.read()
+    code = proc.wait(timeout=20)
+    assert _gone_within(family, 10) == []
+    assert not out.exists()
+    if sig == signal.SIGTERM:
+        assert code == 130 and "interrupted: 2 of 6 request(s) had finished" in rest, rest
+        assert "were lost" in rest and len((tmp_path / "out.jsonl.partial").read_text().splitlines()) == 2

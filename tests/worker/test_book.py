@@ -1,0 +1,113 @@
+"""The driver's bookkeeping, without processes: dispatch, stop strings, triggers, the planner snapshot."""
+
+from __future__ import annotations
+
+import pytest
+from rollout_worker.api.errors import UserError
+from rollout_worker.api.layout import Layout
+from rollout_worker.api.plan import Plan, ReconfigEvent, Trigger
+from rollout_worker.api.requests import RequestSpec
+from rollout_worker.api.sampling import SamplingParams
+from rollout_worker.engine.book import Book
+from rollout_worker.engine.messages import StepReport, Switched, TokenOut
+
+
+def spec(rid: str, max_new: int = 10, min_new: int = 0) -> RequestSpec:
+    return RequestSpec(rid, (1, 2, 3), max_new, SamplingParams(), min_new_tokens=min_new)
+
+
+def report(
+    replica: int, tokens: list[tuple[str, int]] = (), finished: list[tuple[str, dict]] = (), **kw: object
+) -> StepReport:  # type: ignore[assignment]
+    return StepReport(
+        replica,
+        0,
+        0,
+        "decode",
+        1.0,
+        tokens=[TokenOut(r, t) for r, t in tokens],
+        finished=list(finished),
+        **kw,
+    )  # type: ignore[arg-type]
+
+
+def test_dispatch_balances_and_refuses_duplicates() -> None:
+    book = Book(Layout(3, 1))
+    for i in range(7):
+        book.add(spec(f"r{i}"), (), 0.0)
+    placed = book.dispatch()
+    assert [d for d, _ in placed] == [0, 1, 2, 0, 1, 2, 0]
+    assert book.load() == [3, 2, 2] and book.dispatched == 7
+    with pytest.raises(UserError, match="already in flight"):
+        book.add(spec("r3"), (), 0.0)
+
+
+def test_tokens_finishes_and_since_step_exactly_once() -> None:
+    book = Book(Layout(2, 1))
+    book.add(spec("a"), (), 0.0)
+    book.add(spec("b"), (), 0.0)
+    book.dispatch()
+    book.on_step(report(0, [("a", 5)], admitted=("a",)), 1.0)
+    s1 = book.snapshot(0, 1.0, [True, True], False, False, "v")
+    assert s1.replicas[0].running[0].generated == 1 and s1.finished.lengths == []
+    out = book.on_step(report(1, [("b", 7)], [("b", {"type": "length", "length": 1})]), 2.0)
+    assert [u.finish for u in out.updates if u.finish] == [{"type": "length", "length": 1}]
+    s2 = book.snapshot(s1.step, 2.0, [True, True], False, False, "v")
+    assert s2.finished.lengths == [1] and s2.finished.capped == [False]
+    assert book.snapshot(s2.step, 2.0, [True, True], False, False, "v").finished.lengths == []  # once only
+    # a finish the driver decides itself (abort of a queued request) advances the clock as well
+    book.add(spec("c"), (), 3.0)
+    book.finalize("c", {"type": "abort", "message": "x"}, 3.0, in_report=False)
+    assert book.snapshot(s2.step, 3.0, [True, True], False, False, "v").finished.lengths == [0]
+
+
+def test_stop_string_finishes_at_the_matching_token() -> None:
+    book = Book(Layout(1, 1), decode=lambda ids: "".join(chr(65 + i) for i in ids))
+    book.add(spec("a", min_new=2), ("CD",), 0.0)
+    book.dispatch()
+    out = book.on_step(report(0, [("a", 2)]), 1.0)  # "C"
+    assert not out.aborts
+    out = book.on_step(report(0, [("a", 3)]), 2.0)  # "CD", but min_new_tokens=2 is reached only now
+    assert out.aborts == [(0, "a", {"type": "stop", "matched": "CD"})]
+    assert "a" not in book.reqs
+    late = book.on_step(report(0, [("a", 4)]), 3.0)  # the rank had not heard yet: ignored
+    assert late.updates == []
+
+
+def test_min_new_tokens_defers_stop_strings() -> None:
+    book = Book(Layout(1, 1), decode=lambda ids: "".join(chr(65 + i) for i in ids))
+    book.add(spec("a", min_new=3), ("B",), 0.0)
+    book.dispatch()
+    assert not book.on_step(report(0, [("a", 1)]), 1.0).aborts  # "B" at token 1 < 3
+    assert book.on_step(report(0, [("a", 1)]), 1.0).aborts == []
+    assert book.on_step(report(0, [("a", 1)]), 1.0).aborts  # token 3: now it counts
+
+
+def test_trigger_fires_once_lowest_reached_first() -> None:
+    book = Book(Layout(4, 1))
+    for i in range(10):
+        book.add(spec(f"r{i}"), (), 0.0)
+    book.dispatch()
+    trigs = [
+        Trigger(unfinished_at_most=8, layout=Layout(2, 2)),
+        Trigger(unfinished_at_most=4, layout=Layout(1, 4)),
+    ]
+    book.set_plan(Plan(based_on_layout=Layout(4, 1), triggers=trigs))
+    assert book.fire() is None  # 10 unfinished
+    for i in range(7):  # 3 left: both thresholds passed at once -> one switch, straight to 1x4
+        book.finalize(f"r{i}", {"type": "length", "length": 10}, 1.0)
+    fired = book.fire()
+    assert fired is not None and fired.layout == Layout(1, 4) and book.plan is None
+    assert book.fire() is None
+
+
+def test_switch_updates_placements_and_stamps_the_event() -> None:
+    book = Book(Layout(2, 1))
+    book.add(spec("a"), (), 0.0)
+    book.dispatch()
+    ev = ReconfigEvent(
+        step=0, time_s=0, src=Layout(2, 1), dst=Layout(1, 2), requested="auto", method="migrate", reason="x"
+    )
+    out = book.on_switched(Switched(1, ev, (("a", 0, True),), 1, 9), 1.5)
+    assert out.step == book.step and out.time_s == 1.5 and book.layout == Layout(1, 2)
+    assert [p["layout"] for p in book.reqs["a"].placements] == ["2x1", "1x2"]
