@@ -341,7 +341,7 @@ def profile_shard_equivalent(
 
 
 def _shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
-    from rollout_worker.engine.checkpoint import tensor_shapes
+    from rollout_worker.engine.checkpoint_index import tensor_shapes
 
     return [s for _, s in tensor_shapes(cfg)]
 

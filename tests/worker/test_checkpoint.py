@@ -10,7 +10,8 @@ import pytest
 import torch
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.model_config import ModelConfig
-from rollout_worker.engine.checkpoint import CheckpointReader, tensor_shapes
+from rollout_worker.engine.checkpoint import CheckpointReader
+from rollout_worker.engine.checkpoint_index import tensor_shapes
 from rollout_worker.engine.kvcache import KVSlab
 from rollout_worker.engine.model import Decoder
 from rollout_worker.engine.parallel import SINGLE

@@ -17,11 +17,10 @@ from rollout_worker.api.plan import Plan, ReconfigEvent, Trigger
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.state import EngineState
 from rollout_worker.engine.book import Update
-from rollout_worker.engine.checkpoint import CheckpointReader
+from rollout_worker.engine.checkpoint_index import CheckpointIndex
 from rollout_worker.engine.config import EngineConfig
 from rollout_worker.engine.driver import Engine, Observer
-from rollout_worker.engine.messages import StepReport
-from rollout_worker.engine.state import Faults
+from rollout_worker.engine.messages import Faults, StepReport
 
 
 @dataclass(slots=True)
@@ -105,7 +104,7 @@ def run_batch(
     faults: Faults | None = None,
 ) -> BatchResult:
     """Generate every request; ``triggers`` form the plan (switch when unfinished drops to n or fewer)."""
-    CheckpointReader(cfg.model_dir, cfg.model).verify()  # fail before starting any rank
+    CheckpointIndex(cfg.model_dir, cfg.model).verify()  # fail before starting any rank
     col = Collector([s.id for s in specs])
     step_ms: list[float] = []
 

@@ -27,7 +27,7 @@ from rollout_worker.engine import messages as m
 from rollout_worker.engine.book import Book, Decode, Outcome, Update
 from rollout_worker.engine.config import EngineConfig
 from rollout_worker.engine.launcher import RankProcesses
-from rollout_worker.engine.state import Faults
+from rollout_worker.engine.messages import Faults
 
 log = logging.getLogger(__name__)
 Listener = Callable[[list[Update]], None]

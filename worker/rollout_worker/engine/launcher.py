@@ -12,17 +12,24 @@ import multiprocessing as mp
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
 from rollout_worker.api.errors import EngineError
 from rollout_worker.engine import messages as m
 from rollout_worker.engine.config import EngineConfig
-from rollout_worker.engine.loop import Task, rank_main
-from rollout_worker.engine.state import Faults
+from rollout_worker.engine.messages import Faults
 
 log = logging.getLogger(__name__)
+Task = Callable[[Any, dict[str, Any]], dict[str, Any]]  # (RankState, args) -> result, run in every rank
+
+
+def rank_entry(*args: Any) -> None:
+    """Process target: imports torch in the rank (preloaded by the forkserver), never in the driver."""
+    from rollout_worker.engine.loop import rank_main
+
+    rank_main(*args)
 
 
 class RankDied(EngineError):
@@ -68,7 +75,7 @@ class RankProcesses:
         init = f"tcp://127.0.0.1:{_free_port()}"
         self.procs = [
             ctx.Process(
-                target=rank_main,
+                target=rank_entry,
                 args=(r, cfg, init, self.inboxes[r], writer, lock, os.getpid(), faults, task, task_args),
                 name=f"rank{r}",
                 daemon=True,

@@ -32,12 +32,11 @@ import torch.distributed as dist
 from rollout_worker.api.errors import UserError
 from rollout_worker.engine import messages as m
 from rollout_worker.engine.config import EngineConfig
+from rollout_worker.engine.messages import Faults
 from rollout_worker.engine.model import Decoder
 from rollout_worker.engine.reconfig import reconfigure
 from rollout_worker.engine.sequence import Sequence
-from rollout_worker.engine.state import Faults, RankState, build_state, device_for, load_weights
-
-Task = Callable[[RankState, dict[str, Any]], dict[str, Any]]
+from rollout_worker.engine.state import RankState, build_state, device_for, load_weights
 
 
 class Outbox:
@@ -248,7 +247,7 @@ def rank_main(
     outbox_lock: Any,
     driver_pid: int,
     faults: Faults | None = None,
-    task: Task | None = None,
+    task: Callable[[RankState, dict[str, Any]], dict[str, Any]] | None = None,
     task_args: dict[str, Any] | None = None,
 ) -> None:
     """Process entry: set up, then serve the inbox until Shutdown (or run one measurement ``task``)."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_worker.api.costs import Method
+from rollout_worker.api.errors import ReconfigurationFailed
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.plan import ReconfigEvent
 from rollout_worker.api.requests import RequestSpec
@@ -22,6 +23,18 @@ Finish = dict[str, Any]  # SGLang's finish_reason: {"type": "stop"|"length"|"abo
 TopLogprobs = tuple[tuple[float, int], ...]  # (logprob, token id), best first
 PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("weights", "kv_cache")
+
+
+@dataclass(frozen=True, slots=True)
+class Faults:
+    """Test hook, kept out of the engine's configuration: rank ``rank`` fails in phase ``phase``."""
+
+    phase: str  # migrate | commit | load
+    rank: int
+
+    def check(self, phase: str, rank: int) -> None:
+        if phase == self.phase and rank == self.rank:
+            raise ReconfigurationFailed(f"injected fault in phase {phase!r}")
 
 
 # -- driver -> rank ---------------------------------------------------------------------------------

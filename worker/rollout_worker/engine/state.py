@@ -13,30 +13,18 @@ import torch
 import torch.distributed as dist
 
 from rollout_worker.api.costs import CostModel
-from rollout_worker.api.errors import ReconfigurationFailed
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.engine.checkpoint import CheckpointReader, parse_dtype
 from rollout_worker.engine.config import EngineConfig
 from rollout_worker.engine.kvcache import KVSlab
+from rollout_worker.engine.messages import Faults
 from rollout_worker.engine.model import Decoder
 from rollout_worker.engine.parallel import ParallelState
 from rollout_worker.engine.replica import Limits, Replica
 from rollout_worker.engine.weights import Weights, load_shard, random_shard
 
 Groups = dict[Layout, list[Any]]  # layout -> process group of each replica (None for TP 1)
-
-
-@dataclass(frozen=True, slots=True)
-class Faults:
-    """Test hook, kept out of the engine's configuration: rank ``rank`` fails in phase ``phase``."""
-
-    phase: str  # migrate | commit | load
-    rank: int
-
-    def check(self, phase: str, rank: int) -> None:
-        if phase == self.phase and rank == self.rank:
-            raise ReconfigurationFailed(f"injected fault in phase {phase!r}")
 
 
 @dataclass(slots=True)

@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 
 from rollout_worker.api.model_config import ModelConfig
-from rollout_worker.engine.checkpoint import CheckpointReader, random_tensor, tensor_shapes
+from rollout_worker.engine.checkpoint import CheckpointReader, random_tensor
+from rollout_worker.engine.checkpoint_index import tensor_shapes
 from rollout_worker.engine.parallel import ParallelState
 from rollout_worker.engine.sharding import ReshardStep, assemble, reshard_plan, shard_range
 

@@ -21,7 +21,7 @@ from rollout_worker import __version__
 from rollout_worker.api.errors import EngineError, UserError
 from rollout_worker.engine.config import EngineConfig
 from rollout_worker.engine.driver import Engine
-from rollout_worker.engine.state import Faults
+from rollout_worker.engine.messages import Faults
 from rollout_worker.engine.tokenizer import TextCodec
 from rollout_worker.server.deps import ServerState
 from rollout_worker.server.metrics import Metrics
