@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import typer
 from rollout_worker.api.errors import UserError
 
 
@@ -41,3 +42,13 @@ def as_flags(exc: UserError) -> UserError:
     base, sep, rest = exc.field.partition("[")
     flag = FLAG_OF_FIELD.get(base)
     return exc.with_field(flag + sep + rest) if flag else exc
+
+
+def bench_group(app: typer.Typer) -> typer.Typer:
+    """The `bench` group: the one another command module registered already, else a new one."""
+    for info in app.registered_groups:
+        if info.name == "bench" and info.typer_instance is not None:
+            return info.typer_instance
+    bench = typer.Typer(help="Benchmarks (JSON output + printed tables).", no_args_is_help=True)
+    app.add_typer(bench, name="bench")
+    return bench

@@ -9,15 +9,13 @@ from typing import Annotated, Any
 import typer
 from rollout_worker.api.errors import UserError
 
-from rollout_operator.cli.args import int_list
+from rollout_operator.cli.args import bench_group, int_list
 
 
 def register(app: typer.Typer) -> None:
     app.command("make-model")(make_model_cmd)
     app.command("generate")(generate_cmd)
-    bench = typer.Typer(help="Benchmarks (JSON output + printed tables).", no_args_is_help=True)
-    bench.command("engine")(bench_engine_cmd)
-    app.add_typer(bench, name="bench")
+    bench_group(app).command("engine")(bench_engine_cmd)
 
 
 def make_model_cmd(

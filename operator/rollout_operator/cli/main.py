@@ -42,6 +42,7 @@ def _terminate(signum: int, frame: object) -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP call is noise here
     signal.signal(signal.SIGTERM, _terminate)
     try:
         app()

@@ -10,9 +10,12 @@ from typing import Annotated
 import typer
 from rollout_worker.api.errors import UserError
 
+from rollout_operator.cli.args import bench_group
+
 
 def register(app: typer.Typer) -> None:
     app.command("serve")(serve_cmd)
+    bench_group(app).command("serve")(bench_serve_cmd)
 
 
 def serve_cmd(
@@ -45,6 +48,7 @@ def serve_cmd(
     drain_seconds: Annotated[
         float, typer.Option(help="On SIGTERM, let requests finish this long first.")
     ] = 0.0,
+    access_log: Annotated[bool, typer.Option(help="Log one line per HTTP request.")] = False,
 ) -> None:
     """Serve the engine over HTTP until SIGTERM / Ctrl-C; exits non-zero if a rank dies."""
     from rollout_worker.server.run import serve
@@ -75,6 +79,7 @@ def serve_cmd(
         context_length=cfg.context_length,
         timeout=timeout,
         drain_seconds=drain_seconds,
+        access_log=access_log,
     )
     code = serve(settings, cfg)
     sys.exit(code)
@@ -90,3 +95,32 @@ def _api_key(path: Path | None) -> str | None:
             raise UserError(f"{path} is empty", "--api-key-file")
         return key
     return os.environ.get("ROLLOUT_API_KEY") or None
+
+
+def bench_serve_cmd(
+    presets: Annotated[str, typer.Option(help="Comma-separated model presets.")] = "tiny,small",
+    ranks: Annotated[
+        int, typer.Option(help="Ranks G (layout G x 1; the switch goes to another candidate).")
+    ] = 2,
+    clients: Annotated[int, typer.Option(help="Concurrent streaming clients.")] = 64,
+    requests: Annotated[
+        str, typer.Option(help="Requests per preset, e.g. tiny=512,small=128.")
+    ] = "tiny=512,small=128",
+    prompt_len: Annotated[int, typer.Option(help="Prompt tokens per request.")] = 32,
+    max_new_tokens: Annotated[int, typer.Option(help="New tokens per request (ignore_eos).")] = 64,
+    runs: Annotated[int, typer.Option(help="Alternated runs (in-process, then server) per preset.")] = 3,
+    work: Annotated[Path, typer.Option(help="Where checkpoints are cached.")] = Path("build/models"),
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON here.")] = None,
+) -> None:
+    """The HTTP server against the in-process engine on the same requests, event-loop latency under load,
+    and a layout change under load."""
+    from rollout_worker.server.bench import run_serve_bench
+
+    per: dict[str, int] = {}
+    for item in requests.split(","):
+        name, _, n = item.partition("=")
+        if not n.isdigit() or int(n) < 1:
+            raise UserError(f"{item!r} is not PRESET=N", "--requests")
+        per[name.strip()] = int(n)
+    names = [p.strip() for p in presets.split(",") if p.strip()]
+    run_serve_bench(names, ranks, per, prompt_len, max_new_tokens, clients, runs, work, json_out, typer.echo)

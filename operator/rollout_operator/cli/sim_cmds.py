@@ -9,21 +9,13 @@ from typing import Annotated, Any
 import typer
 from rollout_worker.api.errors import UserError
 
+from rollout_operator.cli.args import bench_group
+
 
 def register(app: typer.Typer) -> None:
     app.command("simulate")(simulate_cmd)
-    bench = _bench_group(app)
+    bench = bench_group(app)
     bench.command("planner")(bench_planner_cmd)
-
-
-def _bench_group(app: typer.Typer) -> typer.Typer:
-    """The `bench` group another module may have registered already, else a new one."""
-    for info in app.registered_groups:
-        if info.name == "bench" and info.typer_instance is not None:
-            return info.typer_instance
-    bench = typer.Typer(help="Benchmarks (JSON output + printed tables).", no_args_is_help=True)
-    app.add_typer(bench, name="bench")
-    return bench
 
 
 def simulate_cmd(

@@ -2,23 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
 import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from rollout_worker.server.process import ServerFailed, free_port, start_server, stop_server
 
 
 @dataclass
@@ -51,50 +41,23 @@ class Served:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-        return self.proc.returncode
+        return stop_server(self.proc)
 
 
 def start(model: Path, tmp: Path, *args: str, key: str | None = None, timeout: float = 90.0) -> Served:
     """Start the server and wait until /health answers 200 (fails with the server's log otherwise)."""
     port = free_port()
-    log = tmp / f"server-{port}.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "rollout_operator.cli.main",
-        "serve",
-        "--model",
-        str(model),
-        "--port",
-        str(port),
-    ]
+    extra = list(args)
     if key:
         keyfile = tmp / f"key-{port}"
         keyfile.write_text(key + "\n")
-        cmd += ["--api-key-file", str(keyfile)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with log.open("wb") as out:
-        proc = subprocess.Popen([*cmd, *args], stdout=out, stderr=subprocess.STDOUT, env=env)
-    served = Served(proc, f"http://127.0.0.1:{port}", log, key)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode}:\n{served.tail()}")
-        try:
-            if httpx.get(served.url + "/health", timeout=2).status_code == 200:
-                return served
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    served.stop()
-    raise AssertionError(f"server not healthy after {timeout} s:\n{served.tail()}")
+        extra += ["--api-key-file", str(keyfile)]
+    log = tmp / f"server-{port}.log"
+    try:
+        proc, url = start_server(model, extra, log, port, timeout)
+    except ServerFailed as exc:
+        raise AssertionError(str(exc)) from None
+    return Served(proc, url, log, key)
 
 
 def descendants(pid: int) -> list[int]:

@@ -32,12 +32,14 @@ class _Out:
 
 
 class Collector:
-    """Listener that accumulates every request's tokens until all have finished."""
+    """Listener that accumulates every request's tokens until all have finished; ``on_finish`` is called
+    (on the engine's reader thread) once per finished request."""
 
-    def __init__(self, rids: Sequence[str]) -> None:
+    def __init__(self, rids: Sequence[str], on_finish: Callable[[], None] | None = None) -> None:
         self.outs = {rid: _Out() for rid in rids}
         self.left = len(self.outs)
         self.done = threading.Event()
+        self.on_finish = on_finish
         self._lock = threading.Lock()
         if not self.left:
             self.done.set()
@@ -56,6 +58,8 @@ class Collector:
                     self.left -= 1
                     if self.left == 0:
                         self.done.set()
+                    if self.on_finish is not None:
+                        self.on_finish()
 
     def finished(self) -> int:
         with self._lock:
@@ -68,7 +72,8 @@ class BatchResult:
     steps: int
     step_ms: list[float]  # every decode step of every replica
     reconfigs: list[ReconfigEvent]
-    wall_s: float
+    wall_s: float  # the whole call: ranks started, weights loaded, generation, shutdown
+    gen_s: float = 0.0  # first request submitted -> last request finished
 
 
 class Interrupted(EngineError):
@@ -102,10 +107,20 @@ def run_batch(
     progress_every_s: float = 1.0,
     on_reconfig: Callable[[ReconfigEvent], None] | None = None,
     faults: Faults | None = None,
+    concurrency: int | None = None,
 ) -> BatchResult:
-    """Generate every request; ``triggers`` form the plan (switch when unfinished drops to n or fewer)."""
+    """Generate every request; ``triggers`` form the plan (switch when unfinished drops to n or fewer).
+    With ``concurrency``, at most that many requests are in flight: a new one is submitted as one finishes
+    (a closed loop, as that many clients of a server would run)."""
     CheckpointIndex(cfg.model_dir, cfg.model).verify()  # fail before starting any rank
-    col = Collector([s.id for s in specs])
+    pending = list(reversed(specs))
+    engine: Engine | None = None
+
+    def next_one() -> None:
+        if pending and engine is not None:
+            engine.submit(pending.pop())
+
+    col = Collector([s.id for s in specs], on_finish=next_one if concurrency else None)
     step_ms: list[float] = []
 
     def on_report(r: StepReport) -> None:
@@ -117,8 +132,9 @@ def run_batch(
     engine = Engine(cfg, listener=col, observer=observer, faults=faults)
     try:
         engine.start()
-        for spec in specs:
-            engine.submit(spec)
+        t_gen = time.perf_counter()
+        for _ in range(min(len(pending), concurrency or len(pending))):
+            next_one()
         if triggers:  # after the requests: a plan set on an empty engine would fire at once
             engine.set_plan(Plan(based_on_layout=cfg.layout, triggers=list(triggers)))
         last = time.monotonic()
@@ -126,6 +142,7 @@ def run_batch(
             if on_progress is not None and time.monotonic() - last >= progress_every_s:
                 on_progress(engine.state(), col.finished())
                 last = time.monotonic()
+        gen_s = time.perf_counter() - t_gen
         if engine.health == "failed":
             raise EngineError(engine.failure or "engine failed")
         steps, events = engine.state().step, engine.reconfigurations()
@@ -135,4 +152,4 @@ def run_batch(
     finally:
         engine.shutdown()
     outputs = [_row(s, col.outs[s.id]) for s in specs]
-    return BatchResult(outputs, steps, step_ms, events, time.perf_counter() - t0)
+    return BatchResult(outputs, steps, step_ms, events, time.perf_counter() - t0, gen_s)

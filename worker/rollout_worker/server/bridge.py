@@ -34,40 +34,31 @@ class AsyncEngine:
             if q is not None:
                 q.put_nowait(u)
 
-    def open(self, rids: list[str]) -> dict[str, asyncio.Queue[Update]]:
-        qs: dict[str, asyncio.Queue[Update]] = {rid: asyncio.Queue() for rid in rids}
-        self._queues.update(qs)
-        return qs
+    def open(self, rids: list[str]) -> asyncio.Queue[Update]:
+        """One queue for the updates of these requests (one HTTP request's worth)."""
+        q: asyncio.Queue[Update] = asyncio.Queue()
+        for rid in rids:
+            self._queues[rid] = q
+        return q
 
     def close(self, rids: list[str], abort: bool) -> None:
-        """Forget the requests' queues; abort the ones still running (the client went away)."""
+        """Forget the requests' queue; abort the ones still running (the client went away)."""
         for rid in rids:
             self._queues.pop(rid, None)
             if abort and self.engine is not None:
                 self.engine.abort(rid, "client disconnected")
 
-    async def updates(self, queues: dict[str, asyncio.Queue[Update]]) -> AsyncIterator[Update]:
-        """Every update of these requests, in order per request, until all have finished."""
-        merged: asyncio.Queue[Update] = asyncio.Queue()
-        left = set(queues)
-
-        async def pump(q: asyncio.Queue[Update]) -> None:
-            while True:
-                u = await q.get()
-                merged.put_nowait(u)
-                if u.finish is not None:
-                    return
-
-        tasks = [asyncio.create_task(pump(q)) for q in queues.values()]
-        try:
-            while left:
-                u = await merged.get()
-                if u.finish is not None:
-                    left.discard(u.rid)
-                yield u
-        finally:
-            for t in tasks:
-                t.cancel()
+    @staticmethod
+    async def batches(q: asyncio.Queue[Update], rids: list[str]) -> AsyncIterator[list[Update]]:
+        """Updates in arrival order, as many as are waiting at a time (a slow consumer gets fewer, larger
+        batches), until every request has finished."""
+        left = set(rids)
+        while left:
+            batch = [await q.get()]
+            while not q.empty():
+                batch.append(q.get_nowait())
+            left.difference_update(u.rid for u in batch if u.finish is not None)
+            yield batch
 
     async def call(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
         """Run a blocking engine verb in a worker thread."""

@@ -122,8 +122,6 @@ class Output:
             self.ids.append(tok.token)
             self.logprobs.append(tok.logprob)
             self.tops.append(tok.top)
-        if self._text is not None and u.tokens:
-            self._text.extend([t.token for t in u.tokens])
         if u.prompt is not None:
             self.prompt = u.prompt
         if u.finish is not None:
@@ -132,11 +130,11 @@ class Output:
 
     @property
     def text(self) -> str:
+        """Cumulative text; detokenised on demand (once per rendered chunk, not per token)."""
         if self._text is None:
             return ""
-        if self.finish is None:
-            return self._text.text
-        return self._final_text()
+        self._text.extend(self.ids[len(self._text.ids) :])
+        return self._text.text if self.finish is None else self._final_text()
 
     def _final_text(self) -> str:
         assert self._text is not None and self.finish is not None

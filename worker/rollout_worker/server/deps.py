@@ -5,8 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import orjson
 from fastapi import Request
+from fastapi.responses import JSONResponse
 
 from rollout_worker.api.errors import Unavailable
 from rollout_worker.engine.config import EngineConfig
@@ -45,3 +48,10 @@ class ServerState:
 def server_state(request: Request) -> ServerState:
     state: ServerState = request.app.state.server
     return state
+
+
+class FastJSON(JSONResponse):
+    """JSON bodies encoded with orjson (generation responses carry long id and logprob lists)."""
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)

@@ -41,6 +41,7 @@ def serve(settings: ServerSettings, cfg: EngineConfig) -> int:
         host=settings.host,
         port=settings.port,
         log_level="info",
+        access_log=settings.access_log,
         timeout_graceful_shutdown=max(5, int(settings.drain_seconds) + 5),
         lifespan="on",
     )

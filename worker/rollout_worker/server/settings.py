@@ -34,6 +34,9 @@ class ServerSettings(BaseSettings):
     drain_seconds: float = Field(
         0.0, ge=0, description="On SIGTERM, let requests finish for this long before aborting the rest."
     )
+    access_log: bool = Field(
+        False, description="Log every HTTP request (one line each; costs CPU under load)."
+    )
     failure_grace_seconds: float = Field(
         2.0, ge=0, description="After a rank dies, answer 503 this long, then exit non-zero."
     )

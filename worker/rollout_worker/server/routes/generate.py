@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import orjson
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.sglang import GenerateRequest
 from rollout_worker.server.convert import Job, Output, to_jobs
-from rollout_worker.server.deps import ServerState, server_state
+from rollout_worker.server.deps import FastJSON, ServerState, server_state
 
 router = APIRouter(tags=["sglang"])
 
@@ -29,13 +29,13 @@ class Generation:
         version = engine.weight_version
         self.outs = {j.spec.id: Output(j, state.codec, version) for j in jobs}
         self.index = {j.spec.id: i for i, j in enumerate(jobs)}
-        self.queues: dict[str, Any] = {}
+        self.queue: Any = None
         self.finished = False
 
     def start(self) -> None:
         """Submit every job (after validation passed); on a refusal, abort the ones already submitted."""
         engine = self.state.ready_engine()
-        self.queues = self.state.bridge.open(list(self.outs))
+        self.queue = self.state.bridge.open(list(self.outs))
         try:
             for job in self.jobs:
                 engine.submit(job.spec, job.stop)
@@ -48,11 +48,16 @@ class Generation:
         self.state.bridge.close(list(self.outs), abort=not self.finished)
 
     async def updates(self) -> AsyncIterator[tuple[str, Output]]:
-        async for u in self.state.bridge.updates(self.queues):
-            out = self.outs[u.rid]
-            out.add(u)
-            if u.tokens or u.finish is not None:
-                yield u.rid, out
+        """(rid, output) for every request that changed, once per batch of waiting updates."""
+        async for batch in self.state.bridge.batches(self.queue, list(self.outs)):
+            changed: dict[str, Output] = {}
+            for u in batch:
+                out = self.outs[u.rid]
+                out.add(u)
+                if u.tokens or u.finish is not None:
+                    changed[u.rid] = out
+            for rid, out in changed.items():
+                yield rid, out
         self.finished = True
 
 
@@ -84,18 +89,18 @@ async def stream_generation(
     batch: bool,
     render: Callable[[str, Output], dict[str, Any] | None] | None = None,
     final: Callable[[list[Output]], dict[str, Any] | None] | None = None,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     """Server-sent events: one chunk per new token (SGLang: cumulative), an optional ``final`` chunk, then
     ``data: [DONE]``."""
     gen = Generation(state, jobs)
 
-    async def events() -> AsyncIterator[str]:
+    async def events() -> AsyncIterator[bytes]:
         try:
             try:
                 gen.start()
             except UserError as exc:  # the response has started: SGLang reports errors in the stream
-                yield f"data: {json.dumps({'error': {'message': str(exc), 'field': exc.field}})}\n\n"
-                yield "data: [DONE]\n\n"
+                yield b"data: " + orjson.dumps({"error": {"message": str(exc), "field": exc.field}}) + b"\n\n"
+                yield b"data: [DONE]\n\n"
                 return
             async for rid, out in gen.updates():
                 chunk = out.render() if render is None else render(rid, out)
@@ -103,11 +108,11 @@ async def stream_generation(
                     continue
                 if batch:
                     chunk["index"] = gen.index[rid]
-                yield f"data: {json.dumps(chunk)}\n\n"
+                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
             last = final(list(gen.outs.values())) if final is not None else None
             if last is not None:
-                yield f"data: {json.dumps(last)}\n\n"
-            yield "data: [DONE]\n\n"
+                yield b"data: " + orjson.dumps(last) + b"\n\n"
+            yield b"data: [DONE]\n\n"
         finally:  # also when the client disconnects: the generator is closed, the requests aborted
             gen.close()
 
@@ -124,4 +129,4 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         return StreamingResponse(events, media_type="text/event-stream")
     outs = await run_generation(state, jobs, request)
     rendered = [o.render() for o in outs]
-    return JSONResponse(rendered if batch else rendered[0])
+    return FastJSON(rendered if batch else rendered[0])

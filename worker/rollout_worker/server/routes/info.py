@@ -43,7 +43,7 @@ async def health_generate(request: Request) -> JSONResponse:
     if engine.paused is not None or engine.book.unfinished:
         return JSONResponse({**body, "message": "serving requests"})  # busy ranks are alive ranks
     rid = f"health-{uuid.uuid4().hex}"
-    q = state.bridge.open([rid])[rid]
+    q = state.bridge.open([rid])
     try:
         engine.submit(RequestSpec(rid, (0,), 1, SamplingParams(), ignore_eos=True))
         while (await asyncio.wait_for(q.get(), timeout=20.0)).finish is None:

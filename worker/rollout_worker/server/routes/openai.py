@@ -7,12 +7,12 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollout_worker.api.sglang import GenerateRequest
 from rollout_worker.server.convert import Output, to_jobs
-from rollout_worker.server.deps import ServerState, server_state
+from rollout_worker.server.deps import FastJSON, ServerState, server_state
 from rollout_worker.server.routes.generate import run_generation, stream_generation
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -171,7 +171,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     if not body.stream:
         outs = await run_generation(state, jobs, request)
         choices = [_choice(i, o, o.text, 0, want) for i, o in enumerate(outs)]
-        return JSONResponse({**head, "choices": choices, "usage": _usage(outs, body.n)})
+        return FastJSON({**head, "choices": choices, "usage": _usage(outs, body.n)})
     sent_text: dict[str, int] = {}
     sent_tokens: dict[str, int] = {}
 
