@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 MODEL   = build/models/tiny-float32-seed0
 
-.PHONY: setup run test test-fast lint typecheck check bench-engine bench-planner clean
+.PHONY: setup run test test-fast lint typecheck imports check bench-engine bench-planner clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,7 +37,10 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
-check: lint typecheck
+imports: setup
+	$(BIN)/lint-imports
+
+check: lint typecheck imports
 
 bench-engine: setup
 	$(BIN)/rolloutctl bench engine --preset tiny --ranks 2 --json build/bench-engine-tiny.json

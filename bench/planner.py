@@ -1,4 +1,4 @@
-"""Planner benchmark (thin wrapper around rollout_profiler.bench_planner).
+"""Planner benchmark (thin wrapper around rollout_profiler.sim.bench).
 
 python bench/planner.py                  # 3 seeds per workload, prints the table
 python bench/planner.py --runs 5 --json bench-planner.json
@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from rollout_profiler import bench_planner
+from rollout_profiler.sim import bench as bench_planner
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 from rollout_operator.cli.main import main
-from rollout_profiler.db import engine as db_engine
-from rollout_profiler.db.testing import (
+from rollout_profiler.store import engine as db_engine
+from rollout_profiler.store.testing import (
     sample_profile,
 )
 from rollout_worker.api.errors import UserError

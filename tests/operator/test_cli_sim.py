@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from rollout_operator.cli.main import app
-from rollout_profiler import bench_planner
+from rollout_profiler.sim import bench as bench_planner
 from rollout_worker.api.errors import UserError
 from typer.testing import CliRunner
 

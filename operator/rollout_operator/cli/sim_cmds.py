@@ -52,13 +52,14 @@ def simulate_cmd(
 
     `--prior previous` uses the same synthetic workload with seed + 1000 (the previous iteration's lengths).
     """
-    from rollout_profiler.latency import LatencyModel
-    from rollout_profiler.predictor import Prior
+    from rollout_profiler.planning.latency import LatencyModel
+    from rollout_profiler.planning.predictor import Prior
     from rollout_profiler.profile import Profile
-    from rollout_profiler.sim_report import plot as plot_results
-    from rollout_profiler.sim_report import table
-    from rollout_profiler.simulator import SimConfig, parse_policies, simulate
-    from rollout_profiler.workloads import RECIPES, load
+    from rollout_profiler.sim.report import plot as plot_results
+    from rollout_profiler.sim.report import table
+    from rollout_profiler.sim.run import parse_policies, simulate
+    from rollout_profiler.sim.simulator import SimConfig
+    from rollout_profiler.sim.workloads import RECIPES, load
 
     if gpus < 1:
         raise UserError(f"--gpus must be >= 1, got {gpus}")
@@ -111,7 +112,7 @@ def bench_planner_cmd(
     ] = None,
 ) -> None:
     """Static TP 1/2/4/8 vs adaptive vs oracle on deepscaler-8k/16k, and decide() latency."""
-    from rollout_profiler import bench_planner
+    from rollout_profiler.sim import bench as bench_planner
 
     if runs < 1:
         raise UserError(f"--runs must be >= 1, got {runs}")
