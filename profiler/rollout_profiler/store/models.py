@@ -99,6 +99,7 @@ class ProfileRow(Base):
     method: Mapped[str] = mapped_column(String(32))
     provenance: Mapped[dict[str, Any]]
     costs: Mapped[dict[str, Any]]
+    kv_capacity: Mapped[dict[str, Any] | None]  # KV tokens per replica by TP size, and their basis (0002)
     created: Mapped[datetime | None]  # the profile's "created", parsed (NULL when not an aware ISO time)
     created_text: Mapped[str] = mapped_column(String(64))  # ... and verbatim, for an exact round trip
     stored_at: Mapped[datetime] = mapped_column(default=utcnow)

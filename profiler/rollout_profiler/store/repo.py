@@ -17,7 +17,7 @@ from rollout_worker.api.errors import UserError
 from sqlalchemy import case, func, insert, select
 from sqlalchemy.orm import Session, selectinload
 
-from rollout_profiler.profile import CostModel, ModelShape, Profile, ReconfigPoint, StepPoint
+from rollout_profiler.profile import CostModel, KVCapacity, ModelShape, Profile, ReconfigPoint, StepPoint
 from rollout_profiler.store.checks import check_lengths
 from rollout_profiler.store.models import ProfileRow, ReconfigCostPointRow, StepLatencyPointRow
 from rollout_profiler.store.records import ProfileSummary
@@ -90,6 +90,7 @@ def save_profile(session: Session, profile: Profile) -> int:
         "method": profile.method,
         "provenance": profile.provenance,
         "costs": dataclasses.asdict(profile.costs),
+        "kv_capacity": None if profile.kv_capacity is None else profile.kv_capacity.to_dict(),
         "created": _parse_created(profile.created),
         "created_text": profile.created,
     }
@@ -141,6 +142,7 @@ def load_profile(session: Session, profile_id: int) -> Profile:
         costs=CostModel(**row.costs),
         provenance=dict(row.provenance),
         created=row.created_text,
+        kv_capacity=None if row.kv_capacity is None else KVCapacity.from_dict(row.kv_capacity),
     )
 
 

@@ -186,3 +186,13 @@ def test_nothing_running_keeps() -> None:
     snap = snapshot(L81, [])
     d = decide(LatencyModel(profile()), snap, PlannerPolicy(ALL), fit(np.zeros(0), np.zeros(0), np.zeros(0)))
     assert d.action == "keep" and "no unfinished" in d.reason
+
+
+def test_gpu_switch_terms_are_paid_by_every_switch() -> None:
+    """CUDA-graph capture and the KV pool's re-layout: in the one cost model, 0 unless a profile says."""
+    assert (COSTS.graph_capture_ms, COSTS.kv_pool_ms) == (0.0, 0.0)
+    costs = replace(COSTS, graph_capture_ms=400.0, kv_pool_ms=25.0)
+    assert costs.base_ms(1, 4) == 5.0 + 2.0 + 400.0 + 25.0
+    assert costs.base_ms(4, 1) == 5.0 + 50.0 + 400.0 + 25.0
+    method, ms = switch_cost(costs, 1024, 8, L81, L24, 1000.0, "auto")
+    assert method == "migrate" and ms == pytest.approx(5 + 2 + 400 + 25 + 1 + 1000 * 1024 * 0.75 / 1e6)

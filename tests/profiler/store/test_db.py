@@ -11,7 +11,7 @@ import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from rollout_profiler.profile import Profile
+from rollout_profiler.profile import KVCapacity, Profile
 from rollout_profiler.store import engine as db_engine
 from rollout_profiler.store import migrate, repo
 from rollout_profiler.store.models import Base, ProfileRow, StepLatencyPointRow
@@ -44,7 +44,7 @@ def make_profile(name: str = "tiny-cpu-2", method: str = "measured", created: st
 
 def test_migrations_apply_on_an_empty_database(empty_url: str) -> None:
     assert migrate.current(empty_url) is None
-    assert migrate.upgrade(empty_url) == migrate.head() == "0001"
+    assert migrate.upgrade(empty_url) == migrate.head() == "0002"
     assert migrate.current(empty_url) == migrate.head()
     eng = db_engine.make_engine(empty_url)
     try:
@@ -56,7 +56,7 @@ def test_migrations_apply_on_an_empty_database(empty_url: str) -> None:
             cfg.stdout = io.StringIO()
             cfg.attributes["connection"] = conn
             command.current(cfg)
-            assert cfg.stdout.getvalue().split() == ["0001", "(head)"]
+            assert cfg.stdout.getvalue().split() == ["0002", "(head)"]
             # the migration builds exactly what the models describe
             ctx = MigrationContext.configure(conn, opts={"compare_type": True})
             assert compare_metadata(ctx, Base.metadata) == []
@@ -65,20 +65,21 @@ def test_migrations_apply_on_an_empty_database(empty_url: str) -> None:
 
 
 def test_upgrade_downgrade_upgrade(empty_url: str) -> None:
-    assert migrate.upgrade(empty_url) == "0001"
+    assert migrate.upgrade(empty_url) == "0002"
     assert migrate.downgrade(empty_url) is None
     eng = db_engine.make_engine(empty_url)
     try:
         assert set(inspect(eng).get_table_names()) <= {"alembic_version"}
     finally:
         eng.dispose()
-    assert migrate.upgrade(empty_url) == "0001"
+    assert migrate.upgrade(empty_url) == "0002"
     assert migrate.current(empty_url) == migrate.head()
 
 
 def test_profile_round_trip(db: Engine) -> None:
     first = make_profile()
     second = make_profile("tiny-offset", method="modelled", created="2026-11-21T22:00:00.123456+02:00")
+    second.kv_capacity = KVCapacity({1: 123_456, 2: 2**40}, {"gpu_bytes": 8.5e10, "rule": "test"})
     with Session(db) as session, session.begin():
         id1, id2 = repo.save_profile(session, first), repo.save_profile(session, second)
     with Session(db) as session:
