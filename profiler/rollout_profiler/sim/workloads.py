@@ -7,6 +7,13 @@ Named synthetic workloads (seeded, modelled on the DeepScaleR figures in ``share
   when wrong, cut at the cap. Mean ~4.9-5.0k tokens, 13-15% at the cap.
 * ``deepscaler-16k``: 128 prompts x n=16, cap 16,384: log-normal(8.25, 0.5) x1.6, the same mixture;
   mean ~8.2k, ~9% at the cap.
+* ``deepscaler-8k-late``: a late phase of the 8k stage (the policy has learnt to answer shorter):
+  log-normal(7.9, 0.4), the same mixture; mean ~3.6k tokens, ~4% at the cap.
+* ``sparse-tail``: 128 x 8, cap 8,192: log-normal(ln 600, 0.55) without the right/wrong mixture (median
+  ~600 tokens), plus exactly 0.9% of the responses running away to the cap (9 of 1,024).
+* ``cap-mass-0``, ``cap-mass-5``, ``cap-mass-10``, ``cap-mass-15``: the sweep of the mass at the cap:
+  128 x 8, cap 8,192, log-normal(ln 2,000, 0.45) (about 0.1% reach the cap by themselves) plus exactly
+  0 / 5 / 10 / 15% of the responses running away to the cap.
 
 Field notes say wrong answers are ~3x longer and 5% of responses carry 30-50% of tokens. Neither fits
 together with a mean of ~5k and a 10-15% cap mass under an 8k cap: a 3x factor pushes >20% onto the cap,
@@ -77,11 +84,20 @@ class _Recipe:
     wrong_factor: float = 2.0
     right_beta: tuple[float, float] = (6.0, 2.0)
     prompt_sigma: float = 0.15
+    runaway: float = 0.0  # share of responses (exact count, random ones) that run to the cap
 
 
 RECIPES = {
     "deepscaler-8k": _Recipe(prompts=128, n=8, cap=8192, mu=8.28, sigma=0.35),
     "deepscaler-16k": _Recipe(prompts=128, n=16, cap=16384, mu=8.25, sigma=0.5, scale=1.6),
+    "deepscaler-8k-late": _Recipe(prompts=128, n=8, cap=8192, mu=7.9, sigma=0.4),
+    "sparse-tail": _Recipe(prompts=128, n=8, cap=8192, mu=6.397, sigma=0.55, wrong_factor=1.0, runaway=0.009),
+    **{
+        f"cap-mass-{pct}": _Recipe(
+            prompts=128, n=8, cap=8192, mu=7.601, sigma=0.45, wrong_factor=1.0, runaway=pct / 100
+        )
+        for pct in (0, 5, 10, 15)
+    },
 }
 
 
@@ -99,6 +115,10 @@ def synthetic(name: str, seed: int = 0, prompts: int | None = None) -> Workload:
     logl = np.log(r.scale) + r.mu + prompt_eff + r.sigma * rng.standard_normal((n_p, r.n))
     logl += np.where(right, 0.0, np.log(r.wrong_factor))
     lengths = np.clip(np.rint(np.exp(logl)), 1, r.cap).astype(np.int64).ravel()
+    runaways = round(r.runaway * lengths.size)
+    if runaways:
+        below = np.nonzero(lengths < r.cap)[0]
+        lengths[rng.choice(below, min(runaways, below.size), replace=False)] = r.cap
     plen = np.clip(np.rint(250 * np.exp(0.4 * rng.standard_normal(n_p))), 64, 1024).astype(np.int64)
     prompt_lens = np.repeat(plen, r.n)
     return Workload(f"{name}/seed{seed}", lengths, prompt_lens, np.full(lengths.shape, r.cap, dtype=np.int64))

@@ -29,6 +29,24 @@ def test_deepscaler_16k_and_seeding() -> None:
     assert synthetic("deepscaler-8k", 0, prompts=4).size == 32
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_late_phase_and_sparse_tail_figures(seed: int) -> None:
+    late = synthetic("deepscaler-8k-late", seed).summary()
+    assert late["requests"] == 1024 and 3300 <= late["mean"] <= 3900 and 0.025 <= late["at_cap"] <= 0.06
+    sparse = synthetic("sparse-tail", seed)
+    s = sparse.summary()
+    assert 550 <= s["median"] <= 650 and int((sparse.lengths >= 8192).sum()) == 9  # 0.9% of 1,024
+    assert (sparse.lengths[sparse.lengths < 8192] < 6000).all()  # the rest stop well before the cap
+
+
+@pytest.mark.parametrize("pct", [0, 5, 10, 15])
+def test_cap_mass_sweep(pct: int) -> None:
+    wl = synthetic(f"cap-mass-{pct}", 0)
+    at_cap = wl.summary()["at_cap"]
+    assert pct / 100 - 1 / 1024 <= at_cap <= pct / 100 + 0.005  # round(p x 1,024) run away
+    assert np.median(wl.lengths) < 2400
+
+
 def write(tmp_path: Path, text: str) -> Path:
     p = tmp_path / "lens.jsonl"
     p.write_text(text)
