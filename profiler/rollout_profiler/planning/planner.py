@@ -5,15 +5,24 @@ and the fitted :class:`~rollout_profiler.planning.predictor.LengthPredictor`, th
 still running ``k`` steps ahead is ``n(k) = sum_i S(g_i + k) / S(g_i)`` (0 once ``g_i + k`` reaches the cap),
 and their mean context grows by one token per step. Requests are grouped by (generated // w, cap), w = 16
 tokens (wider when lengths spread over more than 64 bins) so the cost does not grow with the requests.
-``k`` runs over ``policy.chunks`` equal chunks up to the longest possible remaining length. The pod runs in
-lockstep, one step = the slowest replica:
+``k`` runs over ``policy.chunks`` equal chunks up to the longest possible remaining length. Replicas step
+independently and the pod is done when its slowest replica is, so per chunk:
 
-* the current layout keeps its requests where they are: step = ``step_ms(max_r n_r(k), ctx(k))``;
-* a layout switched to is balanced by remaining work: step = ``step_ms(n(k) / D, ctx(k))``;
+* the current layout keeps its requests where they are: its busiest replica, ``b = max_r n_r(k)``;
+* a layout switched to is balanced by remaining work at the switch, after which its replicas drift apart
+  as requests finish: ``b`` = the expected busiest of ``D`` binomial shares of the survivors
+  (``n(k) / D + z_D sqrt(n(0) / D x p (1 - p))``, ``p = n(k) / n(0)``);
 
+and a replica that holds ``b`` requests but can run only ``b_max`` of them at once (``max_batch_per_replica``;
+its KV tokens over what a request takes: prompt + max_new_tokens reserved under the ``engine`` admission
+policy, the mean context under ``sglang``) runs them in ``b / b_max`` turns: step =
+``step_ms(min(b, b_max), ctx(k)) x max(1, b / b_max)``, so waiting requests and memory limits are priced
 (batches are floored at 1 and the step scaled by ``min(1, n(k))``, the chance that anything still runs).
 A chunk's time is its length x the step at its midpoint (so a drop at the cap, at the last boundary,
 is not halved); switch costs use the KV tokens at the boundaries.
+
+Start. :func:`choose_start` picks the layout to start a rollout in (``initialLayout: auto``): the candidate
+whose plan, from all requests waiting, is the cheapest.
 
 Plan. A dynamic programme over (chunk boundary, layout) finds the cheapest schedule of switches (a chain,
 e.g. 8x1 -> 4x2 -> 1x8; growing TP only unless ``allow_shrink``). ``forward_plan`` returns its switches as
@@ -76,12 +85,16 @@ class PlannerPolicy:
     allow_shrink: bool = False
     max_batch_per_replica: int | None = None
     chunks: int = 32
+    kv_tokens_per_replica: tuple[tuple[int, int], ...] = ()  # (TP size, KV tokens); absent: unlimited
+    admission: str = "engine"  # "engine" (prompt + max_new_tokens reserved) or "sglang" (tokens used)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise UserError(f"planner method must be one of {METHODS}, got {self.method!r}")
+            raise UserError(f"must be one of {METHODS}, got {self.method!r}", "method")
         if self.margin < 0 or self.min_gain_ms < 0 or self.chunks < 1:
-            raise UserError("planner margin, min_gain_ms must be >= 0 and chunks >= 1")
+            raise UserError("margin, min_gain_ms must be >= 0 and chunks >= 1", "planner")
+        if self.admission not in ("engine", "sglang"):
+            raise UserError(f"must be engine or sglang, got {self.admission!r}", "admission")
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,8 +155,12 @@ def _model(p: Profile | LatencyModel) -> LatencyModel:
     return p if isinstance(p, LatencyModel) else LatencyModel(p)
 
 
-def _curves(snap: PodSnapshot, pred: LengthPredictor, chunks: int) -> tuple[np.ndarray, ...]:
-    """Boundaries k (M+1) with n_tot and KV tokens there; n_tot, max_r n_r, mean context at midpoints."""
+_Curves = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]
+
+
+def _curves(snap: PodSnapshot, pred: LengthPredictor, chunks: int) -> _Curves:
+    """Boundaries k (M+1) with n_tot and KV tokens there; n_tot, max_r n_r, mean context at midpoints; the
+    mean tokens an unfinished request reserves (prompt + max_new_tokens)."""
     reps = snap.replicas
     counts = [len(r.generated) for r in reps]
     gen = np.concatenate([r.generated for r in reps] + [np.zeros(r.waiting) for r in reps]).astype(float)
@@ -170,19 +187,41 @@ def _curves(snap: PodSnapshot, pred: LengthPredictor, chunks: int) -> tuple[np.n
     n_all = size @ cs
     tokens = np.bincount(inv, weights=ctx0, minlength=n_g) @ cs + pts * n_all
     ctx = tokens[k.size :] / np.maximum(n_all[k.size :], 1e-9)
-    return k, n_all[: k.size], tokens[: k.size], n_all[k.size :], n_max, ctx
+    reserved = float((ctx0 - gen + cap).mean())  # prompt + max_new_tokens, per unfinished request
+    return k, n_all[: k.size], tokens[: k.size], n_all[k.size :], n_max, ctx, reserved
+
+
+# Expected maximum of D independent standard normal variables (D = 1, 2, 3, 4, 8, 16).
+_MAX_Z = {1: 0.0, 2: 0.5642, 3: 0.8463, 4: 1.0294, 8: 1.4236, 16: 1.7660}
+
+
+def _busiest(n: np.ndarray, n0: float, replicas: int) -> np.ndarray:
+    """Requests left on the busiest of ``replicas`` replicas that shared ``n0`` requests evenly when ``n``
+    are left in all: each request survives independently, so a replica's survivors are binomial and the
+    busiest holds about ``n / D + z_D sqrt(n0 / D x p (1 - p))`` with ``p = n / n0``."""
+    if replicas <= 1 or n0 <= 0:
+        return n / max(replicas, 1)
+    z = _MAX_Z.get(replicas, float(np.sqrt(2 * np.log(replicas))) * 0.8)
+    p = np.clip(n / n0, 0.0, 1.0)
+    return n / replicas + z * np.sqrt(n0 / replicas * p * (1 - p))
+
+
+def _batch_limit(policy: PlannerPolicy, lay: Layout, ctx: np.ndarray, reserved: float) -> np.ndarray:
+    """Requests one replica of ``lay`` can run at once, per chunk midpoint (inf: no limit)."""
+    limit = np.full(ctx.shape, float(policy.max_batch_per_replica or np.inf))
+    tokens = dict(policy.kv_tokens_per_replica).get(lay.tp)
+    if tokens is not None:
+        per_request = np.full(ctx.shape, reserved) if policy.admission == "engine" else ctx
+        limit = np.minimum(limit, np.maximum(tokens / np.maximum(per_request, 1.0), 1.0))
+    return limit
 
 
 def _plan(model: LatencyModel, snap: PodSnapshot, policy: PlannerPolicy, pred: LengthPredictor) -> _Plan:
     prof = model.profile
     kvb, kvh = prof.model.kv_bytes_per_token(prof.dtype_bytes), prof.model.num_kv_heads
-    k, n_tot, tokens, n_mid, n_max, ctx = _curves(snap, pred, policy.chunks)
+    k, n_tot, tokens, n_mid, n_max, ctx, reserved = _curves(snap, pred, policy.chunks)
     world = snap.layout.world
-    total_now = float(n_tot[0])
-    mb = policy.max_batch_per_replica
-    cands = [
-        c for c in policy.candidates if c.world == world and (mb is None or total_now / c.replicas <= mb)
-    ]
+    cands = [c for c in policy.candidates if c.world == world]
     if not policy.allow_shrink:  # states a growing chain can never reach are left out
         cands = [c for c in cands if c.tp > snap.layout.tp]
     states = [snap.layout, *cands]
@@ -190,8 +229,10 @@ def _plan(model: LatencyModel, snap: PodSnapshot, policy: PlannerPolicy, pred: L
     dk = np.diff(k)
     chunk: list[list[float]] = []
     for s, lay in enumerate(states):
-        b = np.maximum(n_max if s == 0 else n_mid / lay.replicas, 1.0)
-        chunk.append((dk * model.step_ms_many(lay, b, ctx) * alive).tolist())
+        b = np.maximum(n_max if s == 0 else _busiest(n_mid, float(n_tot[0]), lay.replicas), 1.0)
+        limit = _batch_limit(policy, lay, ctx, reserved)
+        turns = np.maximum(b / limit, 1.0)
+        chunk.append((dk * model.step_ms_many(lay, np.minimum(b, limit), ctx) * turns * alive).tolist())
     shrink = policy.allow_shrink
     allowed = [
         [t for t in range(1, len(states)) if states[t] != src and (shrink or states[t].tp > src.tp)]
@@ -305,3 +346,37 @@ def forward_plan(
     if not any(len(r.generated) or r.waiting for r in snapshot.replicas):
         return []
     return _plan(_model(profile_or_model), snapshot, policy, predictor).triggers
+
+
+def choose_start(
+    profile_or_model: Profile | LatencyModel,
+    snapshot: PodSnapshot,
+    policy: PlannerPolicy,
+    predictor: LengthPredictor,
+) -> Layout:
+    """The layout to start in (``initialLayout: auto``): for each candidate, the predicted time of its best
+    plan with every request of ``snapshot`` (e.g. all waiting) dealt over its replicas; the cheapest wins.
+    Ties go to the smaller TP size."""
+    model = _model(profile_or_model)
+    reps = snapshot.replicas
+    prompt = np.concatenate([r.prompt_len for r in reps])
+    gen = np.concatenate([r.generated for r in reps])
+    cap = np.concatenate([r.cap for r in reps])
+    waiting = sum(r.waiting for r in reps)
+    best: tuple[float, int, Layout] | None = None
+    for lay in sorted(policy.candidates, key=lambda c: c.tp):
+        idx = [np.arange(d, gen.size, lay.replicas) for d in range(lay.replicas)]
+        dealt = tuple(
+            ReplicaState(prompt[ix], gen[ix], cap[ix], waiting // lay.replicas + (d < waiting % lay.replicas))
+            for d, ix in enumerate(idx)
+        )
+        snap = PodSnapshot(lay, dealt, (True,) * lay.world, snapshot.step, snapshot.time_s,
+                           snapshot.waiting_prompt_len, snapshot.waiting_cap)  # fmt: skip
+        if not any(len(r.generated) or r.waiting for r in dealt):
+            return lay
+        ms = _plan(model, snap, policy, predictor).w0[0]
+        if best is None or ms < best[0]:
+            best = (ms, lay.tp, lay)
+    if best is None:
+        raise UserError("no candidate layout", "candidates")
+    return best[2]

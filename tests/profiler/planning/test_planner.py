@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from rollout_profiler.planning import planner
 from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.planning.planner import (
     Decision,
@@ -20,6 +21,7 @@ from rollout_profiler.planning.planner import (
     PlannerPolicy,
     PodSnapshot,
     ReplicaState,
+    choose_start,
     decide,
     forward_plan,
     switch_cost,
@@ -196,3 +198,33 @@ def test_gpu_switch_terms_are_paid_by_every_switch() -> None:
     assert costs.base_ms(4, 1) == 5.0 + 50.0 + 400.0 + 25.0
     method, ms = switch_cost(costs, 1024, 8, L81, L24, 1000.0, "auto")
     assert method == "migrate" and ms == pytest.approx(5 + 2 + 400 + 25 + 1 + 1000 * 1024 * 0.75 / 1e6)
+
+
+def test_kv_capacity_and_admission_price_waiting() -> None:
+    """64 requests of 5,000 tokens on 8x1 (b = 8, 10.8 ms); 4x2 would run 16 per replica at 8.4 ms, but
+    holds only 40,800 KV tokens per replica: 8 requests reserving prompt + max_new_tokens = 5,100 each."""
+    snap = snapshot(L81, [5000] * 64)
+    assert run(snap).target == L42  # no memory limit: 4x2
+    tokens = ((2, 40_800),)
+    kept = run(snap, kv_tokens_per_replica=tokens)  # engine: 2 turns of batch 8: 2 x 7.2 ms > 10.8 ms
+    assert kept.action == "keep"
+    # sglang admits by tokens in use: 16 fit while contexts are short, so 4x2 pays for most of the run
+    assert run(snap, kv_tokens_per_replica=tokens, admission="sglang").target == L42
+
+
+def test_busiest_replica_drifts_after_a_balanced_switch() -> None:
+    n = np.array([100.0, 50.0, 0.0])
+    assert planner._busiest(n, 100.0, 1).tolist() == [100.0, 50.0, 0.0]
+    got = planner._busiest(n, 100.0, 2)
+    assert got[0] == pytest.approx(50.0) and got[2] == pytest.approx(0.0)  # all or none left: no spread
+    assert got[1] == pytest.approx(25 + 0.5642 * np.sqrt(50 * 0.5 * 0.5))  # binomial shares of 2 replicas
+
+
+def test_choose_start_layout() -> None:
+    waiting = PodSnapshot(L81, (ReplicaState(np.zeros(0), np.zeros(0), np.zeros(0), 64),), (True,) * 8,
+                          0, 0.0, 100, 5000)  # fmt: skip
+    pred = fit(np.zeros(0), np.zeros(64), np.full(64, 5000.0))
+    model = LatencyModel(profile())
+    assert choose_start(model, waiting, PlannerPolicy(ALL), pred) == L42
+    limited = PlannerPolicy(ALL, kv_tokens_per_replica=((2, 40_800),))
+    assert choose_start(model, waiting, limited, pred) == L81
