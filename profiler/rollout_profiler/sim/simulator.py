@@ -1,113 +1,65 @@
-"""Step-level simulation of one pod generating one rollout batch.
+"""Step-level simulation of one pod generating one rollout batch, as the engine runs it.
 
-The pod runs in lockstep: every step each replica decodes one token for each of its running requests,
-and the step lasts as long as the slowest replica, ``max_r LatencyModel.step_ms(layout, batch_r, ctx_r)``
-(``ctx_r`` = mean prompt + generated tokens on replica ``r``). Request ``i`` leaves after ``lengths[i]``
-steps. The simulation is event-driven: between two events (a request finishing, a decision point, a
-recording mark, at most ``max_segment`` steps) batches are constant and contexts grow by one token per
-step, so a segment of ``n`` steps costs ``n`` x the step at its mid-context (exact where the step is
-linear in context). With ``max_batch_per_replica``, extra requests wait in their replica's FIFO queue.
+Replicas are independent. Every replica of the layout ``D x T`` decodes its own batch at its own pace: a
+step of replica ``r`` lasts ``LatencyModel.step_ms(layout, batch_r, ctx_r)`` (``ctx_r`` = the mean prompt +
+generated tokens of its running requests) and nobody waits for the slowest replica. Requests are dispatched
+to replicas when they arrive (all at time 0, in order: the replica with the fewest unfinished requests
+first) and wait in that replica's queue until admitted. The replicas meet only to reconfigure: at a switch
+each replica finishes the step it is in, the pod pays the switch cost (the one
+:class:`~rollout_worker.api.costs.CostModel`, :func:`~rollout_profiler.planning.planner.switch_cost`), and
+the unfinished requests are rebalanced over the new replicas by remaining work, longest first (equal work:
+by count).
 
-Policies: ``static:T`` (layout G/T x T throughout, requests dealt round-robin), ``adaptive`` (the real
-predictor + planner every ``decide_every`` steps, seeing only finished lengths and current lengths;
-switches rebalance requests by predicted remaining work), ``oracle`` (see :mod:`rollout_profiler.sim.oracle`).
-Switch costs come from the profile's CostModel (:func:`~rollout_profiler.planning.planner.switch_cost`);
-the pod generates nothing while it switches.
+The simulation is event-driven: each replica advances in segments during which its batch is constant (a
+segment ends at the next completion, when its KV memory runs out, or at the next multiple of
+``max_segment`` steps), a segment of ``n`` steps costs ``n`` x the step at its mid-context, and segments of
+different replicas are committed in the order they end, so completions happen in wall-clock order.
 
-GPU-busy fraction = sum over steps of step x (GPUs of replicas with a non-empty batch) / (G x latency).
+Memory (:mod:`rollout_profiler.sim.memory`): each replica holds at most the profile's KV capacity for its
+TP size (unlimited when the profile does not say), under one of two admission policies, named in every
+result: ``engine`` (a request is admitted when a slot is free and its prompt + max_new_tokens fit the
+tokens not yet reserved; nothing is ever preempted) and ``sglang`` (admitted when its current tokens fit
+what is used now; when the next step does not fit, the newest request is preempted and later re-prefilled,
+its prompt + generated tokens at the replica's prefill rate). Prefill of the prompts themselves is not
+modelled (the same work for every layout).
+
+Controllers decide switches: by wall clock (``next_time`` / ``on_time``, the planner) or when requests
+finish (``on_finish``, schedules replayed from triggers "when unfinished <= n"). Nothing in a run depends on
+absolute time, so a run whose switches cost 0 is the same run shifted: its latency is the latency minus the
+switch costs (the free-switch bound relies on this).
+
+GPU-busy fraction = sum over segments of step x T (replicas with a non-empty batch) / (G x latency).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+import math
+from typing import Protocol
 
 import numpy as np
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.layout import Layout, candidate_layouts
+from rollout_worker.api.plan import ReconfigEvent
 
 from rollout_profiler.planning.latency import LatencyModel
-from rollout_profiler.planning.planner import (
-    Decision,
-    LastSwitch,
-    PlannerPolicy,
-    PodSnapshot,
-    ReplicaState,
-    decide,
-    switch_cost,
-)
-from rollout_profiler.planning.predictor import LengthPredictor, Prior, fit
+from rollout_profiler.planning.planner import PlannerPolicy, switch_cost
+from rollout_profiler.sim.config import SimConfig, SimResult, Switch
+from rollout_profiler.sim.memory import DONE, RUNNING, WAITING, Admission, Requests, balance
 from rollout_profiler.sim.workloads import Workload
 
 
-@dataclass(frozen=True, slots=True)
-class SimConfig:
-    gpus: int
-    decide_every: int = 32
-    max_batch_per_replica: int | None = None
-    max_segment: int = 256
-    planner: PlannerPolicy | None = None  # default: every profiled TP that fits, default hysteresis
-    prior: Prior | None = None
-    oracle_per_octave: int = 3
-
-    def __post_init__(self) -> None:
-        if self.gpus < 1 or self.decide_every < 1 or self.max_segment < 1 or self.oracle_per_octave < 1:
-            raise UserError("gpus, decide_every, max_segment and oracle_per_octave must be >= 1")
-        if self.max_batch_per_replica is not None and self.max_batch_per_replica < 1:
-            raise UserError(f"max_batch_per_replica must be >= 1, got {self.max_batch_per_replica}")
-
-
-@dataclass(frozen=True, slots=True)
-class Reconfig:
-    step: int
-    time_s: float
-    src: str
-    dst: str
-    method: str
-    cost_ms: float
-    running: int
-
-
-@dataclass(slots=True)
-class SimResult:
-    policy: str
-    latency_s: float
-    gpu_busy: float
-    reconfigs: list[Reconfig]
-    timeline: list[tuple[float, int, int]]  # (time s, running requests, TP)
-    detail: str = ""
-    marks: dict[int, float] = field(default_factory=dict)  # step -> elapsed ms (oracle bookkeeping)
-
-    def to_dict(self, timeline: bool = False) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "policy": self.policy,
-            "latency_s": self.latency_s,
-            "gpu_busy": self.gpu_busy,
-            "reconfigurations": len(self.reconfigs),
-            "reconfigs": [asdict(r) for r in self.reconfigs],
-            "detail": self.detail,
-        }
-        if timeline:
-            d["timeline"] = [list(x) for x in self.timeline]
-        return d
-
-
-@dataclass(frozen=True, slots=True)
-class Switch:
-    layout: Layout
-    method: str
-    work: np.ndarray  # per request: key for balancing (remaining work); only unfinished entries are used
-
-
 class Controller(Protocol):
-    def next_call(self, step: int) -> float: ...
+    def next_time(self, sim: Simulator) -> float: ...
 
-    def __call__(self, sim: Simulator, step: int, time_ms: float) -> Switch | None: ...
+    def on_time(self, sim: Simulator, t_ms: float) -> Switch | None: ...
+
+    def on_finish(self, sim: Simulator, t_ms: float) -> Switch | None: ...
+
+    def switched(self, sim: Simulator, t_end_ms: float) -> None: ...
 
 
 class Simulator:
-    """One workload on one pod; ``run`` is one pass (used by every policy and by the oracle's phases)."""
+    """One workload on one pod; ``run`` is one pass (used by every policy, the oracles and the bounds)."""
 
     def __init__(self, model: LatencyModel, workload: Workload, cfg: SimConfig) -> None:
         self.model, self.wl, self.cfg = model, workload, cfg
@@ -116,216 +68,231 @@ class Simulator:
         self.cap = workload.caps.astype(float)
         prof = model.profile
         self.kv_bytes = prof.model.kv_bytes_per_token(prof.dtype_bytes)
-        # run state (reset by run)
+        capacity = cfg.kv_capacity if cfg.kv_capacity is not None else prof.kv_capacity
+        self.capacity = capacity if cfg.memory else None
         self.layout = Layout(cfg.gpus, 1)
-        self.rep = np.zeros(0, dtype=np.int64)
-        self.start = np.zeros(0)
-        self.end = np.zeros(0)
-        self.waiting = np.zeros(0, dtype=bool)
-        self.done = np.zeros(0, dtype=bool)
+        self.req = Requests.start(self.prompt, self.cap, self.lengths, 0.0)
+        self.free = False
+
+    # --- what a layout can do -----------------------------------------------------------------------
+
+    def kv_tokens(self, layout: Layout) -> float:
+        """KV tokens one replica of ``layout`` holds (inf: unknown)."""
+        got = None if self.capacity is None else self.capacity.tokens(layout.tp)
+        return math.inf if got is None else float(got)
+
+    def fits(self, layout: Layout) -> bool:
+        """Whether every request can run alone on one replica of ``layout`` (else the layout is unusable)."""
+        return float((self.prompt + self.cap).max()) <= self.kv_tokens(layout)
 
     def candidates(self) -> list[Layout]:
         m = self.model.profile.model
         profiled = {lay.tp for lay in self.model.layouts}
         fits = candidate_layouts(self.cfg.gpus, m.num_heads, m.num_kv_heads, m.vocab_size)
-        return [lay for lay in fits if lay.tp in profiled]
+        return [lay for lay in fits if lay.tp in profiled and self.fits(lay)]
 
     def policy(self) -> PlannerPolicy:
         if self.cfg.planner is not None:
             return self.cfg.planner
-        return PlannerPolicy(tuple(self.candidates()), max_batch_per_replica=self.cfg.max_batch_per_replica)
+        caps = {
+            lay.tp: int(self.kv_tokens(lay))
+            for lay in self.candidates()
+            if math.isfinite(self.kv_tokens(lay))
+        }
+        return PlannerPolicy(
+            tuple(self.candidates()),
+            max_batch_per_replica=self.cfg.max_batch_per_replica,
+            kv_tokens_per_replica=tuple(sorted(caps.items())),
+            admission=self.cfg.admission,
+        )
 
-    def generated(self, idx: np.ndarray, step: int) -> np.ndarray:
-        return step - self.start[idx]
+    # --- state seen by controllers ------------------------------------------------------------------
 
-    def _assign(self, layout: Layout, work: np.ndarray, idx: np.ndarray) -> None:
-        """Deal ``idx`` over the replicas in snake order of decreasing work (close to LPT balancing)."""
-        order = idx[np.argsort(-work[idx], kind="stable")]
-        d = layout.replicas
-        pos = np.arange(order.size) % (2 * d)
-        self.rep[order] = np.where(pos < d, pos, 2 * d - 1 - pos)
+    def unfinished(self) -> int:
+        return int((self.req.status != DONE).sum())
 
-    def _admit(self, step: int) -> None:
-        mb = self.cfg.max_batch_per_replica
-        if mb is None or not self.waiting.any():
-            return
-        running = np.isfinite(self.end)
-        counts = np.bincount(self.rep[running], minlength=self.layout.replicas)
+    def gen_at(self, t_ms: float) -> np.ndarray:
+        """Generated tokens of every request at ``t_ms`` (replicas mid-segment counted step by step)."""
+        gen = self.req.gen.copy()
         for r in range(self.layout.replicas):
-            free = mb - int(counts[r])
-            if free > 0:
-                w = np.nonzero(self.waiting & (self.rep == r))[0][:free]
-                self.waiting[w] = False
-                self.start[w] = step
-                self.end[w] = step + self.lengths[w]
+            n, ms, clock = self._pend_n[r], self._pend_ms[r], self._clock[r]
+            if n and t_ms > clock:
+                done = min(int(n), int((t_ms - clock) // ms))
+                if done:
+                    gen[self.req.on(r, RUNNING)] += done
+        return gen
+
+    def _admission(self, layout: Layout) -> Admission:
+        rate = self.model.profile.costs.recompute_tokens_per_ms * layout.tp / self.cfg.gpus
+        return Admission(self.cfg.admission, self.cfg.max_batch_per_replica, self.kv_tokens(layout), rate)
+
+    # --- one run ------------------------------------------------------------------------------------
 
     def run(
         self,
         layout: Layout,
         *,
         name: str,
-        start_step: int = 0,
+        start_gen: float = 0.0,
         work: np.ndarray | None = None,
         controller: Controller | None = None,
         marks: tuple[int, ...] = (),
+        free_switches: bool = False,
     ) -> SimResult:
-        """From ``start_step`` (all requests admitted at step 0; > 0 only without a batch limit)."""
-        n, cfg, g = self.lengths.size, self.cfg, self.cfg.gpus
+        """From ``start_gen`` tokens generated by every request (> 0: the state a switch would carry over,
+        KV caches present), requests placed by ``work`` (None: dispatched by count)."""
+        g = self.cfg.gpus
         if layout.world != g:
-            raise UserError(f"layout {layout} has {layout.world} ranks, the pod has {g} GPUs")
-        if start_step and cfg.max_batch_per_replica is not None:
-            raise UserError("a run can start after step 0 only without a batch limit")
-        self.layout = layout
-        self.done = self.lengths <= start_step
-        self.rep = np.zeros(n, dtype=np.int64)
-        live = np.nonzero(~self.done)[0]
-        if work is None:
-            self.rep[live] = np.arange(live.size) % layout.replicas
-        else:
-            self._assign(layout, work, live)
-        self.start = np.zeros(n)
-        self.end = np.where(self.done, np.inf, self.lengths)
-        self.waiting = np.zeros(n, dtype=bool)
-        if cfg.max_batch_per_replica is not None:
-            self.waiting[:] = True
-            self.end[:] = np.inf
-            self._admit(0)
-        step, t, busy = start_step, 0.0, 0.0
-        reconfigs: list[Reconfig] = []
-        timeline = [(0.0, int(live.size), layout.tp)]
-        pending = sorted(m for m in marks if m > step)
-        got: dict[int, float] = {}
-        while True:
-            running = np.isfinite(self.end)
-            if not running.any() and not self.waiting.any():
-                break
-            if controller is not None and step >= controller.next_call(step):
-                sw = controller(self, step, t)
+            raise UserError(f"layout {layout} has {layout.world} ranks, the pod has {g} GPUs", "layout")
+        if not self.fits(layout):
+            raise UserError(f"a request does not fit one replica of {layout} (KV capacity)", "layout")
+        self.layout, self.free = layout, free_switches
+        self.mem = self._admission(layout)
+        req = self.req = Requests.start(self.prompt, self.cap, self.lengths, start_gen)
+        self.events: list[ReconfigEvent] = []
+        live = np.nonzero(req.status != DONE)[0]
+        req.rep[live] = balance(np.zeros(req.gen.size) if work is None else work, live, layout.replicas)
+        self._reset_replicas(0.0)
+        self.busy = 0.0
+        self.timeline = [(0.0, int(live.size), layout.tp)]
+        self.pending_marks = sorted((m for m in marks if m < live.size), reverse=True)
+        self.got: dict[int, float] = {}
+        while self.unfinished():
+            self._refresh()
+            r = int(np.argmin(self._pend_end))
+            t_dec = controller.next_time(self) if controller is not None else math.inf
+            if t_dec <= self._pend_end[r]:
+                sw = controller.on_time(self, t_dec) if controller is not None else None
                 if sw is not None:
-                    t += self._switch(sw, step, t, reconfigs)
-                    timeline.append((t / 1e3, int(running.sum() + self.waiting.sum()), self.layout.tp))
-                    running = np.isfinite(self.end)
-            nxt = min(float(self.end.min()), float(step + cfg.max_segment))
-            if controller is not None:
-                nxt = min(nxt, max(controller.next_call(step), step + 1))
-            if pending:
-                nxt = min(nxt, pending[0])
-            seg = int(nxt) - step
-            idx = np.nonzero(running)[0]
-            if idx.size:
-                d = self.layout.replicas
-                b = np.bincount(self.rep[idx], minlength=d)
-                ctx = np.bincount(
-                    self.rep[idx], weights=self.prompt[idx] + step - self.start[idx], minlength=d
-                )
-                mid = (seg - 1) / 2
-                ms = max(
-                    self.model.step_ms(self.layout, float(b[r]), float(ctx[r]) / float(b[r]) + mid)
-                    for r in range(d)
-                    if b[r]
-                )
-                t += seg * ms
-                busy += seg * ms * self.layout.tp * int((b > 0).sum())
-            step += seg
-            fin = self.end <= step
-            if fin.any():
-                self.done |= fin
-                self.end[fin] = np.inf
-                self._admit(step)
-                timeline.append(
-                    (t / 1e3, int(np.isfinite(self.end).sum() + self.waiting.sum()), self.layout.tp)
-                )
-            while pending and pending[0] <= step:
-                got[pending.pop(0)] = t
-        gpu_busy = busy / (g * t) if t > 0 else 0.0
-        return SimResult(name, t / 1e3, gpu_busy, reconfigs, timeline, marks=got)
+                    self._switch(sw, t_dec, controller)
+                continue
+            if not math.isfinite(self._pend_end[r]):
+                raise UserError(f"{name}: requests wait that no replica of {self.layout} can admit")
+            finished = self._commit(r, self._pend_n[r])
+            if finished and controller is not None:
+                sw = controller.on_finish(self, self._clock[r])
+                if sw is not None:
+                    self._switch(sw, self._clock[r], controller)
+        latency = float(self._latest)
+        gpu_busy = self.busy / (g * latency) if latency > 0 else 0.0
+        return SimResult(
+            name,
+            latency / 1e3,
+            gpu_busy,
+            self.events,
+            self.timeline,
+            admission=self.cfg.admission,
+            preemptions=req.preemptions,
+            recomputed_tokens=int(req.recomputed),
+            marks=self.got,
+        )
 
-    def _switch(self, sw: Switch, step: int, t: float, log: list[Reconfig]) -> float:
+    def _reset_replicas(self, t_ms: float, steps: int = 0) -> None:
+        d = self.layout.replicas
+        self._clock = np.full(d, t_ms)
+        self._latest = t_ms
+        self._pend_n = np.zeros(d, dtype=np.int64)
+        self._pend_ms = np.zeros(d)
+        self._pend_end = np.full(d, math.inf)
+        self._dirty = np.ones(d, dtype=bool)
+        self._steps = np.full(d, steps, dtype=np.int64)  # decode steps so far (the pod's step: the most)
+
+    def _refresh(self) -> None:
+        """Admit, preempt and plan the next segment of every replica whose batch changed."""
+        req = self.req
+        for r in np.nonzero(self._dirty)[0]:
+            self._dirty[r] = False
+            self._clock[r] += self.mem.admit(req, int(r))
+            run = self.mem.make_room(req, int(r))
+            if run.size == 0:
+                self._pend_n[r], self._pend_end[r] = 0, math.inf
+                continue
+            self.mem.held(req, run)
+            left = int((req.lengths[run] - req.gen[run]).min())
+            to_grid = self.cfg.max_segment - int(self._steps[r]) % self.cfg.max_segment  # (same cuts whatever
+            steps = max(
+                1, min(left, self.mem.steps_that_fit(req, run), to_grid)
+            )  # the lengths still unknown)
+            ctx = float((req.prompt[run] + req.gen[run]).mean()) + (steps - 1) / 2
+            ms = self.model.step_ms(self.layout, float(run.size), ctx)
+            self._pend_n[r], self._pend_ms[r] = steps, ms
+            self._pend_end[r] = self._clock[r] + steps * ms
+
+    def _commit(self, r: int, steps: int) -> bool:
+        """Run ``steps`` of replica ``r``'s planned segment; True if requests finished."""
+        req = self.req
+        run = req.on(r, RUNNING)
+        ms = self._pend_ms[r]
+        req.gen[run] += steps
+        self._clock[r] += steps * ms
+        self._latest = max(self._latest, self._clock[r])
+        self._steps[r] += steps
+        self.busy += steps * ms * self.layout.tp
+        self._dirty[r] = True
+        fin = run[req.gen[run] >= req.lengths[run]]
+        if fin.size == 0:
+            return False
+        req.status[fin] = DONE
+        left = self.unfinished()
+        t = self._clock[r]
+        self.timeline.append((t / 1e3, left, self.layout.tp))
+        while self.pending_marks and left <= self.pending_marks[0]:
+            self.got[self.pending_marks.pop(0)] = t
+        return True
+
+    def _switch(self, sw: Switch, t_ms: float, controller: Controller | None) -> None:
+        """Every replica finishes its current step, the pod pays the switch, requests are rebalanced."""
+        for r in range(self.layout.replicas):
+            if self._pend_n[r] and self._clock[r] < t_ms:
+                self._commit(
+                    r, min(int(self._pend_n[r]), math.ceil((t_ms - self._clock[r]) / self._pend_ms[r]))
+                )
+        if not self.unfinished():
+            return
+        req = self.req
+        t0 = max(t_ms, float(self._clock.max()))
+        running = np.nonzero(req.status == RUNNING)[0]
+        tokens = float((req.prompt[running] + req.gen[running]).sum())
         prof = self.model.profile
-        running = np.isfinite(self.end)
-        tokens = float((self.prompt[running] + step - self.start[running]).sum())
         method, ms = switch_cost(
             prof.costs, self.kv_bytes, prof.model.num_kv_heads, self.layout, sw.layout, tokens, sw.method
         )
-        unfinished = np.nonzero(~self.done)[0]
-        log.append(
-            Reconfig(step, t / 1e3, str(self.layout), str(sw.layout), method, ms, int(unfinished.size))
+        mig, rec = prof.costs.kv_ms(0.0, tokens)
+        if self.free:
+            ms = 0.0
+        unfinished = np.nonzero(req.status != DONE)[0]
+        self.events.append(
+            ReconfigEvent(
+                step=int(self._steps.max()),
+                time_s=t0 / 1e3,
+                src=self.layout,
+                dst=sw.layout,
+                requested="migrate"
+                if sw.method == "migrate"
+                else "recompute"
+                if sw.method == "recompute"
+                else "auto",
+                method="migrate" if method == "migrate" else "recompute",
+                reason=sw.reason or ("free switch" if self.free else "schedule"),
+                requests_running=int(running.size),
+                requests_waiting=int(unfinished.size - running.size),
+                requests_mid_decode=int((req.gen[running] > 0).sum()),
+                kv_tokens_recomputed=int(tokens) if method == "recompute" else 0,
+                predicted_ms=ms,
+                predicted_migrate_ms=0.0 if self.free else float(mig),
+                predicted_recompute_ms=0.0 if self.free else float(rec),
+                actual_ms=ms,
+            )
         )
-        self.layout = sw.layout
-        self._assign(sw.layout, sw.work, unfinished)
-        self._admit(step)
-        return ms
-
-
-class AdaptiveController:
-    """The real predictor + planner, seeing only finished lengths and current generated lengths."""
-
-    def __init__(self, sim: Simulator, policy: PlannerPolicy, prior: Prior | None, every: int) -> None:
-        self.policy, self.prior, self.every = policy, prior, every
-        self.last: LastSwitch | None = None
-        self.decisions: list[Decision] = []
-        self.steps: list[int] = []  # step of each decision
-        self._next = 0
-        self.sim = sim
-
-    def next_call(self, step: int) -> float:
-        return self._next
-
-    def predictor(self, sim: Simulator, step: int) -> LengthPredictor:
-        run = np.nonzero(np.isfinite(sim.end))[0]
-        return fit(
-            sim.lengths[sim.done], sim.generated(run, step), sim.cap[run], sim.cap[sim.done], self.prior
+        req.has_kv[running] = True  # carried over (migrated or recomputed: priced in the switch)
+        req.status[unfinished] = WAITING
+        carried_first = np.where(req.has_kv[unfinished], 0.0, 1.0) * 1e12 + req.qkey[unfinished]
+        req.qkey[unfinished[np.argsort(carried_first, kind="stable")]] = np.arange(
+            unfinished.size, dtype=float
         )
-
-    def __call__(self, sim: Simulator, step: int, time_ms: float) -> Switch | None:
-        self._next = step + self.every
-        pred = self.predictor(sim, step)
-        running = np.isfinite(sim.end)
-        reps = []
-        for r in range(sim.layout.replicas):
-            idx = np.nonzero(running & (sim.rep == r))[0]
-            n_wait = int((sim.waiting & (sim.rep == r)).sum())
-            reps.append(ReplicaState(sim.prompt[idx], sim.generated(idx, step), sim.cap[idx], n_wait))
-        snap = PodSnapshot(sim.layout, tuple(reps), (True,) * sim.layout.world, step, time_ms / 1e3)
-        d = decide(sim.model, snap, self.policy, pred, self.last)
-        self.decisions.append(d)
-        self.steps.append(step)
-        if d.action != "switch" or d.method is None:
-            return None
-        self.last = LastSwitch(step, time_ms / 1e3)
-        gen = np.where(running, step - sim.start, 0.0)
-        work = pred.expected_remaining(gen, sim.cap)
-        return Switch(d.target, d.method, work)
-
-
-class ScheduleController:
-    """Replays a fixed schedule [(step, layout)], balancing by the true remaining length (oracle) or,
-    with ``balance="count"``, by count only (requests dealt in index order, blind to lengths)."""
-
-    def __init__(
-        self, schedule: list[tuple[int, Layout]], method: str = "auto", balance: str = "length"
-    ) -> None:
-        self.schedule, self.method, self.balance, self._i = schedule, method, balance, 0
-
-    def next_call(self, step: int) -> float:
-        return self.schedule[self._i][0] if self._i < len(self.schedule) else float("inf")
-
-    def __call__(self, sim: Simulator, step: int, time_ms: float) -> Switch | None:
-        _, layout = self.schedule[self._i]
-        self._i += 1
-        if self.balance == "count":
-            return Switch(layout, self.method, np.zeros_like(sim.lengths))
-        gen = np.where(np.isfinite(sim.end), step - sim.start, 0.0)
-        return Switch(layout, self.method, sim.lengths - gen)
-
-
-def run_adaptive(sim: Simulator, on_decision: Callable[[Decision], None] | None = None) -> SimResult:
-    policy = sim.policy()
-    ctl = AdaptiveController(sim, policy, sim.cfg.prior, sim.cfg.decide_every)
-    start = min(policy.candidates, key=lambda lay: lay.tp)
-    res = sim.run(start, name="adaptive", controller=ctl)
-    res.detail = f"{len(ctl.decisions)} decisions; start {start}"
-    if on_decision:
-        for d in ctl.decisions:
-            on_decision(d)
-    return res
+        self.layout, self.mem = sw.layout, self._admission(sw.layout)
+        req.rep[unfinished] = balance(sw.work, unfinished, sw.layout.replicas)
+        self._reset_replicas(t0 + ms, int(self._steps.max()))
+        self.timeline.append(((t0 + ms) / 1e3, int(unfinished.size), sw.layout.tp))
+        if controller is not None:
+            controller.switched(self, t0 + ms)
