@@ -47,7 +47,8 @@ bench-engine: setup
 	$(BIN)/rolloutctl bench engine --preset medium --ranks 2 --batch 1,4 --context 128 --json build/bench-engine-medium.json
 
 bench-planner: setup
-	$(BIN)/python bench/planner.py --json build/bench-planner.json
+	$(BIN)/rolloutctl bench planner --json build/bench-planner.json
+	$(BIN)/rolloutctl bench planner --admission sglang --json build/bench-planner-sglang.json
 
 clean:
 	rm -rf build .pytest_cache .mypy_cache .ruff_cache
