@@ -38,15 +38,6 @@ def free_switch_bound(sim: Simulator, others: list[SimResult]) -> SimResult:
     for r in others:
         ms = r.latency_s - r.switch_ms / 1e3
         if ms < best.latency_s:
-            best = SimResult(
-                "free-switch",
-                ms,
-                r.gpu_busy,
-                [e.model_copy(update={"predicted_ms": 0.0, "actual_ms": 0.0}) for e in r.reconfigs],
-                list(r.timeline),
-                f"{r.policy} at zero switch cost ({len(r.reconfigs)} switches)",
-                r.admission,
-                r.preemptions,
-                r.recomputed_tokens,
-            )
+            why = f"{r.policy} at zero switch cost ({len(r.reconfigs)} switches)"
+            best = r.adopted("free-switch", why, free_switches=True)
     return best

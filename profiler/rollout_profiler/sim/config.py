@@ -3,7 +3,7 @@ the result of a run (:class:`SimResult`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -61,6 +61,23 @@ class SimResult:
     @property
     def switch_ms(self) -> float:
         return sum(r.predicted_ms for r in self.reconfigs)
+
+    def adopted(self, policy: str, detail: str, *, free_switches: bool = False) -> SimResult:
+        """This run reported under another name (an oracle or a bound that adopts it). With
+        ``free_switches`` its switches cost nothing: the same run shifted (its timeline is left as run)."""
+        events = list(self.reconfigs)
+        latency = self.latency_s
+        if free_switches:
+            events = [e.model_copy(update={"predicted_ms": 0.0, "actual_ms": 0.0}) for e in events]
+            latency -= self.switch_ms / 1e3
+        return replace(
+            self,
+            policy=policy,
+            detail=detail,
+            latency_s=latency,
+            reconfigs=events,
+            timeline=list(self.timeline),
+        )
 
     def to_dict(self, timeline: bool = False) -> dict[str, Any]:
         d: dict[str, Any] = {

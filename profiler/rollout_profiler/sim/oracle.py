@@ -187,14 +187,4 @@ def oracle(sim: Simulator, others: list[SimResult], balance: str = "count") -> S
     winner = min([found, *others], key=lambda r: r.latency_s)
     if winner is found:
         return found
-    return SimResult(
-        name,
-        winner.latency_s,
-        winner.gpu_busy,
-        list(winner.reconfigs),
-        list(winner.timeline),
-        f"schedule of {winner.policy} (chain {chain}: {found.latency_s:.2f} s)",
-        winner.admission,
-        winner.preemptions,
-        winner.recomputed_tokens,
-    )
+    return winner.adopted(name, f"schedule of {winner.policy} (chain {chain}: {found.latency_s:.2f} s)")
