@@ -37,6 +37,7 @@ import math
 from typing import Protocol
 
 import numpy as np
+from rollout_worker.api.costs import METHODS, estimated_moved_bytes
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.layout import Layout, candidate_layouts
 from rollout_worker.api.plan import ReconfigEvent
@@ -257,9 +258,11 @@ class Simulator:
         method, ms = switch_cost(
             prof.costs, self.kv_bytes, prof.model.num_kv_heads, self.layout, sw.layout, tokens, sw.method
         )
-        mig, rec = prof.costs.kv_ms(0.0, tokens)
-        if self.free:
-            ms = 0.0
+        moved = estimated_moved_bytes(
+            tokens, self.kv_bytes, prof.model.num_kv_heads, self.layout.tp, sw.layout.tp
+        )
+        mig, rec = prof.costs.kv_ms(moved, tokens)  # the KV part alone, as the engine reports it
+        requested = sw.method if sw.method in METHODS else "auto"
         unfinished = np.nonzero(req.status != DONE)[0]
         self.events.append(
             ReconfigEvent(
@@ -267,23 +270,22 @@ class Simulator:
                 time_s=t0 / 1e3,
                 src=self.layout,
                 dst=sw.layout,
-                requested="migrate"
-                if sw.method == "migrate"
-                else "recompute"
-                if sw.method == "recompute"
-                else "auto",
+                requested=requested,
                 method="migrate" if method == "migrate" else "recompute",
                 reason=sw.reason or ("free switch" if self.free else "schedule"),
                 requests_running=int(running.size),
                 requests_waiting=int(unfinished.size - running.size),
                 requests_mid_decode=int((req.gen[running] > 0).sum()),
+                kv_bytes_moved=int(moved) if method == "migrate" else 0,
                 kv_tokens_recomputed=int(tokens) if method == "recompute" else 0,
-                predicted_ms=ms,
+                predicted_ms=0.0 if self.free else ms,
                 predicted_migrate_ms=0.0 if self.free else float(mig),
                 predicted_recompute_ms=0.0 if self.free else float(rec),
-                actual_ms=ms,
+                actual_ms=0.0 if self.free else ms,
             )
         )
+        if self.free:
+            ms = 0.0
         req.has_kv[running] = True  # carried over (migrated or recomputed: priced in the switch)
         req.status[unfinished] = WAITING
         carried_first = np.where(req.has_kv[unfinished], 0.0, 1.0) * 1e12 + req.qkey[unfinished]

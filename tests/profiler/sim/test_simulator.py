@@ -107,6 +107,7 @@ def test_switch_when_two_are_left_pays_its_cost_and_free_switches_shift_the_run(
     assert (str(ev.src), str(ev.dst), ev.method, ev.requested) == ("2x1", "1x2", "migrate", "auto")
     assert (ev.requests_running, ev.requests_waiting, ev.step) == (1, 0, 3)
     assert ev.predicted_ms == pytest.approx(6.0) and ev.time_s == pytest.approx(0.034)
+    assert ev.kv_bytes_moved == 12 * 1024 // 2  # prompt 10 + 2 generated; TP 1 -> 2 moves half the heads
     free = sim.run(
         Layout(2, 1), name="s", controller=ScheduleController([(2, Layout(1, 2))]), free_switches=True
     )
