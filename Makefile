@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 MODEL   = build/models/tiny-float32-seed0
 
-.PHONY: setup run test test-fast lint typecheck check bench-engine bench-planner clean
+.PHONY: setup run test test-fast lint typecheck imports check bench-engine bench-planner clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,14 +37,18 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
-check: lint typecheck
+imports: setup
+	$(BIN)/lint-imports
+
+check: lint typecheck imports
 
 bench-engine: setup
 	$(BIN)/rolloutctl bench engine --preset tiny --ranks 2 --json build/bench-engine-tiny.json
 	$(BIN)/rolloutctl bench engine --preset medium --ranks 2 --batch 1,4 --context 128 --json build/bench-engine-medium.json
 
 bench-planner: setup
-	$(BIN)/python bench/planner.py --json build/bench-planner.json
+	$(BIN)/rolloutctl bench planner --json build/bench-planner.json
+	$(BIN)/rolloutctl bench planner --admission sglang --json build/bench-planner-sglang.json
 
 clean:
 	rm -rf build .pytest_cache .mypy_cache .ruff_cache

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rollout_profiler.db.testing import PostgresUnavailable, fresh_database, skip_postgres_requested
+from rollout_profiler.store.testing import PostgresUnavailable, fresh_database, skip_postgres_requested
 from rollout_worker.engine.checkpoint import make_model, write_random_checkpoint
 from rollout_worker.engine.presets import PRESETS
 

@@ -21,12 +21,22 @@ JSON form (``Profile.to_json`` / ``Profile.from_json``)::
                          "bytes": 1200000, "ms": 12.5}, ...],
       "costs": {"migrate_bytes_per_ms": 1.0e6, "migrate_fixed_ms": 2.0,
                 "recompute_tokens_per_ms": 50.0, "recompute_fixed_ms": 5.0,
-                "reshard_grow_ms": 1.0, "reshard_shrink_ms": 50.0, "sync_ms": 5.0}
+                "reshard_grow_ms": 1.0, "reshard_shrink_ms": 50.0, "sync_ms": 5.0,
+                "graph_capture_ms": 0.0, "kv_pool_ms": 0.0},
+      "kv_capacity": {"tokens_per_replica": {"1": 391000, "2": 918000, ...},
+                      "basis": {"gpu_bytes": ..., "fraction": 0.9, "weight_bytes": ..., ...}}  # optional
     }
 
 ``step_latency`` is the latency of one decode step of *one replica* of TP size ``tp`` while the pod runs
 ``replicas`` such replicas, at ``batch`` running requests on that replica and mean ``context`` tokens.
 ``costs`` is the linear reconfiguration cost model fitted from ``reconfig_cost`` (or given).
+
+``kv_capacity`` (optional; absent = unknown, i.e. unlimited) is how many KV tokens one replica of each TP
+size can hold, and ``basis`` how that was obtained (:meth:`KVCapacity.from_memory`: per-GPU memory x the
+engine's memory fraction - weights / T - a reserve, divided by the KV bytes a rank keeps per token). A
+``step_latency`` point whose ``batch x context`` tokens exceed its replica's capacity cannot occur in a real
+engine: :meth:`Profile.infeasible_points` lists such points; the latency model and simulator never use them
+for a state that could not exist.
 """
 
 from __future__ import annotations
@@ -43,7 +53,7 @@ from rollout_worker.api.errors import UserError
 
 SCHEMA = "elastic-rollout/profile/v1"
 METHODS = ("measured", "shard-equivalent", "modelled")
-__all__ = ["CostModel", "ModelShape", "Profile", "ReconfigPoint", "StepPoint"]
+__all__ = ["CostModel", "KVCapacity", "ModelShape", "Profile", "ReconfigPoint", "StepPoint"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +76,12 @@ class ModelShape:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return self.num_layers * self.num_kv_heads * self.head_dim * 2 * dtype_bytes
 
+    def kv_bytes_per_token_per_rank(self, dtype_bytes: int, tp: int) -> int:
+        """KV bytes one rank of a TP-``tp`` replica keeps per token: its share of the KV heads (one head,
+        duplicated, once ``tp`` exceeds the number of KV heads)."""
+        heads = max(1, self.num_kv_heads // tp)
+        return self.num_layers * heads * self.head_dim * 2 * dtype_bytes
+
 
 @dataclass(frozen=True, slots=True)
 class StepPoint:
@@ -86,6 +102,55 @@ class ReconfigPoint:
     ms: float  # whole switch, wall clock
 
 
+@dataclass(frozen=True, slots=True)
+class KVCapacity:
+    """KV tokens one replica of each TP size can hold (``tokens_per_replica``), and how that was obtained."""
+
+    tokens_per_replica: dict[int, int]
+    basis: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_memory(
+        cls,
+        model: ModelShape,
+        dtype_bytes: int,
+        tp_sizes: tuple[int, ...],
+        *,
+        gpu_bytes: float,
+        fraction: float,
+        weight_bytes: float,
+        reserve_bytes: float,
+    ) -> KVCapacity:
+        """Per GPU: ``gpu_bytes x fraction - weight_bytes / T - reserve_bytes`` for the KV pool, divided by
+        the KV bytes a rank keeps per token (:meth:`ModelShape.kv_bytes_per_token_per_rank`)."""
+        tokens = {}
+        for tp in tp_sizes:
+            pool = gpu_bytes * fraction - weight_bytes / tp - reserve_bytes
+            tokens[tp] = max(0, int(pool // model.kv_bytes_per_token_per_rank(dtype_bytes, tp)))
+        basis = {
+            "gpu_bytes": gpu_bytes,
+            "fraction": fraction,
+            "weight_bytes": weight_bytes,
+            "reserve_bytes": reserve_bytes,
+            "rule": "(gpu_bytes x fraction - weight_bytes / T - reserve_bytes) / KV bytes per token per rank",
+        }
+        return cls(tokens, basis)
+
+    def tokens(self, tp: int) -> int | None:
+        """KV tokens of one TP-``tp`` replica, or None when this TP size was not given."""
+        return self.tokens_per_replica.get(tp)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tokens_per_replica": {str(t): n for t, n in self.tokens_per_replica.items()},
+            "basis": self.basis,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVCapacity:
+        return cls({int(t): int(n) for t, n in d["tokens_per_replica"].items()}, dict(d.get("basis", {})))
+
+
 @dataclass(slots=True)
 class Profile:
     name: str
@@ -101,10 +166,25 @@ class Profile:
     costs: CostModel
     provenance: dict[str, Any] = field(default_factory=dict)
     created: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
+    kv_capacity: KVCapacity | None = None
 
     @property
     def dtype_bytes(self) -> int:
         return {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+
+    def kv_tokens(self, tp: int) -> int | None:
+        """KV tokens one TP-``tp`` replica holds, or None when the profile does not say (unlimited)."""
+        return None if self.kv_capacity is None else self.kv_capacity.tokens(tp)
+
+    def infeasible_points(self) -> list[StepPoint]:
+        """Step-latency points whose ``batch x context`` KV tokens exceed their replica's capacity: states
+        no engine can be in (a roofline can compute them; a real engine never runs them)."""
+        out = []
+        for p in self.step_latency:
+            cap = self.kv_tokens(p.tp)
+            if cap is not None and p.batch * p.context > cap:
+                out.append(p)
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -120,6 +200,7 @@ class Profile:
             "step_latency": [asdict(p) for p in self.step_latency],
             "reconfig_cost": [asdict(p) for p in self.reconfig_cost],
             "costs": asdict(self.costs),
+            **({"kv_capacity": self.kv_capacity.to_dict()} if self.kv_capacity is not None else {}),
         }
 
     def to_json(self, path: str | Path) -> None:
@@ -148,6 +229,7 @@ class Profile:
                 costs=CostModel(**d["costs"]),
                 provenance=dict(d.get("provenance", {})),
                 created=str(d.get("created", "")),
+                kv_capacity=KVCapacity.from_dict(d["kv_capacity"]) if d.get("kv_capacity") else None,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise UserError(f"{where}: malformed profile ({type(exc).__name__}: {exc})") from exc
@@ -177,3 +259,9 @@ class Profile:
         for i, r in enumerate(self.reconfig_cost):
             if r.method not in KV_METHODS or r.ms < 0 or r.tokens < 0 or r.bytes < 0:
                 raise UserError(f"{where}: reconfig_cost[{i}] out of range: {r}")
+        if self.kv_capacity is not None:
+            bad = {t: n for t, n in self.kv_capacity.tokens_per_replica.items() if t < 1 or n < 1}
+            if bad:
+                raise UserError(
+                    f"{where}: kv_capacity.tokens_per_replica needs TP >= 1 and tokens >= 1: {bad}"
+                )

@@ -54,15 +54,36 @@ def _grid(rows: list[list[str]], right: set[int]) -> list[str]:
 def _step_table(profile: Profile) -> list[str]:
     contexts = sorted({p.context for p in profile.step_latency})
     cell = {(p.replicas, p.tp, p.batch, p.context): p.ms for p in profile.step_latency}
+    beyond = {(p.replicas, p.tp, p.batch, p.context) for p in profile.infeasible_points()}
     rows = [["layout", "batch", *(f"ctx {c}" for c in contexts)]]
     for lay in layouts_of(profile.step_latency):
         batches = sorted(
             {p.batch for p in profile.step_latency if (p.replicas, p.tp) == (lay.replicas, lay.tp)}
         )
         for b in batches:
-            values = [cell.get((lay.replicas, lay.tp, b, c)) for c in contexts]
-            rows.append([str(lay), str(b), *("-" if v is None else f"{v:.3f}" for v in values)])
+            keys = [(lay.replicas, lay.tp, b, c) for c in contexts]
+            rows.append([str(lay), str(b), *(_cell(cell.get(k), k in beyond) for k in keys)])
     return _grid(rows, right=set(range(1, len(rows[0]))))
+
+
+def _cell(ms: float | None, infeasible: bool) -> str:
+    if ms is None:
+        return "-"
+    return f"{ms:.3f}" + ("!" if infeasible else "")
+
+
+def _capacity_lines(profile: Profile) -> list[str]:
+    if profile.kv_capacity is None:
+        return ["kv capacity: not in the profile (treated as unlimited)"]
+    caps = sorted(profile.kv_capacity.tokens_per_replica.items())
+    lines = ["kv capacity: " + ", ".join(f"TP{t} {n:,} tokens per replica" for t, n in caps)]
+    n_bad = len(profile.infeasible_points())
+    if n_bad:
+        lines.append(
+            f"! {n_bad} point(s) beyond that capacity (batch x context > tokens per replica): infeasible, "
+            "no engine runs them; the simulator never steps such a state"
+        )
+    return lines
 
 
 def _reconfig_table(profile: Profile) -> list[str]:
@@ -96,6 +117,7 @@ def render_table(profile: Profile) -> str:
             lines.append(_kv(key, str(prov[key])))
     lines += ["", f"step latency, ms per decode step of one replica ({step_latency_source(profile)}):"]
     lines += _step_table(profile)
+    lines += ["", *_capacity_lines(profile)]
     lines += ["", f"reconfiguration cost points ({len(profile.reconfig_cost)}):"]
     lines += _reconfig_table(profile)
     lines += ["", "fitted reconfiguration costs:"]

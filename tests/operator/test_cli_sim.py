@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from rollout_operator.cli.main import app
-from rollout_profiler import bench_planner
+from rollout_profiler.sim import bench as bench_planner
 from rollout_worker.api.errors import UserError
 from typer.testing import CliRunner
 
@@ -43,28 +43,32 @@ def test_simulate_table_json_and_plot(tmp_path: Path, lengths: Path) -> None:
         "--prior",
         "none",
     )
-    code, out, exc = invoke(*common, "--policies", "static:1,static:8,adaptive,oracle")
+    code, out, exc = invoke(*common, "--policies", "static:1,static:8,adaptive,oracle,free-switch,tail-bound")
     assert code == 0, (out, exc)
-    assert "lens.jsonl: 44 requests" in out
-    for p in ("static:1", "static:8", "adaptive", "oracle"):
+    assert "lens.jsonl: 44 requests" in out and "admission engine" in out
+    for p in ("static:1", "static:8", "adaptive", "oracle", "free-switch", "tail-bound"):
         assert f"\n{p} " in out
     png = tmp_path / "t.png"
-    code, out, exc = invoke(*common, "--policies", "static:2,oracle", "--json", "--plot", str(png))
+    args = ("--policies", "static:2,oracle", "--admission", "sglang", "--json", "--plot", str(png))
+    code, out, exc = invoke(*common, *args)
     assert code == 0, (out, exc)
     d = json.loads(out)
-    assert set(d["results"]) == {"static:2", "oracle"}
+    assert set(d["results"]) == {"static:2", "oracle"} and d["admission"] == "sglang"
     assert d["results"]["oracle"]["latency_s"] <= d["results"]["static:2"]["latency_s"]
+    assert d["results"]["static:2"]["admission"] == "sglang"
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.parametrize(
     ("args", "match"),
     [
-        (("--policies", "static:3"), "--policies item 1"),
-        (("--policies", "static:1,turbo"), "--policies item 2"),
+        (("--policies", "static:3"), "--policies: item 1"),
+        (("--policies", "static:1,turbo"), "--policies: item 2"),
         (("--gpus", "0"), "--gpus must be >= 1"),
-        (("--decide-every", "0"), "--decide-every"),
+        (("--decide-every-ms", "0"), "--decide-every-ms: must be > 0"),
         (("--max-batch", "-1"), "--max-batch"),
+        (("--admission", "vllm"), "--admission: must be one of"),
+        (("--initial-layout", "4y2"), "--initial-layout: '4y2' is not of the form DxT"),
         (("--workload", "deepscaler-1k"), "--workload"),
         (("--profile", "/nonexistent.json"), "profile file not found"),
     ],
@@ -88,18 +92,26 @@ def test_cli_prints_error_and_exits_2(tmp_path: Path) -> None:
     assert r.stderr.strip() == f"error: {bad}:2: 'length' must be a positive integer, got -1"
 
 
-def test_bench_planner_small(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    real = bench_planner.synthetic
-    monkeypatch.setattr(bench_planner, "synthetic", lambda name, seed: real(name, seed, prompts=4))
-    real_decide = bench_planner.bench_decide
-    monkeypatch.setattr(bench_planner, "bench_decide", lambda model, calls: real_decide(model, calls=20))
+def test_bench_planner_small(tmp_path: Path, lengths: Path) -> None:
     out = tmp_path / "b.json"
-    code, text, exc = invoke("bench", "planner", "--runs", "1", "--json", str(out))
+    args = ("--workload", str(lengths), "--runs", "1", "--decide-calls", "20", "--json", str(out))
+    code, text, exc = invoke("bench", "planner", "--profile", str(PROFILE), *args)
     assert code == 0, (text, exc)
     d = json.loads(out.read_text())
-    assert [w["workload"] for w in d["workloads"]] == ["deepscaler-8k", "deepscaler-16k"]
-    for w in d["workloads"]:
-        assert w["latency_s"]["oracle"] <= min(w["latency_s"][s] for s in bench_planner.STATICS)
-    assert d["decide"]["synchronous"]["decide_ms_p50"] > 0
-    assert "decide() 8 ranks, 1,024 running" in text
-    assert d["profile"] == "llama-3.1-8b-h100x8-modelled" and d["profile_method"] == "modelled"
+    (m,) = d["models"]
+    assert m["profile"] == "llama-3.1-8b-h100x8-modelled" and m["profile_method"] == "modelled"
+    assert m["admission"] == "engine" and m["decide"]["memory_model"] is True
+    (w,) = m["workloads"]
+    lat = w["latency_s"]
+    assert w["workload"] == str(lengths)
+    assert (
+        lat["tail-bound"] <= lat["free-switch"] <= lat["oracle"] <= min(lat[s] for s in bench_planner.STATICS)
+    )
+    assert lat["oracle-clairvoyant"] <= lat["oracle"] <= lat["adaptive"]
+    assert w["adaptive_vs_static_tp1"] == pytest.approx(lat["adaptive"] / lat["static:1"])
+    assert m["decide"]["synchronous"]["decide_ms_p50"] > 0
+    assert "decide() 8 ranks, 1,024 running (synchronous, memory model in)" in text
+    assert "Llama-3.1-8B (llama-3.1-8b-h100x8-modelled, modelled), 8 GPUs, admission engine" in text
+    assert {a["aim"] for a in d["aims"]} >= {"adaptive within 2% of the count-balanced oracle"}
+    code, _, exc = invoke("bench", "planner", "--workload", "deepscaler-1k")
+    assert code != 0 and isinstance(exc, UserError) and "deepscaler-1k" in str(exc)

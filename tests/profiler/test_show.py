@@ -8,7 +8,6 @@ import struct
 from pathlib import Path
 
 import pytest
-from rollout_profiler.db.testing import sample_profile
 from rollout_profiler.show import (
     plot_path,
     plotted_contexts,
@@ -17,6 +16,7 @@ from rollout_profiler.show import (
     step_latency_source,
     write_plot,
 )
+from rollout_profiler.store.testing import sample_profile
 from rollout_worker.api.errors import UserError
 
 LAYOUTS = ((4, 1), (2, 2), (1, 4))

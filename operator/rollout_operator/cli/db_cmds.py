@@ -31,7 +31,7 @@ db_app = typer.Typer(help="The profile/decision database (SQLite or PostgreSQL).
 def upgrade(db: DbOption = None) -> None:
     """Create the database tables, or migrate them to this version's schema."""
     quiet_alembic()  # before alembic is imported: it logs its plugins at INFO then
-    from rollout_profiler.db import engine, migrate
+    from rollout_profiler.store import engine, migrate
 
     url = engine.resolve_url(db)
     before = migrate.current(url)
@@ -47,7 +47,7 @@ def upgrade(db: DbOption = None) -> None:
 def current(db: DbOption = None) -> None:
     """Print the revision the database is at, and whether it is this version's head."""
     quiet_alembic()  # before alembic is imported: it logs its plugins at INFO then
-    from rollout_profiler.db import engine, migrate
+    from rollout_profiler.store import engine, migrate
 
     url = engine.resolve_url(db)
     rev, head = migrate.current(url), migrate.head()

@@ -90,7 +90,7 @@ def profile(
 def _session(db: str | None) -> Iterator[tuple[Session, str]]:
     """A session (in one transaction) on a database migrated to head, and its masked URL."""
     quiet_alembic()  # before alembic is imported: it logs its plugins at INFO then
-    from rollout_profiler.db import engine, migrate
+    from rollout_profiler.store import engine, migrate
     from sqlalchemy.orm import Session
 
     url = engine.resolve_url(db)
@@ -108,8 +108,8 @@ def _parse_id(text: str) -> int | None:
 
 
 def _load(source: str, db: str | None) -> Profile:
-    from rollout_profiler.db import repo
     from rollout_profiler.show import read_profile_file
+    from rollout_profiler.store import repo
 
     profile_id = _parse_id(source)
     if profile_id is None:
@@ -147,8 +147,8 @@ def import_(
     db: DbOption = None,
 ) -> None:
     """Validate a profile JSON file and store it; prints its new id."""
-    from rollout_profiler.db import repo
     from rollout_profiler.show import read_profile_file
+    from rollout_profiler.store import repo
 
     prof = read_profile_file(file)
     with _session(db) as (session, where):
@@ -164,7 +164,7 @@ def export(
     db: DbOption = None,
 ) -> None:
     """Write a stored profile as a JSON file."""
-    from rollout_profiler.db import repo
+    from rollout_profiler.store import repo
     from rollout_worker.api.errors import UserError
 
     with _session(db) as (session, _):
@@ -179,7 +179,7 @@ def export(
 @profile_app.command("list")
 def list_(db: DbOption = None) -> None:
     """List the stored profiles."""
-    from rollout_profiler.db import repo
+    from rollout_profiler.store import repo
 
     with _session(db) as (session, where):
         rows = repo.list_profiles(session)

@@ -27,7 +27,7 @@ def resolve_model(model: Path | None, preset: str | None, work: Path) -> tuple[P
 
 def comm_table(path: Path | None) -> tuple[list[tuple[int, float]], str]:
     """All-reduce latency table: a JSON list of [bytes, microseconds] pairs, or the H100 default."""
-    from rollout_profiler.profiling import H100_ALLREDUCE_US
+    from rollout_profiler.profiling.measure import H100_ALLREDUCE_US
 
     if path is None:
         return H100_ALLREDUCE_US, "published H100 NVLink all-reduce figures (field notes)"
@@ -44,7 +44,7 @@ def comm_table(path: Path | None) -> tuple[list[tuple[int, float]], str]:
 
 
 def run_profile(opts: dict[str, Any]) -> None:
-    from rollout_profiler.profiling import profile_measured, profile_shard_equivalent
+    from rollout_profiler.profiling.measure import profile_measured, profile_shard_equivalent
     from rollout_worker.api.layout import Layout, parse_candidates
 
     model_dir, name = resolve_model(opts["model"], opts["preset"], opts["work"])
@@ -101,7 +101,7 @@ def store(prof: Any, db: str | None) -> str:
     from rollout_operator.cli.db_cmds import quiet_alembic
 
     quiet_alembic()
-    from rollout_profiler.db import engine, migrate, repo
+    from rollout_profiler.store import engine, migrate, repo
     from sqlalchemy.orm import Session
 
     url = engine.resolve_url(db)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -10,6 +12,26 @@ import typer
 from rollout_worker.api.errors import UserError
 
 from rollout_operator.cli.args import bench_group
+
+# fields of the simulator's and benchmark's configuration -> the flags that set them
+FLAGS = {
+    "policies": "--policies",
+    "admission": "--admission",
+    "initial_layout": "--initial-layout",
+    "decide_every_ms": "--decide-every-ms",
+    "max_batch_per_replica": "--max-batch",
+}
+
+
+@contextmanager
+def flags() -> Iterator[None]:
+    """Errors that name a configuration field are re-attributed to its flag."""
+    try:
+        yield
+    except UserError as exc:
+        if exc.field in FLAGS:
+            raise exc.with_field(FLAGS[exc.field]) from exc
+        raise
 
 
 def register(app: typer.Typer) -> None:
@@ -23,42 +45,61 @@ def simulate_cmd(
         Path, typer.Option(help="Profile JSON file (e.g. profiles/llama-3.1-8b-h100x8-modelled.json).")
     ],
     gpus: Annotated[int, typer.Option(help="GPUs in the pod.")] = 8,
-    workload: Annotated[str, typer.Option(help="deepscaler-8k | deepscaler-16k | a .jsonl of lengths.")] = (
-        "deepscaler-8k"
-    ),
-    policies: Annotated[str, typer.Option(help="Comma list of static:T, adaptive, oracle.")] = (
-        "static:1,static:2,static:4,static:8,adaptive,oracle"
-    ),
+    workload: Annotated[
+        str, typer.Option(help="A named workload (deepscaler-8k, sparse-tail, ...) or a .jsonl of lengths.")
+    ] = ("deepscaler-8k"),
+    policies: Annotated[
+        str,
+        typer.Option(
+            help="Comma list of static:T, adaptive, oracle (count-balanced), oracle-clairvoyant, "
+            "free-switch, tail-bound."
+        ),
+    ] = "static:1,static:2,static:4,static:8,adaptive,oracle,free-switch,tail-bound",
     seed: Annotated[int, typer.Option(help="Seed of a synthetic workload.")] = 0,
     prior: Annotated[
         str, typer.Option(help="Lengths the adaptive predictor starts from: none | previous | a .jsonl.")
     ] = "previous",
-    decide_every: Annotated[int, typer.Option(help="Steps between two planner decisions.")] = 32,
-    max_batch: Annotated[int, typer.Option(help="Running requests per replica; 0 = unlimited.")] = 0,
+    admission: Annotated[
+        str, typer.Option(help="engine (reserve prompt + max_new_tokens) or sglang (optimistic, preempts).")
+    ] = "engine",
+    initial_layout: Annotated[
+        str, typer.Option(help="Adaptive's first layout: auto (the planner picks), smallest, or DxT.")
+    ] = "auto",
+    decide_every_ms: Annotated[
+        float, typer.Option(help="Simulated ms between two planner decisions.")
+    ] = 500.0,
+    max_batch: Annotated[
+        int, typer.Option(help="Running requests per replica; 0 = only KV memory limits.")
+    ] = 0,
+    memory: Annotated[bool, typer.Option(help="Limit each replica to the profile's KV capacity.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
     plot: Annotated[
-        Path | None, typer.Option(help="Write a PNG of running requests and TP over time.")
+        Path | None, typer.Option(help="Write a PNG of unfinished requests and TP over time.")
     ] = None,
 ) -> None:
     """Simulate one rollout batch on one pod under each policy; print latency, GPU-busy share, switches.
 
     `--prior previous` uses the same synthetic workload with seed + 1000 (the previous iteration's lengths).
     """
-    from rollout_profiler.latency import LatencyModel
-    from rollout_profiler.predictor import Prior
+    from rollout_profiler.planning.latency import LatencyModel
+    from rollout_profiler.planning.predictor import Prior
     from rollout_profiler.profile import Profile
-    from rollout_profiler.sim_report import plot as plot_results
-    from rollout_profiler.sim_report import table
-    from rollout_profiler.simulator import SimConfig, parse_policies, simulate
-    from rollout_profiler.workloads import RECIPES, load
+    from rollout_profiler.sim.config import SimConfig
+    from rollout_profiler.sim.report import plot as plot_results
+    from rollout_profiler.sim.report import table
+    from rollout_profiler.sim.run import parse_policies, simulate
+    from rollout_profiler.sim.workloads import RECIPES, load
 
     if gpus < 1:
         raise UserError(f"--gpus must be >= 1, got {gpus}")
-    if decide_every < 1:
-        raise UserError(f"--decide-every must be >= 1, got {decide_every}")
     if max_batch < 0:
         raise UserError(f"--max-batch must be >= 0, got {max_batch}")
-    names = parse_policies(policies, gpus)
+    with flags():
+        names = parse_policies(policies, gpus)
+        cfg_args: dict[str, Any] = dict(
+            admission=admission, initial_layout=initial_layout, decide_every_ms=decide_every_ms, memory=memory
+        )
+        SimConfig(gpus, **cfg_args)  # validate before the slow part
     prof = Profile.from_json(profile)
     wl = load(workload, seed)
     if prior == "none":
@@ -69,14 +110,16 @@ def simulate_cmd(
     else:
         prev = load(prior)
         pri = Prior.from_samples(prev.lengths, prev.caps)
-    cfg = SimConfig(gpus=gpus, decide_every=decide_every, max_batch_per_replica=max_batch or None, prior=pri)
-    results = simulate(LatencyModel(prof), wl, cfg, names)
+    with flags():
+        cfg = SimConfig(gpus, max_batch_per_replica=max_batch or None, prior=pri, **cfg_args)
+        results = simulate(LatencyModel(prof), wl, cfg, names)
     if plot is not None:
-        plot_results(results, plot, title=f"{wl.name} on {gpus} GPUs, {prof.name}")
+        plot_results(results, plot, title=f"{wl.name} on {gpus} GPUs, {prof.name}, admission {admission}")
     if as_json:
         out: dict[str, Any] = {
             "profile": prof.name,
             "gpus": gpus,
+            "admission": admission,
             "workload": wl.summary(),
             "results": {k: r.to_dict() for k, r in results.items()},
         }
@@ -86,7 +129,7 @@ def simulate_cmd(
         typer.echo(
             f"{s['name']}: {s['requests']} requests, mean {s['mean']:.0f} tokens, "
             f"{s['at_cap'] * 100:.1f}% at cap; "
-            f"{gpus} GPUs, profile {prof.name} ({prof.method})"
+            f"{gpus} GPUs, profile {prof.name} ({prof.method}), admission {admission}"
         )
         typer.echo(table(results))
     if plot is not None:
@@ -97,18 +140,40 @@ def bench_planner_cmd(
     json_out: Annotated[
         Path | None, typer.Option("--json", help="Write the results as JSON to this file.")
     ] = None,
-    runs: Annotated[int, typer.Option(help="Seeds per workload.")] = 3,
+    runs: Annotated[int, typer.Option(help="Seeds per named workload.")] = 3,
     profile: Annotated[
-        Path | None, typer.Option(help="Profile JSON (default: shipped Llama-3.1-8B).")
+        list[Path] | None,
+        typer.Option(
+            help="Profile JSON, repeatable (default: the modelled Llama-3.1-8B and Qwen3-14B H100 profiles)."
+        ),
     ] = None,
+    workload: Annotated[
+        list[str] | None,
+        typer.Option(help="Named workload or .jsonl of real lengths, repeatable (default: every named one)."),
+    ] = None,
+    admission: Annotated[
+        str, typer.Option(help="engine (reserve prompt + max_new_tokens) or sglang (optimistic, preempts).")
+    ] = "engine",
+    decide_calls: Annotated[int, typer.Option(help="decide() calls timed per snapshot.")] = 2000,
 ) -> None:
-    """Static TP 1/2/4/8 vs adaptive vs oracle on deepscaler-8k/16k, and decide() latency."""
-    from rollout_profiler import bench_planner
+    """One table per model: static TP 1/2/4/8, adaptive, oracles and bounds per workload; decide() latency."""
+    from rollout_profiler.sim import bench as bench_planner
+    from rollout_profiler.sim.workloads import load
 
     if runs < 1:
         raise UserError(f"--runs must be >= 1, got {runs}")
-    result = bench_planner.run(runs=runs, profile=profile)
+    if decide_calls < 10:
+        raise UserError(f"--decide-calls must be >= 10, got {decide_calls}")
+    if admission not in ("engine", "sglang"):
+        raise UserError(f"must be engine or sglang, got {admission!r}", "--admission")
+    workloads = list(workload or bench_planner.WORKLOADS)
+    for w in workloads:
+        load(w, 0)  # fail fast on a bad name or file
+    profiles = bench_planner.load_profiles(list(profile or []))
+    with flags():
+        result = bench_planner.run(profiles, workloads, runs, admission, decide_calls)
     typer.echo(bench_planner.report(result))
     if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(result, indent=1) + "\n")
         typer.echo(f"wrote {json_out}")

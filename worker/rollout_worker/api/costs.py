@@ -3,7 +3,9 @@ switches) and the planner and simulator (which predict what a switch will cost).
 both call :meth:`CostModel.choose`.
 
 A switch ``src -> dst`` costs ``sync_ms`` + the weight reshard (``reshard_grow_ms`` when T grows: ranks only
-slice weights they hold; ``reshard_shrink_ms`` when T shrinks: an all-gather) + the cheaper (under
+slice weights they hold; ``reshard_shrink_ms`` when T shrinks: an all-gather) + what a GPU engine pays to run
+the new layout at all: ``graph_capture_ms`` (CUDA graphs of the decode step captured for the new TP size)
+and ``kv_pool_ms`` (the KV pool re-laid out for the new number of KV heads per rank) + the cheaper (under
 ``auto``) of two ways to give every unfinished request its KV cache in the new layout:
 
 * migrate: ``migrate_fixed_ms + moved_bytes / migrate_bytes_per_ms`` (the pod's aggregate rate);
@@ -38,7 +40,8 @@ class KVChoice:
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
-    """Linear reconfiguration cost model: ms = fixed + size / rate."""
+    """Linear reconfiguration cost model: ms = fixed + size / rate. The two GPU terms default to 0 (a CPU
+    engine captures no graphs; profiles written before they existed still load)."""
 
     migrate_bytes_per_ms: float
     migrate_fixed_ms: float
@@ -47,10 +50,14 @@ class CostModel:
     reshard_grow_ms: float
     reshard_shrink_ms: float
     sync_ms: float
+    graph_capture_ms: float = 0.0
+    kv_pool_ms: float = 0.0
 
     def base_ms(self, src_tp: int, dst_tp: int) -> float:
-        """Sync + weight reshard: what every switch pays whatever happens to the KV cache."""
-        return self.sync_ms + (self.reshard_grow_ms if dst_tp > src_tp else self.reshard_shrink_ms)
+        """What every switch pays whatever happens to the KV cache: sync, weight reshard, CUDA-graph
+        capture for the new TP size and the KV pool's re-layout."""
+        reshard = self.reshard_grow_ms if dst_tp > src_tp else self.reshard_shrink_ms
+        return self.sync_ms + reshard + self.graph_capture_ms + self.kv_pool_ms
 
     def kv_ms(self, moved_bytes: Any, tokens: Any) -> tuple[Any, Any]:
         """(migrate ms, recompute ms) for ``moved_bytes`` to move or ``tokens`` to re-prefill."""

@@ -1,0 +1,166 @@
+"""KV memory of the simulated replicas: admission, preemption, and the placement of requests.
+
+A replica of TP size ``T`` holds ``K`` KV tokens (the profile's ``kv_capacity``; unlimited when unknown)
+and at most ``max_batch_per_replica`` running requests. Waiting requests are admitted in queue order and the
+queue never skips its head (first come, first served):
+
+* ``engine`` (what elastic-rollout's engine does): a request is admitted when it fits the tokens not yet
+  *reserved*, every running request reserving prompt + max_new_tokens. Memory never runs out, nothing is
+  preempted.
+* ``sglang`` (SGLang's optimistic admission): a request is admitted when its current tokens (prompt +
+  generated so far) and one more token for each running request fit what is *used* now. When the next step
+  does not fit, the newest running request is preempted: its KV cache is dropped, it goes back to the head
+  of the queue, and when it is admitted again its prompt + generated tokens are re-prefilled at the
+  replica's share of the pod's prefill rate (``costs.recompute_tokens_per_ms x T / G``), which stalls that
+  replica.
+
+:func:`balance` places requests over replicas: by work, longest first, each on the replica with the least
+work so far (then the fewest requests); with equal work it deals them by count in index order, which is
+how requests are dispatched on arrival (the replica with the fewest unfinished requests first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+ADMISSIONS = ("engine", "sglang")
+WAITING, RUNNING, DONE = 0, 1, 2
+_NO_LIMIT = 1 << 40
+
+
+@dataclass(slots=True)
+class Requests:
+    """Every request of a run: what it is (prompt, cap, length) and where it stands."""
+
+    prompt: np.ndarray
+    cap: np.ndarray
+    lengths: np.ndarray
+    gen: np.ndarray  # tokens generated so far
+    status: np.ndarray  # WAITING, RUNNING, DONE
+    rep: np.ndarray  # replica
+    qkey: np.ndarray  # queue order on its replica (smaller first)
+    seq: np.ndarray  # admission order (larger = newer)
+    has_kv: np.ndarray  # its KV cache is in memory (else: re-prefill when admitted, if it generated any)
+    next_seq: int = 0
+    front: float = 0.0
+    preemptions: int = 0
+    recomputed: float = 0.0
+
+    @classmethod
+    def start(cls, prompt: np.ndarray, cap: np.ndarray, lengths: np.ndarray, start_gen: float) -> Requests:
+        n = lengths.size
+        return cls(
+            prompt,
+            cap,
+            lengths,
+            gen=np.minimum(np.full(n, float(start_gen)), lengths),
+            status=np.where(lengths <= start_gen, DONE, WAITING).astype(np.int8),
+            rep=np.zeros(n, dtype=np.int64),
+            qkey=np.arange(n, dtype=float),
+            seq=np.zeros(n, dtype=np.int64),
+            has_kv=np.full(n, start_gen > 0),
+        )
+
+    def on(self, r: int, status: int) -> np.ndarray:
+        return np.nonzero((self.rep == r) & (self.status == status))[0]
+
+
+def balance(work: np.ndarray, idx: np.ndarray, replicas: int) -> np.ndarray:
+    """Replica of each request in ``idx``: longest-processing-time-first on ``work`` (ties: index order)."""
+    out = np.zeros(idx.size, dtype=np.int64)
+    if replicas == 1 or idx.size == 0:
+        return out
+    w = np.asarray(work, dtype=float)[idx]
+    if not np.any(w != w[0]):  # equal work: deal by count
+        return np.arange(idx.size, dtype=np.int64) % replicas
+    load = np.zeros(replicas)
+    count = np.zeros(replicas, dtype=np.int64)
+    for k in np.argsort(-w, kind="stable"):
+        r = int(np.lexsort((count, load))[0])
+        out[k] = r
+        load[r] += w[k]
+        count[r] += 1
+    return out
+
+
+class Admission:
+    """Admission and preemption on the replicas of one layout (module docstring). ``tokens``: the KV
+    tokens of one replica (inf: unlimited); ``prefill_per_ms``: one replica's re-prefill rate."""
+
+    def __init__(self, policy: str, max_batch: int | None, tokens: float, prefill_per_ms: float) -> None:
+        self.policy = policy
+        self.max_batch = _NO_LIMIT if max_batch is None else max_batch
+        self.tokens, self.prefill_per_ms = tokens, prefill_per_ms
+
+    def _need(self, req: Requests, idx: np.ndarray) -> np.ndarray:
+        if self.policy == "engine":
+            return req.prompt[idx] + req.cap[idx]
+        return req.prompt[idx] + req.gen[idx]
+
+    def admit(self, req: Requests, r: int) -> float:
+        """Admit what fits on replica ``r``; returns the ms it stalls re-prefilling preempted requests."""
+        queue = req.on(r, WAITING)
+        if queue.size == 0:
+            return 0.0
+        queue = queue[np.argsort(req.qkey[queue], kind="stable")]
+        run = req.on(r, RUNNING)
+        need = np.cumsum(self._need(req, queue)) + float(self._need(req, run).sum())
+        slots = run.size + np.arange(1, queue.size + 1)
+        if self.policy == "sglang":
+            need = need + slots  # room for the next step of every running request
+        fits = (need <= self.tokens) & (slots <= self.max_batch)
+        k = queue.size if fits.all() else int(np.argmin(fits))  # first come, first served: no skipping
+        if k == 0:
+            return 0.0
+        new = queue[:k]
+        req.status[new] = RUNNING
+        req.seq[new] = np.arange(req.next_seq, req.next_seq + k)
+        req.next_seq += k
+        redo = new[~req.has_kv[new] & (req.gen[new] > 0)]
+        req.has_kv[new] = True
+        if redo.size == 0:
+            return 0.0
+        redo_tokens = float((req.prompt[redo] + req.gen[redo]).sum())
+        req.recomputed += redo_tokens
+        return redo_tokens / max(self.prefill_per_ms, 1e-12)
+
+    def make_room(self, req: Requests, r: int) -> np.ndarray:
+        """``sglang``: preempt the newest requests until the next step fits; returns the running ones."""
+        run = req.on(r, RUNNING)
+        if self.policy != "sglang" or run.size <= 1:
+            return run
+        used = float((req.prompt[run] + req.gen[run]).sum())
+        if used + run.size <= self.tokens:
+            return run
+        order = run[np.argsort(-req.seq[run], kind="stable")]  # newest first
+        sizes = req.prompt[order] + req.gen[order]
+        drop = 0
+        while run.size - drop > 1 and used + (run.size - drop) > self.tokens:
+            used -= float(sizes[drop])
+            drop += 1
+        out = order[:drop]
+        req.status[out] = WAITING
+        req.has_kv[out] = False
+        req.front -= 1.0
+        req.qkey[out] = req.front - np.arange(out.size) * 1e-6  # to the head of the queue
+        req.preemptions += int(out.size)
+        return np.sort(order[drop:])
+
+    def held(self, req: Requests, run: np.ndarray) -> float:
+        """KV tokens the running requests hold now; never above the replica's capacity (a step beyond it
+        would be a state no engine can be in, like an infeasible profile point)."""
+        used = float((req.prompt[run] + req.gen[run]).sum())
+        if used > self.tokens:
+            raise RuntimeError(
+                f"internal: a replica holds {used:.0f} KV tokens, its capacity is {self.tokens:.0f}"
+            )
+        return used
+
+    def steps_that_fit(self, req: Requests, run: np.ndarray) -> int:
+        """Steps before the used tokens outgrow the replica (``sglang``); unlimited under ``engine``."""
+        if self.policy != "sglang" or not np.isfinite(self.tokens):
+            return _NO_LIMIT
+        used = float((req.prompt[run] + req.gen[run]).sum())
+        return max(1, int((self.tokens - used) // run.size))

@@ -1,0 +1,232 @@
+"""Simulator: hand-computed cases (independent replicas, admission by KV memory, preemption and its
+recompute cost, a switch), and what an oracle and the adaptive policy may and may not know."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from rollout_profiler.planning.latency import LatencyModel
+from rollout_profiler.planning.predictor import Prior
+from rollout_profiler.profile import CostModel, KVCapacity, ModelShape, Profile, StepPoint
+from rollout_profiler.profiling import modelled
+from rollout_profiler.sim.config import SimConfig, SimResult
+from rollout_profiler.sim.memory import DONE
+from rollout_profiler.sim.oracle import oracle
+from rollout_profiler.sim.policies import AdaptiveController, ScheduleController
+from rollout_profiler.sim.run import parse_policies, simulate
+from rollout_profiler.sim.simulator import Simulator
+from rollout_profiler.sim.workloads import Workload, synthetic
+from rollout_worker.api.errors import UserError
+from rollout_worker.api.layout import Layout
+
+SHAPE = ModelShape("toy", "LlamaForCausalLM", 64, 2, 8, 8, 8, 128, 100)
+COSTS = CostModel(1e30, 0.0, 100.0, 50.0, 1.0, 30.0, 5.0)  # a grow switch costs 5 + 1 + 0 ms (migrate)
+
+
+def profile(lines: dict[int, tuple[float, float]], kv: dict[int, int] | None = None) -> Profile:
+    """2 GPUs: a replica step of ``a + s x batch`` ms at TP ``t`` (``lines[t] = (a, s)``), any context."""
+    pts = [
+        StepPoint(2 // t, t, b, c, a + s * b)
+        for t, (a, s) in lines.items()
+        for b in (1, 2, 4, 8)
+        for c in (0, 1000)
+    ]
+    cap = None if kv is None else KVCapacity(kv, {"rule": "by hand"})
+    return Profile(
+        "hand2", SHAPE, "test", "cpu", 2, "", "float32", "modelled", pts, [], COSTS, kv_capacity=cap
+    )
+
+
+def workload(lengths: list[int], prompt: int = 10, cap: int | None = None) -> Workload:
+    n = len(lengths)
+    return Workload("hand", np.array(lengths), np.full(n, prompt), np.full(n, cap or max(lengths)))
+
+
+def test_static_replicas_step_independently() -> None:
+    """2x1, requests dealt 0, 1, 0, 1: replica 0 holds lengths 4 and 1, replica 1 lengths 2 and 2."""
+    sim = Simulator(
+        LatencyModel(profile({1: (10.0, 5.0), 2: (6.0, 3.0)})), workload([4, 2, 1, 2]), SimConfig(2)
+    )
+    r = sim.run(Layout(2, 1), name="static:1")
+    # replica 0: batch 2 (20 ms), then batch 1 for 3 steps (15 ms each) = 65 ms; replica 1: 2 x 20 = 40 ms.
+    # In lockstep the pod would take 20 + max(15, 20) + 15 + 15 = 70 ms.
+    assert r.latency_s == pytest.approx(0.065)
+    assert r.gpu_busy == pytest.approx((65 + 40) / (2 * 65))
+    assert r.reconfigs == [] and r.admission == "engine"
+    r2 = sim.run(Layout(1, 2), name="static:2")  # one replica: batch 4, 3, 1, 1 -> 18 + 15 + 9 + 9
+    assert r2.latency_s == pytest.approx(0.051)
+
+
+def test_admission_by_kv_memory_changes_the_result() -> None:
+    """1x2 holds 60 KV tokens; each request reserves prompt 10 + max_new_tokens 20 = 30 under the engine
+    policy, so two run at a time instead of four."""
+    lines = {1: (10.0, 5.0), 2: (6.0, 3.0)}
+    wl = workload([5, 5, 5, 5], prompt=10, cap=20)
+    free = Simulator(LatencyModel(profile(lines)), wl, SimConfig(2)).run(Layout(1, 2), name="x")
+    assert free.latency_s == pytest.approx(5 * 18 / 1e3)  # batch 4: 6 + 12 ms, 5 steps
+    limited = Simulator(LatencyModel(profile(lines, {1: 30, 2: 60})), wl, SimConfig(2))
+    r = limited.run(Layout(1, 2), name="x")
+    assert r.latency_s == pytest.approx(2 * 5 * 12 / 1e3) and r.preemptions == 0  # two waves of batch 2
+    # 2x1: 30 tokens per replica, one request at a time on each: 2 x 5 steps of 15 ms
+    assert limited.run(Layout(2, 1), name="x").latency_s == pytest.approx(0.150)
+    assert Simulator(LatencyModel(profile(lines, {1: 30, 2: 60})), wl, SimConfig(2, memory=False)).run(
+        Layout(1, 2), name="x"
+    ).latency_s == pytest.approx(free.latency_s)
+
+
+def test_sglang_preempts_the_newest_and_pays_its_recompute() -> None:
+    """50 KV tokens, 4 requests of prompt 10 and 5 tokens: optimistic admission takes all 4 (40 tokens);
+    after 2 steps (48 used) the third would not fit, so the newest (12 tokens) is preempted; the other 3
+    finish in 3 steps of batch 3; the preempted one is re-prefilled (12 tokens at 100 tokens/ms) and runs
+    its last 3 steps alone."""
+    prof = profile({1: (10.0, 5.0), 2: (6.0, 3.0)}, {1: 25, 2: 50})
+    sim = Simulator(
+        LatencyModel(prof), workload([5, 5, 5, 5], prompt=10, cap=5), SimConfig(2, admission="sglang")
+    )
+    r = sim.run(Layout(1, 2), name="x")
+    assert r.preemptions == 1 and r.recomputed_tokens == 12
+    assert r.latency_s == pytest.approx((2 * 18 + 3 * 15 + 12 / 100 + 3 * 9) / 1e3)
+    assert r.admission == "sglang"
+    engine = Simulator(LatencyModel(prof), workload([5, 5, 5, 5], prompt=10, cap=5), SimConfig(2))
+    e = engine.run(Layout(1, 2), name="x")  # reserves 15 each: 3 run, then 1
+    assert e.preemptions == 0 and e.latency_s == pytest.approx((5 * 15 + 5 * 9) / 1e3)
+
+
+def test_switch_when_two_are_left_pays_its_cost_and_free_switches_shift_the_run() -> None:
+    lines = {1: (10.0, 1.0), 2: (6.0, 1.0)}
+    sim = Simulator(LatencyModel(profile(lines)), workload([1, 2, 3, 5]), SimConfig(2))
+    ctl = ScheduleController([(2, Layout(1, 2))])
+    r = sim.run(Layout(2, 1), name="s", controller=ctl)
+    # replica 0: [1, 3], replica 1: [2, 5]. At 24 ms replica 1 finishes its 2-token request (2 left);
+    # replica 0 finishes the step it is in (ends at 34 ms, which also ends its 3-token request); the switch
+    # costs 5 + 1 + 0 ms; 1x2 runs the last request's 3 remaining tokens at 7 ms.
+    assert r.latency_s == pytest.approx((34 + 6 + 21) / 1e3)
+    (ev,) = r.reconfigs
+    assert (str(ev.src), str(ev.dst), ev.method, ev.requested) == ("2x1", "1x2", "migrate", "auto")
+    assert (ev.requests_running, ev.requests_waiting, ev.step) == (1, 0, 3)
+    assert ev.predicted_ms == pytest.approx(6.0) and ev.time_s == pytest.approx(0.034)
+    assert ev.kv_bytes_moved == 12 * 1024 // 2  # prompt 10 + 2 generated; TP 1 -> 2 moves half the heads
+    free = sim.run(
+        Layout(2, 1), name="s", controller=ScheduleController([(2, Layout(1, 2))]), free_switches=True
+    )
+    assert free.latency_s == pytest.approx(r.latency_s - r.switch_ms / 1e3)
+    assert [x[2] for x in r.timeline][-1] == 2
+
+
+def check_timeline(r: SimResult, tps: set[int]) -> None:
+    times = [x[0] for x in r.timeline]
+    left = [x[1] for x in r.timeline]
+    assert times == sorted(times) and times[-1] <= r.latency_s + 1e-9
+    assert left == sorted(left, reverse=True) and left[-1] == 0
+    assert {x[2] for x in r.timeline} <= tps
+    assert 0 < r.gpu_busy <= 1.0 + 1e-9
+
+
+@pytest.fixture(scope="module")
+def llama() -> LatencyModel:
+    return LatencyModel(modelled.build(modelled.LLAMA_31_8B, "llama"))
+
+
+@pytest.mark.parametrize(
+    ("name", "prompts", "admission"), [("deepscaler-8k", 16, "engine"), ("sparse-tail", 32, "sglang")]
+)
+def test_references_order_and_timelines(llama: LatencyModel, name: str, prompts: int, admission: str) -> None:
+    wl = synthetic(name, 1, prompts=prompts)
+    prev = synthetic(name, 1001, prompts=prompts)
+    cfg = SimConfig(
+        8, admission=admission, prior=Prior.from_samples(prev.lengths, prev.caps), oracle_replays=12
+    )
+    policies = [
+        "static:1",
+        "static:2",
+        "static:4",
+        "static:8",
+        "adaptive",
+        "oracle",
+        "free-switch",
+        "tail-bound",
+    ]
+    res = simulate(llama, wl, cfg, policies)
+    assert list(res) == policies
+    for p in policies[:5]:
+        assert res["tail-bound"].latency_s <= res["free-switch"].latency_s <= res["oracle"].latency_s
+        assert res["oracle"].latency_s <= res[p].latency_s + 1e-12, p
+        check_timeline(res[p], {1, 2, 4, 8})
+    assert all(not r.reconfigs for p, r in res.items() if p.startswith("static"))
+
+
+def test_oracle_reports_a_replayable_chain(llama: LatencyModel) -> None:
+    wl = synthetic("cap-mass-10", 2, prompts=8)
+    sim = Simulator(llama, wl, SimConfig(8, oracle_replays=10))
+    statics = [sim.run(Layout.for_tp(8, t), name=f"static:{t}") for t in (1, 2, 4, 8)]
+    blind = oracle(sim, statics)
+    clairvoyant = oracle(sim, [*statics, blind], balance="length")
+    assert clairvoyant.latency_s <= blind.latency_s <= min(r.latency_s for r in statics)
+    if blind.detail.startswith("chain"):  # the search won: its chain, replayed, gives its latency
+        start, *steps = blind.detail.split(" (")[0].removeprefix("chain ").split(" -> ")
+        schedule = [(int(s.split("@")[1]), Layout.parse(s.split("@")[0])) for s in steps]
+        ctl = ScheduleController(schedule, balance="count")
+        assert sim.run(Layout.parse(start), name="x", controller=ctl).latency_s == pytest.approx(
+            blind.latency_s
+        )
+
+
+class _Watched(AdaptiveController):
+    """The adaptive controller, also recording when the first request longer than ``cut`` finishes."""
+
+    cut, first_long_done = 3000, math.inf
+
+    def on_finish(self, sim: Simulator, t_ms: float) -> None:
+        if math.isinf(self.first_long_done) and ((sim.req.status == DONE) & (sim.lengths > self.cut)).any():
+            self.first_long_done = t_ms
+        return None
+
+
+def test_adaptive_does_not_peek_at_lengths(llama: LatencyModel) -> None:
+    """Two workloads that agree on every request shorter than 3,000 tokens (the others are 2,000 longer
+    in the second): identical decisions until the first long request finishes."""
+    base = synthetic("deepscaler-8k", 4, prompts=16)
+    longer = np.where(base.lengths > 3000, np.minimum(base.lengths + 2000, base.caps), base.lengths)
+    other = Workload("other", longer, base.prompt_lens, base.caps)
+    runs, cuts = [], []
+    for wl in (base, other):
+        sim = Simulator(llama, wl, SimConfig(8))
+        ctl = _Watched(sim.policy(), None, 250.0)
+        sim.run(Layout(4, 2), name="adaptive", controller=ctl)
+        runs.append(list(zip(ctl.times, ctl.decisions, strict=True)))
+        cuts.append(ctl.first_long_done)
+    assert cuts[0] < cuts[1]  # nothing differs before the first long request of the first finishes ...
+    before = [[(t, d) for t, d in run if t < cuts[0]] for run in runs]
+    assert len(before[0]) > 50 and before[0] == before[1]  # ... and the planner saw no difference
+    assert runs[0] != runs[1]
+
+
+def test_bad_policies_and_config() -> None:
+    assert parse_policies("static:1, adaptive,oracle,tail-bound", 8) == [
+        "static:1",
+        "adaptive",
+        "oracle",
+        "tail-bound",
+    ]
+    with pytest.raises(UserError, match="item 2") as err:
+        parse_policies("static:1,fast", 8)
+    assert err.value.field == "policies"
+    with pytest.raises(UserError, match="TP 3 does not divide 8"):
+        parse_policies("static:3", 8)
+    with pytest.raises(UserError, match="no policy"):
+        parse_policies(" , ", 8)
+    with pytest.raises(UserError, match="engine") as err:
+        SimConfig(8, admission="vllm")
+    assert err.value.field == "admission"
+    with pytest.raises(UserError):
+        SimConfig(8, initial_layout="3y2")
+
+
+def test_a_request_that_fits_no_replica_is_refused() -> None:
+    prof = profile({1: (10.0, 5.0), 2: (6.0, 3.0)}, {1: 10, 2: 100})
+    sim = Simulator(LatencyModel(prof), workload([5, 5], prompt=10, cap=20), SimConfig(2))
+    assert sim.candidates() == [Layout(1, 2)]  # 2x1 holds 10 tokens, a request reserves 30
+    with pytest.raises(UserError, match="does not fit"):
+        sim.run(Layout(2, 1), name="static:1")
