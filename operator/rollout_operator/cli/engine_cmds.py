@@ -15,7 +15,9 @@ from rollout_operator.cli.args import bench_group, int_list
 def register(app: typer.Typer) -> None:
     app.command("make-model")(make_model_cmd)
     app.command("generate")(generate_cmd)
-    bench_group(app).command("engine")(bench_engine_cmd)
+    bench = bench_group(app)
+    bench.command("engine")(bench_engine_cmd)
+    bench.command("peer")(bench_peer_cmd)
 
 
 def make_model_cmd(
@@ -248,3 +250,23 @@ def bench_engine_cmd(
         json_out=json_out,
         echo=typer.echo,
     )
+
+
+def bench_peer_cmd(
+    preset: Annotated[str, typer.Option(help="Model preset (made under --work if missing).")] = "small",
+    cores: Annotated[
+        str, typer.Option(help="Comma-separated core counts (ranks for us, threads for them).")
+    ] = "1,2",
+    runs: Annotated[int, typer.Option(help="Alternated runs per set and core count.")] = 3,
+    work: Annotated[Path, typer.Option(help="Where checkpoints are cached.")] = Path("build/models"),
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON here.")] = None,
+) -> None:
+    """The engine against Hugging Face transformers generate (float32, batched, greedy), same model,
+    requests and cores: equal lengths and a long-tailed set, whole commands and generation alone."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise UserError("needs the transformers package (pip install transformers)", "--preset") from None
+    from rollout_worker.engine.bench_peer import run_peer_bench
+
+    run_peer_bench(preset, int_list(cores, "--cores"), runs, work, json_out, typer.echo)

@@ -1,0 +1,247 @@
+"""``rolloutctl bench peer``: the engine against Hugging Face ``transformers`` ``generate`` (float32, batched,
+greedy), side by side in one run on the same model, requests and cores.
+
+* request sets: equal lengths (every request the same number of new tokens) and a long-tailed set (a few
+  long requests among many short ones), prompts of the same length;
+* cores: ``c`` cores = our engine with ``c`` rank processes as ``c x 1`` (one torch thread each) against
+  transformers with ``torch.set_num_threads(c)`` in one process;
+* whole commands: ``rolloutctl generate ...`` against ``python -m rollout_worker.engine.bench_peer hf ...``
+  (start-up, model load, generation, output written), wall clock of the subprocess;
+* steady state: generation only (ours: first submit to last finish; theirs: the ``model.generate`` call).
+
+Transformers runs a batch until its longest request is done (static batching): on the long-tailed set every
+row pays for the longest. Runs alternate the order of the two engines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rollout_worker.api.requests import RequestSpec
+from rollout_worker.api.sampling import SamplingParams
+
+Echo = Callable[[str], Any]
+TAIL = [8, 8, 12, 12, 16, 16, 20, 24, 28, 32, 40, 48, 64, 96, 192, 384]  # 1,000 tokens, 16 requests
+
+
+def request_sets(
+    vocab: int, prompt_len: int = 32, n: int = 16, equal_len: int = 128
+) -> dict[str, list[dict[str, Any]]]:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(n)]
+    return {
+        "equal": [
+            {"id": f"e{i}", "input_ids": p, "max_new_tokens": equal_len, "ignore_eos": True}
+            for i, p in enumerate(prompts)
+        ],
+        "tail": [
+            {"id": f"t{i}", "input_ids": p, "max_new_tokens": k, "ignore_eos": True}
+            for i, (p, k) in enumerate(zip(prompts, TAIL[:n], strict=True))
+        ],
+    }
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _ours_steady(model: Path, rows: list[dict[str, Any]], cores: int) -> tuple[float, dict[str, list[int]]]:
+    from rollout_worker.engine.batch import run_batch
+    from rollout_worker.engine.config import EngineConfig
+
+    cfg = EngineConfig.load(str(model), cores)
+    specs = [
+        RequestSpec(r["id"], tuple(r["input_ids"]), r["max_new_tokens"], SamplingParams(), ignore_eos=True)
+        for r in rows
+    ]
+    res = run_batch(cfg, specs)
+    return res.gen_s, {o["id"]: o["output_ids"] for o in res.outputs}
+
+
+def _timed(cmd: list[str]) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    wall = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({r.returncode}):\n{r.stderr[-2000:]}")
+    return wall, r.stdout
+
+
+def run_peer_bench(
+    preset: str, cores: list[int], runs: int, work: Path, json_out: Path | None, echo: Echo
+) -> dict[str, Any]:
+    from rollout_worker.api.model_config import ModelConfig
+    from rollout_worker.engine.bench import ensure_model
+
+    model = ensure_model(preset, work)
+    sets = request_sets(ModelConfig.load(model).vocab_size)
+    tmp = Path(tempfile.mkdtemp())
+    results: list[dict[str, Any]] = []
+    for name, rows in sets.items():
+        prompts = tmp / f"{name}.jsonl"
+        _write_jsonl(prompts, rows)
+        tokens = sum(r["max_new_tokens"] for r in rows)
+        for c in cores:
+            ours_cmd = [
+                sys.executable,
+                "-m",
+                "rollout_operator.cli.main",
+                "generate",
+                "--model",
+                str(model),
+                "--prompts",
+                str(prompts),
+                "--out",
+                str(tmp / "ours.jsonl"),
+                "--ranks",
+                str(c),
+                "--log-every",
+                "1000",
+            ]
+            hf_cmd = [
+                sys.executable,
+                "-m",
+                "rollout_worker.engine.bench_peer",
+                "hf",
+                "--model",
+                str(model),
+                "--prompts",
+                str(prompts),
+                "--out",
+                str(tmp / "hf.jsonl"),
+                "--threads",
+                str(c),
+            ]
+            samples: dict[str, list[float]] = {"ours_cmd": [], "hf_cmd": [], "ours_gen": [], "hf_gen": []}
+            agree: list[float] = []
+            for i in range(runs):
+                order = ["ours", "hf"] if i % 2 == 0 else ["hf", "ours"]
+                for who in order:
+                    if who == "ours":
+                        samples["ours_cmd"].append(_timed(ours_cmd)[0])
+                        gen_s, ours_ids = _ours_steady(model, rows, c)
+                        samples["ours_gen"].append(gen_s)
+                    else:
+                        wall, out = _timed(hf_cmd)
+                        samples["hf_cmd"].append(wall)
+                        samples["hf_gen"].append(json.loads(out.strip().splitlines()[-1])["generate_s"])
+                hf_ids = {
+                    json.loads(x)["id"]: json.loads(x)["output_ids"]
+                    for x in (tmp / "hf.jsonl").read_text().splitlines()
+                }
+                agree.append(_agreement(ours_ids, hf_ids))
+            med = {k: statistics.median(v) for k, v in samples.items()}
+            row = {
+                "set": name,
+                "cores": c,
+                "tokens": tokens,
+                "runs": runs,
+                "samples": samples,
+                "median": med,
+                "speedup_cmd": med["hf_cmd"] / med["ours_cmd"],
+                "speedup_gen": med["hf_gen"] / med["ours_gen"],
+                "greedy_agreement": statistics.median(agree),
+            }
+            results.append(row)
+            echo(
+                f"  {name}, {c} core(s): whole command ours {med['ours_cmd']:.2f} s vs transformers "
+                f"{med['hf_cmd']:.2f} s ({row['speedup_cmd']:.2f}x); generation {med['ours_gen']:.2f} s vs "
+                f"{med['hf_gen']:.2f} s ({row['speedup_gen']:.2f}x)"
+            )
+    echo(f"\n{preset}, float32, greedy, 16 requests, prompts of 32 tokens; median of {runs} alternated runs")
+    echo(
+        "| set | cores | tokens | whole command: ours / transformers | speed-up "
+        "| generation: ours / transformers | speed-up | same tokens |"
+    )
+    echo("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        m = r["median"]
+        echo(
+            f"| {r['set']} | {r['cores']} | {r['tokens']} | {m['ours_cmd']:.2f} s / {m['hf_cmd']:.2f} s "
+            f"| {r['speedup_cmd']:.2f}x | {m['ours_gen']:.2f} s / {m['hf_gen']:.2f} s | {r['speedup_gen']:.2f}x "
+            f"| {100 * r['greedy_agreement']:.0f}% |"
+        )
+    report = {"benchmark": "peer", "preset": preset, "peer": "transformers generate", "results": results}
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(report, indent=1))
+        echo(f"wrote {json_out}")
+    return report
+
+
+def _agreement(ours: dict[str, list[int]], theirs: dict[str, list[int]]) -> float:
+    """Fraction of output tokens that equal transformers' (float32: rare argmax ties may differ)."""
+    same = total = 0
+    for rid, a in ours.items():
+        b = theirs[rid]
+        total += len(a)
+        for x, y in zip(a, b, strict=False):
+            if x != y:
+                break
+            same += 1
+    return same / max(total, 1)
+
+
+def hf_main(argv: list[str] | None = None) -> None:
+    """The peer's whole command: load with transformers, one batched greedy ``generate``, write JSONL."""
+    ap = argparse.ArgumentParser(prog="bench_peer hf")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--prompts", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args(argv)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(a.threads)
+    rows = [json.loads(x) for x in Path(a.prompts).read_text().splitlines() if x.strip()]
+    model = AutoModelForCausalLM.from_pretrained(a.model, torch_dtype=torch.float32)
+    model.eval()
+    width = max(len(r["input_ids"]) for r in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):  # left padding, as batched generation needs
+        ids[i, width - len(r["input_ids"]) :] = torch.tensor(r["input_ids"])
+        mask[i, width - len(r["input_ids"]) :] = 1
+    longest = max(r["max_new_tokens"] for r in rows)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(  # type: ignore[misc]
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=longest,
+            min_new_tokens=longest,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    gen_s = time.perf_counter() - t0
+    with Path(a.out).open("w") as f:
+        for i, r in enumerate(rows):
+            f.write(
+                json.dumps(
+                    {"id": r["id"], "output_ids": out[i, width : width + r["max_new_tokens"]].tolist()}
+                )
+                + "\n"
+            )
+    print(json.dumps({"generate_s": gen_s}))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "hf":
+        hf_main(sys.argv[2:])
+    else:
+        sys.exit(
+            "usage: python -m rollout_worker.engine.bench_peer hf --model DIR --prompts FILE --out FILE "
+            "[--threads N]"
+        )
