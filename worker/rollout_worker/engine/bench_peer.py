@@ -168,8 +168,8 @@ def run_peer_bench(
         m = r["median"]
         echo(
             f"| {r['set']} | {r['cores']} | {r['tokens']} | {m['ours_cmd']:.2f} s / {m['hf_cmd']:.2f} s "
-            f"| {r['speedup_cmd']:.2f}x | {m['ours_gen']:.2f} s / {m['hf_gen']:.2f} s | {r['speedup_gen']:.2f}x "
-            f"| {100 * r['greedy_agreement']:.0f}% |"
+            f"| {r['speedup_cmd']:.2f}x | {m['ours_gen']:.2f} s / {m['hf_gen']:.2f} s "
+            f"| {r['speedup_gen']:.2f}x | {100 * r['greedy_agreement']:.0f}% |"
         )
     report = {"benchmark": "peer", "preset": preset, "peer": "transformers generate", "results": results}
     if json_out is not None:
