@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 MODEL   = build/models/tiny-float32-seed0
 
-.PHONY: setup run test test-fast lint typecheck imports check bench-engine bench-planner clean
+.PHONY: setup run test test-fast lint typecheck imports check bench-engine bench-planner bench-serve bench-peer clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,14 @@ bench-engine: setup
 bench-planner: setup
 	$(BIN)/rolloutctl bench planner --json build/bench-planner.json
 	$(BIN)/rolloutctl bench planner --admission sglang --json build/bench-planner-sglang.json
+
+# the engine as a service against the engine in process (kept out of CI: minutes, and timing-sensitive)
+bench-serve: setup
+	$(BIN)/rolloutctl bench serve --presets tiny,small --runs 3 --json build/bench-serve.json
+
+# the engine against Hugging Face transformers generate, same model, requests and cores
+bench-peer: setup
+	$(BIN)/rolloutctl bench peer --preset small --cores 1,2 --runs 3 --json build/bench-peer-small.json
 
 clean:
 	rm -rf build .pytest_cache .mypy_cache .ruff_cache

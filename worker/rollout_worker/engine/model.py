@@ -137,11 +137,9 @@ class Decoder:
         cos, sin = self.rope(positions)
         max_len = int(positions.max().item()) + 1
         key_pos = torch.arange(max_len, device=tokens.device)
-        mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, S, L]
-        bias = torch.zeros(mask.shape, dtype=self.dtype, device=tokens.device)
-        bias = bias.masked_fill(~mask, float("-inf"))[:, None, None]  # [B, 1, 1, S, L]
+        mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, S, L]: keys a query sees
         rows = torch.arange(slot0, slot0 + bsz, device=tokens.device)[:, None].expand(bsz, seq)
-        hd, group = self.cfg.head_dim, self.heads // self.kv_heads
+        hd = self.cfg.head_dim
         scale = 1.0 / math.sqrt(hd)
         x = F.embedding(tokens, self.embed)
         for i, lw in enumerate(self.layers):
@@ -154,12 +152,12 @@ class Decoder:
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
             slab.k[i][rows, :, positions] = k
             slab.v[i][rows, :, positions] = v
-            keys = slab.k[i][slot0 : slot0 + bsz, :, :max_len].unsqueeze(2)  # [B, KVh, 1, L, hd]
-            vals = slab.v[i][slot0 : slot0 + bsz, :, :max_len].unsqueeze(2)
-            qh = q.view(bsz, seq, self.kv_heads, group, hd).permute(0, 2, 3, 1, 4)  # [B, KVh, g, S, hd]
-            scores = torch.matmul(qh, keys.transpose(-1, -2)) * scale + bias
-            probs = torch.softmax(scores.to(self.norm_dtype), dim=-1).to(self.dtype)
-            attn = torch.matmul(probs, vals).permute(0, 3, 1, 2, 4).reshape(bsz, seq, self.heads * hd)
+            keys = slab.k[i][slot0 : slot0 + bsz, :, :max_len]  # [B, KVh, L, hd]
+            vals = slab.v[i][slot0 : slot0 + bsz, :, :max_len]
+            attn = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys, vals, attn_mask=mask, scale=scale, enable_gqa=True
+            )  # [B, H, S, hd]: each head on its own, so TP (which splits heads) changes nothing
+            attn = attn.transpose(1, 2).reshape(bsz, seq, self.heads * hd)
             x = x + self.ps.all_reduce(F.linear(attn, lw.wo))
             h = self.rms(x, lw.ln2)
             mlp = F.linear(F.silu(F.linear(h, lw.w_gate)) * F.linear(h, lw.w_up), lw.w_down)
