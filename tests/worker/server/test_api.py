@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -332,3 +335,16 @@ def test_state_lists_running_and_finished(server: Served) -> None:
     assert all(not r["running"] and not r["waiting"] for r in after["replicas"])
     bad = httpx.get(server.url + "/v1/state", params={"since_step": -1})
     assert bad.status_code == 400 and bad.json()["error"]["field"] == "since_step"
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_an_idle_engine_blocks_instead_of_spinning(server: Served) -> None:
+    pids = server.get("/get_server_info").json()["rank_pids"]
+    before = [_cpu_s(p) for p in pids]
+    time.sleep(1.5)
+    used = [_cpu_s(p) - b for p, b in zip(pids, before, strict=True)]
+    assert all(u <= 0.05 for u in used), used  # a spinning rank would burn ~1.5 s

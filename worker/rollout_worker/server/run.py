@@ -27,6 +27,9 @@ class _Server(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         engine = self.app_state.engine
+        if not self.should_exit:
+            n = engine.book.unfinished if engine is not None else 0
+            log.info("received %s: stopping (%d request(s) in flight)", signal.Signals(sig).name, n)
         if engine is not None and not self.should_exit:
             drain = self.app_state.settings.drain_seconds
             threading.Thread(target=engine.shutdown, args=(drain,), name="drain", daemon=True).start()
@@ -49,6 +52,7 @@ def serve(settings: ServerSettings, cfg: EngineConfig) -> int:
     state = app.state.server
 
     def request_exit(code: int) -> None:
+        log.info("stopping with exit code %d", code)
         state.exit_code = code
         server.should_exit = True
 
