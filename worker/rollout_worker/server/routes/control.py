@@ -94,17 +94,19 @@ async def update_weights_from_disk(body: UpdateWeightsRequest, request: Request)
     }
 
 
+async def _memory(request: Request, body: MemoryRequest | None, release: bool) -> dict[str, Any]:
+    tags = tuple((body.tags if body else None) or ("weights", "kv_cache"))
+    state = server_state(request)
+    engine = state.ready_engine()
+    await state.bridge.call(engine.release_memory if release else engine.resume_memory, tags)
+    return {"success": True, "message": f"{'released' if release else 'resumed'} {', '.join(tags)}"}
+
+
 @router.post("/release_memory_occupation", summary="Free weights and/or KV cache memory")
 async def release_memory_occupation(request: Request, body: MemoryRequest | None = None) -> dict[str, Any]:
-    tags = tuple((body.tags if body else None) or ("weights", "kv_cache"))
-    engine = server_state(request).ready_engine()
-    await server_state(request).bridge.call(engine.release_memory, tags)
-    return {"success": True, "message": f"released {', '.join(tags)}"}
+    return await _memory(request, body, release=True)
 
 
 @router.post("/resume_memory_occupation", summary="Re-acquire released memory")
 async def resume_memory_occupation(request: Request, body: MemoryRequest | None = None) -> dict[str, Any]:
-    tags = tuple((body.tags if body else None) or ("weights", "kv_cache"))
-    engine = server_state(request).ready_engine()
-    await server_state(request).bridge.call(engine.resume_memory, tags)
-    return {"success": True, "message": f"resumed {', '.join(tags)}"}
+    return await _memory(request, body, release=False)

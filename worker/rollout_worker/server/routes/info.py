@@ -69,12 +69,8 @@ def _model_info(state: ServerState) -> dict[str, Any]:
 
 
 @router.get("/get_model_info", summary="Model path, tokenizer, weight version")
+@router.get("/model_info", include_in_schema=False)  # SGLang 0.5's name
 async def get_model_info(request: Request) -> dict[str, Any]:
-    return _model_info(server_state(request))
-
-
-@router.get("/model_info", include_in_schema=False)
-async def model_info(request: Request) -> dict[str, Any]:
     return _model_info(server_state(request))
 
 
@@ -109,12 +105,8 @@ def _server_info(state: ServerState) -> dict[str, Any]:
 
 
 @router.get("/get_server_info", summary="Server arguments, current TP size (tp_size) and replicas (dp_size)")
+@router.get("/server_info", include_in_schema=False)  # SGLang 0.5's name
 async def get_server_info(request: Request) -> dict[str, Any]:
-    return _server_info(server_state(request))
-
-
-@router.get("/server_info", include_in_schema=False)
-async def server_info(request: Request) -> dict[str, Any]:
     return _server_info(server_state(request))
 
 
