@@ -139,7 +139,7 @@ def _merge_reconfig(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
                 "method": method,
                 "tokens": evs[0]["tokens"],
                 "kv_bytes_moved": evs[0].get("kv_bytes_moved", 0),
-                "weight_bytes_received": evs[0]["reshard"]["bytes_received"],
+                "weight_bytes_received": evs[0]["weights"].get("bytes_received", 0),
                 "phases_ms": phases,
                 "total_ms_runs": [e["phases"]["total_ms"] for e in evs],
             }

@@ -1,0 +1,168 @@
+"""The RolloutJob manifest: one pydantic model, read by ``rolloutctl run`` and (in a later issue) the source
+the operator's CRD is generated from. Field names are the manifest's camelCase; every default is here.
+
+```yaml
+apiVersion: elasticrollout.dev/v1alpha1
+kind: RolloutJob
+metadata: {name: quickstart}
+spec:
+  model: {path: build/models/wide, dtype: float32}
+  engine: {maxBatch: 64, kvBudgetTokens: null, device: cpu}
+  pods: 1
+  gpusPerPod: 2
+  prompts: {path: examples/longtail.jsonl, limit: null}
+  samplesPerPrompt: 1
+  sampling: {temperature: 1.0, topP: 1.0, topK: -1, maxNewTokens: 1024, seed: 0, stop: []}
+  parallelism: {initialLayout: auto, candidates: null, policy: adaptive, method: auto, margin: 0.1,
+                cooldownSeconds: 0.0, profile: null}
+  output: {path: build/rollout}
+```
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+from rollout_worker.api.errors import UserError
+from rollout_worker.api.layout import Layout
+
+API_VERSION = "elasticrollout.dev/v1alpha1"
+KIND = "RolloutJob"
+
+
+def _layout(v: str) -> str:
+    try:
+        Layout.parse(v)
+    except UserError as exc:  # pydantic reports ValueErrors with the field's path
+        raise ValueError(exc.message) from None
+    return v
+
+
+LayoutStr = Annotated[str, AfterValidator(_layout)]
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+
+class ModelSpec(_Spec):
+    path: str = Field(min_length=1, description="Checkpoint directory (Hugging Face layout).")
+    dtype: Literal["float32", "float64", "bfloat16", "float16"] = "float32"
+
+
+class EngineSpec(_Spec):
+    max_batch: int = Field(64, ge=1, le=4096, description="Running requests per replica.")
+    kv_budget_tokens: int | None = Field(
+        None, ge=2, description="Reserved KV tokens per replica (null: none)."
+    )
+    device: Literal["cpu", "cuda"] = "cpu"
+
+
+class PromptsSpec(_Spec):
+    path: str = Field(min_length=1, description="JSONL, or Parquet in VeRL's format (a `prompt` column).")
+    limit: int | None = Field(None, ge=1, description="Use only the first N prompts.")
+
+
+class SamplingSpec(_Spec):
+    temperature: float = Field(1.0, ge=0.0, description="0 = greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, description="-1 = off.")
+    max_new_tokens: int = Field(1024, ge=1)
+    seed: int = Field(0, ge=0, description="Each sample's seed is a fixed hash of (seed, prompt id, index).")
+    stop: list[str] = Field(default_factory=list)
+
+
+class ParallelismSpec(_Spec):
+    initial_layout: str = Field("auto", description="`auto` (the planner picks from the profile) or DxT.")
+    candidates: list[LayoutStr] | None = Field(
+        None, description="Layouts DxT (default: every one that fits)."
+    )
+    policy: Literal["adaptive", "static"] = "adaptive"
+    method: Literal["auto", "migrate", "recompute"] = "auto"
+    margin: float = Field(0.1, ge=0.0, le=10.0, description="Switch only when gain > cost x (1 + margin).")
+    cooldown_seconds: float = Field(0.0, ge=0.0)
+    profile: str | None = Field(None, description="Profile name in the database or a JSON file.")
+
+    @field_validator("initial_layout")
+    @classmethod
+    def _initial(cls, v: str) -> str:
+        return v if v == "auto" else _layout(v)
+
+    @field_validator("candidates")
+    @classmethod
+    def _candidates(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and not v:
+            raise ValueError("give at least one layout, or leave candidates out")
+        return v
+
+
+class OutputSpec(_Spec):
+    path: str = Field(min_length=1, description="Directory for the outputs (one JSONL per pod, a manifest).")
+
+
+class RolloutJobSpec(_Spec):
+    model: ModelSpec
+    engine: EngineSpec = EngineSpec()
+    pods: int = Field(1, ge=1, le=1024)
+    gpus_per_pod: int = Field(1, ge=1, le=64, description="Engine ranks per pod.")
+    prompts: PromptsSpec
+    samples_per_prompt: int = Field(1, ge=1, le=1024)
+    sampling: SamplingSpec = SamplingSpec()
+    parallelism: ParallelismSpec = ParallelismSpec()
+    output: OutputSpec
+
+    @model_validator(mode="after")
+    def _layouts(self) -> RolloutJobSpec:
+        """Cross-field rules (the CRD states them as CEL): candidates use gpusPerPod ranks; an explicit
+        initial layout is among them."""
+        g, par = self.gpus_per_pod, self.parallelism
+        for i, c in enumerate(par.candidates or []):
+            lay = Layout.parse(c)
+            if lay.world != g:
+                raise _at(
+                    ("parallelism", "candidates", i), f"{c} uses {lay.world} ranks, but gpusPerPod is {g}"
+                )
+        if par.initial_layout != "auto":
+            lay = Layout.parse(par.initial_layout)
+            if lay.world != g:
+                raise _at(
+                    ("parallelism", "initialLayout"), f"{lay} uses {lay.world} ranks, but gpusPerPod is {g}"
+                )
+            if par.candidates is not None and lay not in {Layout.parse(c) for c in par.candidates}:
+                raise _at(("parallelism", "initialLayout"), f"{lay} is not among the candidates")
+        return self
+
+    def candidate_layouts(self) -> list[Layout] | None:
+        c = self.parallelism.candidates
+        return None if c is None else sorted({Layout.parse(x) for x in c}, key=lambda x: x.tp)
+
+
+class Metadata(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    namespace: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class RolloutJob(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    api_version: Literal["elasticrollout.dev/v1alpha1"] = Field(alias="apiVersion")
+    kind: Literal["RolloutJob"]
+    metadata: Metadata
+    spec: RolloutJobSpec
+
+
+class FieldAt(ValueError):
+    """A cross-field error attributed to a path inside the spec (for the loader's path + line)."""
+
+    def __init__(self, path: tuple[str | int, ...], message: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+def _at(path: tuple[str | int, ...], message: str) -> FieldAt:
+    return FieldAt(path, message)

@@ -1,0 +1,101 @@
+"""Loading a RolloutJob manifest from YAML: every error names the YAML path and the line
+(``job.yaml:14: spec.parallelism.candidates[2]: 3x1 uses 3 ranks, but gpusPerPod is 2``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+from rollout_worker.api.errors import UserError
+
+from rollout_operator.api.job import FieldAt, RolloutJob
+
+Path_ = tuple[str | int, ...]
+
+
+@dataclass(frozen=True)
+class LoadedJob:
+    """A validated job and where each of its fields stood in the file (for later checks' messages)."""
+
+    job: RolloutJob
+    file: str
+    lines: dict[Path_, int]
+
+    def error(self, path: Path_, message: str) -> UserError:
+        return UserError(f"{_where(self.file, self.lines, path)}: {dotted(path)}: {message}")
+
+
+def dotted(path: Path_) -> str:
+    """("spec", "parallelism", "candidates", 2) -> "spec.parallelism.candidates[2]"."""
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or "(document)"
+
+
+def _lines(node: yaml.Node, path: Path_ = ()) -> dict[Path_, int]:
+    out: dict[Path_, int] = {path: node.start_mark.line + 1}
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            sub = (*path, key.value)
+            out[sub] = key.start_mark.line + 1
+            for p, line in _lines(value, sub).items():
+                out.setdefault(p, line)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, value in enumerate(node.value):
+            out.update(_lines(value, (*path, i)))
+    return out
+
+
+def _where(file: str, lines: dict[Path_, int], path: Path_) -> str:
+    """file:line of ``path``, or of its closest ancestor that the file has (a missing field)."""
+    for n in range(len(path), -1, -1):
+        if path[:n] in lines:
+            return f"{file}:{lines[path[:n]]}"
+    return file
+
+
+def _error_path(err: Any) -> Path_:
+    ctx_err = (err.get("ctx") or {}).get("error")
+    loc = tuple(x for x in err["loc"] if not (isinstance(x, str) and x.startswith("function-")))
+    if isinstance(ctx_err, FieldAt):  # a cross-field rule names the field it is about
+        return (*loc, *ctx_err.path)
+    return loc
+
+
+def parse_job(text: str, file: str = "job.yaml") -> LoadedJob:
+    try:
+        node = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        raise UserError(f"{file}{line}: not valid YAML ({getattr(exc, 'problem', None) or exc})") from None
+    if node is None or not isinstance(data, dict):
+        raise UserError(
+            f"{file}: expected a RolloutJob manifest (a mapping with apiVersion, kind, metadata, spec)"
+        )
+    lines = _lines(node)
+    try:
+        job = RolloutJob.model_validate(data)
+    except ValidationError as exc:
+        msgs = []
+        for err in exc.errors()[:10]:
+            path = _error_path(err)
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            msgs.append(f"{_where(file, lines, path)}: {dotted(path)}: {msg}")
+        raise UserError("\n".join(msgs)) from None
+    return LoadedJob(job, file, lines)
+
+
+def load_job(path: str | Path) -> LoadedJob:
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise UserError(f"job file not found: {path}") from None
+    except (IsADirectoryError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read {path} ({type(exc).__name__})") from None
+    return parse_job(text, str(path))
