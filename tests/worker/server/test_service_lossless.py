@@ -136,8 +136,8 @@ def test_service_is_lossless_across_plans_and_switches(server4: Served, tiny64: 
         assert got["output_ids"] == out["output_ids"], out["id"]
         lps = [t[0] for t in got["meta_info"]["output_token_logprobs"]]
         assert np.allclose(lps, out["output_token_logprobs"], rtol=0, atol=1e-9), out["id"]
-    spanning = [r for r in results.values() if r["meta_info"]["completion_tokens"] > 200]
-    assert spanning  # long requests ran through several layouts
+    spanning = [r for r in results.values() if len(r["meta_info"]["layouts"]) >= 3]
+    assert spanning  # long requests ran through several layouts, and the response says which
 
 
 def test_greedy_matches_transformers(server4: Served, tiny64: Path) -> None:

@@ -31,3 +31,10 @@ def default_seed(rid: str) -> int:
 def derived_seed(seed: int, index: int) -> int:
     """Seed of the ``index``-th of ``n`` samples of one request (``n`` > 1): distinct and reproducible."""
     return int.from_bytes(hashlib.sha256(f"{seed}/{index}".encode()).digest()[:8], "little") >> 1
+
+
+def sample_seed(seed: int, prompt_id: str, sample: int) -> int:
+    """The seed of sample ``sample`` of prompt ``prompt_id`` in a job seeded ``seed``: reruns and resumed
+    runs draw exactly the same tokens."""
+    key = f"{seed}\x00{prompt_id}\x00{sample}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1

@@ -30,6 +30,12 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+# A plain chat template for the random checkpoints (each message as "role: content", then the assistant's
+# turn), so that chat-format prompts (VeRL's Parquet) render with them as with a real model's template.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 SHARD_BYTES = 2 * 1024**3  # split checkpoints larger than this into model-0000i-of-0000n files
 
 
@@ -85,6 +91,7 @@ def write_random_checkpoint(
             "bos_token": "<|begin_of_text|>",
             "eos_token": "<|end_of_text|>",
             "pad_token": "<|pad|>",
+            "chat_template": CHAT_TEMPLATE,
         }
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg) + "\n")
         if out.exists():

@@ -111,6 +111,7 @@ class Output:
     finish: dict[str, Any] | None = None
     started: float = field(default_factory=time.perf_counter)
     latency: float | None = None
+    layouts: list[str] = field(default_factory=list)
     _text: IncrementalText | None = None
 
     def __post_init__(self) -> None:
@@ -127,6 +128,7 @@ class Output:
         if u.finish is not None:
             self.finish = u.finish
             self.latency = time.perf_counter() - self.started
+            self.layouts = list(dict.fromkeys(str(p["layout"]) for p in u.placements))
 
     @property
     def text(self) -> str:
@@ -160,6 +162,7 @@ class Output:
         }
         if self.latency is not None:
             meta["e2e_latency"] = round(self.latency, 6)
+            meta["layouts"] = self.layouts  # ours: every layout the request ran on
         if spec.return_logprob:
             self._logprob_meta(meta)
         return {"text": self.text, "output_ids": list(self.ids), "meta_info": meta}
