@@ -77,12 +77,12 @@ def test_db_upgrade_and_current(
     assert code == 0, out
     assert out.splitlines() == [
         f"database: {url.render_as_string(hide_password=True)}",
-        "revision: none -> 0002 (head)",
+        "revision: none -> 0003 (head)",
     ]
     code, out, _ = run(monkeypatch, capsys, "db", "upgrade", "--db", db)
-    assert code == 0 and "revision: 0002 (head, already)" in out
+    assert code == 0 and "revision: 0003 (head, already)" in out
     code, out, _ = run(monkeypatch, capsys, "db", "current", "--db", db)
-    assert code == 0 and out.splitlines()[1] == "revision: 0002 (head)"
+    assert code == 0 and out.splitlines()[1] == "revision: 0003 (head)"
     assert "s3cret-pw" not in out
 
 

@@ -185,3 +185,5 @@ class DecisionRow(Base):
     actual_cost_ms: Mapped[float | None]
     outcome: Mapped[str] = mapped_column(String(32))
     reason: Mapped[str] = mapped_column(Text)
+    inputs: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # what the planner saw (revision 0003)
+    step: Mapped[int | None]  # the engine step at which the switch ran (revision 0003)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,3 +58,5 @@ class DecisionRecord:
     actual_cost_ms: float | None
     outcome: str
     reason: str
+    inputs: dict[str, Any] | None = None
+    step: int | None = None

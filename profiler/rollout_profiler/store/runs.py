@@ -120,6 +120,7 @@ def record_decision(
     method: str | None = None,
     actual_cost_ms: float | None = None,
     at: datetime | None = None,
+    inputs: dict[str, Any] | None = None,
 ) -> int:
     if method is not None and method not in KV_METHODS:
         raise UserError(f"decision on {pod}: method must be one of {KV_METHODS} or None, got {method!r}")
@@ -140,6 +141,7 @@ def record_decision(
         "actual_cost_ms": None if actual_cost_ms is None else float(actual_cost_ms),
         "outcome": outcome,
         "reason": reason,
+        "inputs": inputs,
     }
     check_lengths(DecisionRow.__table__, values, f"decision on {pod}")
     row = DecisionRow(**values)
@@ -149,14 +151,14 @@ def record_decision(
 
 
 def finish_decision(
-    session: Session, decision_id: int, *, outcome: str, actual_cost_ms: float | None
+    session: Session, decision_id: int, *, outcome: str, actual_cost_ms: float | None, step: int | None = None
 ) -> None:
-    """Record what came of a decision once the switch is over (or failed)."""
+    """Record what came of a decision once the switch is over (or failed), and the step it ran at."""
     row = session.get(DecisionRow, decision_id)
     if row is None:
         raise UserError(f"no decision with id {decision_id} in the database")
     check_lengths(DecisionRow.__table__, {"outcome": outcome}, f"decision {decision_id}")
-    row.outcome, row.actual_cost_ms = outcome, actual_cost_ms
+    row.outcome, row.actual_cost_ms, row.step = outcome, actual_cost_ms, step
     session.flush()
 
 

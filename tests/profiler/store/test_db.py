@@ -44,7 +44,7 @@ def make_profile(name: str = "tiny-cpu-2", method: str = "measured", created: st
 
 def test_migrations_apply_on_an_empty_database(empty_url: str) -> None:
     assert migrate.current(empty_url) is None
-    assert migrate.upgrade(empty_url) == migrate.head() == "0002"
+    assert migrate.upgrade(empty_url) == migrate.head() == "0003"
     assert migrate.current(empty_url) == migrate.head()
     eng = db_engine.make_engine(empty_url)
     try:
@@ -56,7 +56,7 @@ def test_migrations_apply_on_an_empty_database(empty_url: str) -> None:
             cfg.stdout = io.StringIO()
             cfg.attributes["connection"] = conn
             command.current(cfg)
-            assert cfg.stdout.getvalue().split() == ["0002", "(head)"]
+            assert cfg.stdout.getvalue().split() == ["0003", "(head)"]
             # the migration builds exactly what the models describe
             ctx = MigrationContext.configure(conn, opts={"compare_type": True})
             assert compare_metadata(ctx, Base.metadata) == []
@@ -65,14 +65,14 @@ def test_migrations_apply_on_an_empty_database(empty_url: str) -> None:
 
 
 def test_upgrade_downgrade_upgrade(empty_url: str) -> None:
-    assert migrate.upgrade(empty_url) == "0002"
+    assert migrate.upgrade(empty_url) == "0003"
     assert migrate.downgrade(empty_url) is None
     eng = db_engine.make_engine(empty_url)
     try:
         assert set(inspect(eng).get_table_names()) <= {"alembic_version"}
     finally:
         eng.dispose()
-    assert migrate.upgrade(empty_url) == "0002"
+    assert migrate.upgrade(empty_url) == "0003"
     assert migrate.current(empty_url) == migrate.head()
 
 
@@ -205,6 +205,7 @@ def test_decisions_round_trip(db: Engine) -> None:
             predicted_cost_ms=120.5,
             outcome="started",
             reason="tail: 3 running < 4 ranks",
+            inputs={"running": 3, "waiting": 0, "finished": 61, "predictor": "km+lognormal"},
         )
         early = repo.record_decision(
             session,
@@ -229,7 +230,7 @@ def test_decisions_round_trip(db: Engine) -> None:
             predicted_cost_ms=2.0,
             outcome="skipped",
         )
-        repo.finish_decision(session, late, outcome="applied", actual_cost_ms=133.25)
+        repo.finish_decision(session, late, outcome="applied", actual_cost_ms=133.25, step=4711)
     with Session(db) as session:
         got = repo.list_decisions(session, job)
         everything = repo.list_decisions(session)
@@ -239,9 +240,11 @@ def test_decisions_round_trip(db: Engine) -> None:
     assert (d.job_id, d.pod, d.at, d.running_requests) == (job, "rollout-0", t0 + timedelta(seconds=30), 3)
     assert (d.from_layout, d.to_layout, d.method) == ("4x1", "1x4", "migrate")
     assert (d.predicted_gain_ms, d.predicted_cost_ms, d.actual_cost_ms) == (900.0, 120.5, 133.25)
-    assert (d.outcome, d.reason) == ("applied", "tail: 3 running < 4 ranks")
+    assert (d.outcome, d.reason, d.step) == ("applied", "tail: 3 running < 4 ranks", 4711)
+    assert d.inputs == {"running": 3, "waiting": 0, "finished": 61, "predictor": "km+lognormal"}
     assert d.at.tzinfo is UTC
     assert (got[0].to_layout, got[0].method, got[0].actual_cost_ms) == ("4x1", None, None)
+    assert (got[0].inputs, got[0].step) == (None, None)
 
 
 def test_bad_decisions_are_refused(db: Engine) -> None:
