@@ -1,0 +1,66 @@
+"""Decisions and finished lengths into the database (SQLite by default, PostgreSQL in clusters)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rollout_profiler.store import runs
+from rollout_worker.api.plan import ReconfigEvent
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session
+
+from rollout_operator.control.tick import TickResult
+
+
+@dataclass
+class DbRecorder:
+    """Records each pushed decision (its inputs, predicted gain and cost, layout and method) and, once the
+    switch ran, its actual cost and step. Switches that ran later in a pushed chain get their own row."""
+
+    db: Engine
+    job_id: int | None
+
+    def decided(self, pod: str, result: TickResult) -> int:
+        d = result.decision
+        running = int(result.inputs.get("running", 0))
+        with Session(self.db) as session, session.begin():
+            return runs.record_decision(
+                session,
+                job_id=self.job_id,
+                pod=pod,
+                running_requests=running,
+                from_layout=str(result.inputs["layout"]),
+                to_layout=d.target,
+                method=d.method,
+                predicted_gain_ms=d.predicted_gain_ms,
+                predicted_cost_ms=d.predicted_cost_ms,
+                outcome="pushed",
+                reason=d.reason,
+                inputs=result.inputs,
+            )
+
+    def switched(self, pod: str, decision_id: int | None, event: ReconfigEvent) -> None:
+        with Session(self.db) as session, session.begin():
+            if decision_id is None:  # a later trigger of a chain, or a switch nobody here asked for
+                decision_id = runs.record_decision(
+                    session,
+                    job_id=self.job_id,
+                    pod=pod,
+                    running_requests=event.requests_running + event.requests_waiting,
+                    from_layout=event.src,
+                    to_layout=event.dst,
+                    method=event.method,
+                    predicted_gain_ms=0.0,
+                    predicted_cost_ms=event.predicted_ms,
+                    outcome="pushed",
+                    reason=event.reason,
+                )
+            runs.finish_decision(
+                session, decision_id, outcome=event.outcome, actual_cost_ms=event.actual_ms, step=event.step
+            )
+
+    def lengths(self, lengths: list[int], capped: list[bool]) -> None:
+        if self.job_id is None:
+            return
+        with Session(self.db) as session, session.begin():
+            runs.add_finished_lengths(session, self.job_id, lengths, capped)

@@ -1,0 +1,130 @@
+"""One planner tick for one pod, as pure functions: the pod's state -> the planner's snapshot -> a decision
+-> the plan to push (or none). ``rolloutctl run`` and the operator call the same code.
+
+The job's finished lengths accumulate across ticks (``state.finished`` since the previous step), and with
+the prior from earlier jobs of the model they fit the remaining-length predictor. A plan is pushed only on a
+``switch`` decision, whose predicted gain passed the hysteresis (``gain > cost x (1 + margin) + min
+gain``); its first trigger sits at the current unfinished count, so the engine switches at its next step
+report, and later triggers of the chain fire at the steps the planner predicted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from rollout_profiler.planning.latency import LatencyModel
+from rollout_profiler.planning.planner import (
+    Decision,
+    LastSwitch,
+    PlannerPolicy,
+    PodSnapshot,
+    ReplicaState,
+    decide,
+)
+from rollout_profiler.planning.predictor import LengthPredictor, Prior, fit
+from rollout_worker.api.plan import Plan, ReconfigEvent
+from rollout_worker.api.state import EngineState
+
+
+@dataclass
+class PodMemory:
+    """What the loop remembers of one pod between ticks."""
+
+    since_step: int = 0
+    lengths: list[int] = field(default_factory=list)  # finished lengths of this job on this pod
+    capped: list[bool] = field(default_factory=list)
+    last_switch: LastSwitch | None = None
+    events_seen: int = 0
+    pushed_for: str | None = None  # layout the last pushed plan was based on
+
+    def absorb(self, state: EngineState) -> None:
+        self.lengths += state.finished.lengths
+        self.capped += state.finished.capped
+        self.since_step = state.step
+
+    def note_events(self, events: list[ReconfigEvent]) -> list[ReconfigEvent]:
+        """New switch events since the last call; the last committed one starts the cooldown."""
+        new = events[self.events_seen :]
+        self.events_seen = len(events)
+        for ev in new:
+            if ev.outcome == "committed":
+                self.last_switch = LastSwitch(ev.step, ev.time_s)
+        return new
+
+
+def snapshot(state: EngineState, not_submitted: int = 0) -> PodSnapshot:
+    """The planner's view of an engine state. Requests the engine holds but has not given a replica, and the
+    prompts the pod has not submitted yet, count as waiting (dealt over the replicas)."""
+    reps = []
+    extra = len(state.queued) + not_submitted
+    n = max(len(state.replicas), 1)
+    for d, r in enumerate(state.replicas):
+        reps.append(
+            ReplicaState(
+                prompt_len=np.array([x.prompt_len for x in r.running], dtype=float),
+                generated=np.array([x.generated for x in r.running], dtype=float),
+                cap=np.array([x.max_new_tokens for x in r.running], dtype=float),
+                waiting=len(r.waiting) + extra // n + (d < extra % n),
+            )
+        )
+    waiting = [w for r in state.replicas for w in r.waiting] + list(state.queued)
+    wprompt = int(np.mean([w.prompt_len for w in waiting])) if waiting else 256
+    wcap = max((w.max_new_tokens for w in waiting), default=None)
+    return PodSnapshot(
+        state.layout, tuple(reps), tuple(state.ranks_ready), state.step, state.time_s, wprompt, wcap
+    )
+
+
+def predictor(memory: PodMemory, snap: PodSnapshot, prior: Prior | None) -> LengthPredictor:
+    lengths = np.array(memory.lengths, dtype=float)
+    caps = np.where(np.array(memory.capped, dtype=bool), lengths, np.inf) if memory.lengths else None
+    current = np.concatenate([r.generated for r in snap.replicas]) if snap.replicas else np.zeros(0)
+    cur_caps = np.concatenate([r.cap for r in snap.replicas]) if snap.replicas else np.zeros(0)
+    return fit(lengths, current, cur_caps, caps, prior)
+
+
+@dataclass(frozen=True)
+class TickResult:
+    decision: Decision
+    plan: Plan | None  # to push (PUT /v1/plan), based on the current layout
+    inputs: dict[str, Any]  # what the planner saw, for the decision record
+
+
+def tick(
+    state: EngineState,
+    memory: PodMemory,
+    model: LatencyModel,
+    policy: PlannerPolicy,
+    prior: Prior | None,
+    not_submitted: int = 0,
+) -> TickResult:
+    """Decide for one pod. ``memory`` must already have absorbed ``state``'s finished lengths."""
+    snap = snapshot(state, not_submitted)
+    waiting = sum(r.waiting for r in snap.replicas)
+    running = sum(len(r.generated) for r in snap.replicas)
+    # a new wave on a consolidated pod (waiting work beyond what runs) may move back toward throughput
+    pol = policy if not waiting or policy.allow_shrink else _with_shrink(policy)
+    pred = predictor(memory, snap, prior)
+    decision = decide(model, snap, pol, pred, memory.last_switch)
+    inputs = {
+        "layout": str(state.layout),
+        "step": state.step,
+        "running": running,
+        "waiting": waiting,
+        "finished": len(memory.lengths),
+        "step_ms": state.step_ms,
+        "predictor": pred.source,
+        "reason": decision.reason,
+    }
+    plan = None
+    if decision.action == "switch" and decision.plan:
+        plan = Plan(based_on_layout=state.layout, triggers=list(decision.plan))
+    return TickResult(decision, plan, inputs)
+
+
+def _with_shrink(policy: PlannerPolicy) -> PlannerPolicy:
+    from dataclasses import replace
+
+    return replace(policy, allow_shrink=True)
