@@ -1,0 +1,1 @@
+"""rolloutctl run: a whole RolloutJob on one machine, each pod as local processes (engine + sidecar)."""
