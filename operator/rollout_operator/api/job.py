@@ -50,6 +50,9 @@ class _Spec(BaseModel):
 class ModelSpec(_Spec):
     path: str = Field(min_length=1, description="Checkpoint directory (Hugging Face layout).")
     dtype: Literal["float32", "float64", "bfloat16", "float16"] = "float32"
+    preset: str | None = Field(
+        None, description="Make a random-weight checkpoint of this preset at `path` when it is missing."
+    )
 
 
 class EngineSpec(_Spec):

@@ -16,7 +16,7 @@ import httpx
 from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.planning.planner import PlannerPolicy
 from rollout_profiler.planning.predictor import Prior
-from rollout_profiler.profile import Profile
+from rollout_profiler.profile import ModelShape, Profile
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.api.plan import Plan, ReconfigEvent
@@ -136,7 +136,6 @@ async def run_pods(
     local = LocalPods(pods, out_dir / "logs")
     links = [SidecarLink(p.name, p.api_url, p.admin_url, token) for p in pods]
     timeline: list[Sample] = []
-    t0 = time.monotonic()
     local.start()
     try:
         await local.wait_ready()
@@ -166,7 +165,7 @@ async def run_pods(
                 )
             on_progress(progress)
 
-        loop = PlannerLoop(links, model, planner, prior, recorder, 0.25) if model and planner else None  # type: ignore[arg-type]
+        loop = PlannerLoop(list(links), model, planner, prior, recorder, 0.25) if model and planner else None
         decisions: list[dict[str, Any]] = []
 
         def on_tick(outcomes: list[Outcome]) -> None:
@@ -204,7 +203,6 @@ async def run_pods(
         out_dir, files, {"job": loaded.job.metadata.name, "policy": policy_name, "layout": str(layout)}
     )
     tokens = sum(int(s.get("completion_tokens", 0)) for s in samples)
-    del t0
     return RunResult(policy_name, layout, out_dir, seconds, len(samples), tokens, events, decisions, timeline)
 
 
@@ -224,29 +222,45 @@ def candidate_layouts(loaded: LoadedJob, model: ModelConfig) -> list[Layout]:
     return sorted(set(out), key=lambda x: x.tp)
 
 
-def load_profile_for(loaded: LoadedJob, model: ModelConfig) -> Profile | None:
-    """The profile the job names (a JSON file, or a name in the database); None when it names none."""
-    name = loaded.job.spec.parallelism.profile
-    if name is None:
-        return None
-    path = Path(name)
-    if path.suffix == ".json" or path.exists():
-        if not path.exists():
-            raise loaded.error(("spec", "parallelism", "profile"), f"profile file not found: {name}")
-        prof = Profile.from_json(path)
-    else:
-        from rollout_profiler.store import engine as db_engine
-        from rollout_profiler.store import repo
-        from sqlalchemy.orm import Session
-
-        with Session(db_engine.make_engine(db_engine.resolve_url(None))) as session:
-            prof = repo.find_profile(session, name)
-    if (prof.model.hidden_size, prof.model.num_layers, prof.model.num_heads) != (
+def shape_of(model: ModelConfig, name: str) -> ModelShape:
+    return ModelShape(
+        name,
+        model.architecture,
         model.hidden_size,
         model.num_layers,
         model.num_heads,
-    ):
-        raise loaded.error(
-            ("spec", "parallelism", "profile"), f"profile {prof.name} is of another model shape"
-        )
+        model.num_kv_heads,
+        model.head_dim,
+        model.intermediate_size,
+        model.vocab_size,
+    )
+
+
+def load_profile_for(loaded: LoadedJob, model: ModelConfig, db_url: str | None) -> Profile | None:
+    """The profile the job names (a JSON file, or a name in the database), else the best stored one for this
+    model shape, device, rank count and dtype; None when there is none."""
+    from rollout_profiler.store import engine as db_engine
+    from rollout_profiler.store import repo
+    from sqlalchemy.orm import Session
+
+    spec, where = loaded.job.spec, ("spec", "parallelism", "profile")
+    name = spec.parallelism.profile
+    shape = shape_of(model, Path(spec.model.path).name)
+    if name is not None and (name.endswith(".json") or Path(name).exists()):
+        if not Path(name).is_file():
+            raise loaded.error(where, f"profile file not found: {name}")
+        prof: Profile | None = Profile.from_json(name)
+    else:
+        with Session(db_engine.make_engine(db_engine.resolve_url(db_url))) as session:
+            if name is None:
+                prof = repo.find_profile(
+                    session, shape.shape_hash, spec.engine.device, spec.gpus_per_pod, spec.model.dtype
+                )
+            else:
+                ids = [p.id for p in repo.list_profiles(session) if p.name == name]
+                if not ids:
+                    raise loaded.error(where, f"no profile named {name!r} in the database")
+                prof = repo.load_profile(session, max(ids))
+    if prof is not None and prof.model.shape_hash != shape.shape_hash:
+        raise loaded.error(where, f"profile {prof.name} is of another model shape than {spec.model.path}")
     return prof

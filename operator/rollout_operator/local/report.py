@@ -1,0 +1,93 @@
+"""The report of a local run: generation seconds, tokens/s, every switch with its predicted and actual cost,
+where the outputs are; as printed lines, as JSON, and as a timeline PNG (running requests and TP size over
+time per pod, switches marked)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rollout_operator.local.runner import RunResult
+
+
+def as_dict(r: RunResult) -> dict[str, Any]:
+    return {
+        "policy": r.policy,
+        "initial_layout": str(r.layout),
+        "output": str(r.out_dir),
+        "generation_seconds": round(r.seconds, 3),
+        "samples": r.samples,
+        "tokens": r.tokens,
+        "tokens_per_s": round(r.tokens_per_s, 1),
+        "reconfigurations": [
+            {
+                "pod": pod,
+                "step": e.step,
+                "time_s": e.time_s,
+                "from": str(e.src),
+                "to": str(e.dst),
+                "method": e.method,
+                "outcome": e.outcome,
+                "reason": e.reason,
+                "predicted_ms": e.predicted_ms,
+                "actual_ms": e.actual_ms,
+            }
+            for pod, evs in r.events.items()
+            for e in evs
+        ],
+        "decisions": r.decisions,
+    }
+
+
+def lines(r: RunResult) -> list[str]:
+    d = as_dict(r)
+    out = [
+        f"{r.policy}: {r.samples} samples, {r.tokens} tokens in {r.seconds:.2f} s "
+        f"({r.tokens_per_s:.0f} tok/s), starting as {r.layout}; outputs in {r.out_dir}"
+    ]
+    for e in d["reconfigurations"]:
+        out.append(
+            f"  {e['pod']}: {e['from']} -> {e['to']} ({e['method']}) at step {e['step']}, "
+            f"t={e['time_s']:.2f} s: predicted {e['predicted_ms']:.1f} ms, took {e['actual_ms'] or 0:.1f} ms "
+            f"({e['reason']})"
+        )
+    return out
+
+
+def write_json(path: Path, results: list[RunResult], extra: dict[str, Any] | None = None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps({"runs": [as_dict(r) for r in results], **(extra or {})}, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def timeline_png(path: Path, results: list[RunResult]) -> Path:
+    """One panel per run: running requests per pod (left axis) and TP size (right axis) over time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(results), 1, figsize=(9, 3.2 * len(results)), squeeze=False)
+    for ax, r in zip(axes[:, 0], results, strict=True):
+        tp_ax = ax.twinx()
+        for pod in sorted({s.pod for s in r.timeline}):
+            pts = [s for s in r.timeline if s.pod == pod]
+            ax.plot([s.t for s in pts], [s.running for s in pts], label=f"{pod} running")
+            tp_ax.step(
+                [s.t for s in pts], [s.tp for s in pts], where="post", linestyle="--", label=f"{pod} TP"
+            )
+        for evs in r.events.values():
+            for e in evs:
+                ax.axvline(e.time_s, color="grey", alpha=0.5, linewidth=0.8)
+        ax.set_title(f"{r.policy}: {r.seconds:.2f} s, {r.tokens_per_s:.0f} tok/s")
+        ax.set_xlabel("seconds since generation started")
+        ax.set_ylabel("running requests")
+        tp_ax.set_ylabel("TP size")
+        ax.legend(loc="upper right", fontsize="small")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
