@@ -70,13 +70,13 @@ class SidecarProc:
 def sidecar_env(engine: Served | None, tmp: Path, **fields: Any) -> dict[str, str]:
     keyfile = tmp / "sidecar.key"
     keyfile.write_text(TOKEN + "\n")
-    base: dict[str, Any] = {"api_key_file": keyfile, "poll_seconds": 0.2, "retry_seconds": 0.1}
+    base: dict[str, Any] = {"token_file": keyfile, "poll_seconds": 0.2, "retry_seconds": 0.1}
     if engine is not None:
         base["engine_url"] = engine.url
         if engine.key:
             ekey = tmp / "engine.key"
             ekey.write_text(engine.key)
-            base["engine_api_key_file"] = ekey
+            base["engine_key_file"] = ekey
     return settings_env(**{**base, **fields})
 
 

@@ -25,7 +25,7 @@ from tests.worker.sidecar.proc import SidecarProc, sidecar_env, start_sidecar, w
 
 pytestmark = pytest.mark.multiproc
 OPEN = {("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/metrics")}
-API_ROUTES = OPEN | {("GET", "/v1/progress"), ("GET", "/v1/state"), ("GET", "/v1/samples")}
+API_ROUTES = OPEN | {("GET", f"/v1/{x}") for x in ("progress", "state", "samples", "reconfigurations")}
 ADMIN_ROUTES = {("PUT", "/v1/plan"), ("POST", "/v1/reconfigure")}
 BODY_LIMIT = 4096
 E = "ROLLOUT_SIDECAR_"
@@ -39,8 +39,8 @@ def sidecar(
     env = sidecar_env(
         engine,
         tmp,
-        prompts=prompts,
-        model=tiny64,
+        prompts_path=prompts,
+        model_dir=tiny64,
         output_dir=tmp / "out",
         max_new_tokens=8,
         max_body_bytes=BODY_LIMIT,
@@ -216,15 +216,15 @@ def test_an_unreachable_engine_ends_the_sidecar_with_one_line(tmp_path: Path) ->
         ({E + "PODS": "2", E + "POD_INDEX": "2"}, f"error: {E}POD_INDEX: 2 must be below pods (2)"),
         ({E + "TOP_P": "2"}, f"error: {E}TOP_P: Input should be less than or equal to 1"),
         ({E + "PODZ": "2"}, f"error: {E}PODZ: unknown setting"),
-        ({E + "PROMPTS": "/nonexistent/p.jsonl"}, f"error: {E}PROMPTS: prompts file not found"),
-        ({E + "API_KEY_FILE": "/nonexistent/key"}, f"error: {E}API_KEY_FILE: cannot read"),
+        ({E + "PROMPTS_PATH": "/nonexistent/p.jsonl"}, f"error: {E}PROMPTS_PATH: prompts file not found"),
+        ({E + "TOKEN_FILE": "/nonexistent/key"}, f"error: {E}TOKEN_FILE: cannot read"),
         ({E + "MODE": "service", E + "ENGINE_URL": "ftp://x"}, f"error: {E}ENGINE_URL: String should match"),
     ],
 )  # fmt: skip
 def test_bad_settings_exit_2_naming_the_variable(
     tmp_path: Path, prompts: Path, extra: dict[str, str], message: str
 ) -> None:
-    env = sidecar_env(None, tmp_path, prompts=prompts, output_dir=tmp_path / "out") | extra
+    env = sidecar_env(None, tmp_path, prompts_path=prompts, output_dir=tmp_path / "out") | extra
     r = _sidecar_cli(env)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(message), r.stderr
 

@@ -27,8 +27,8 @@ ALL = {(p, s) for p in IDS for s in range(SAMPLES)}
 
 def job_env(engine: Served, tiny64: Path, prompts: Path, out: Path, **kw: Any) -> dict[str, str]:
     fields: dict[str, Any] = {
-        "prompts": prompts,
-        "model": tiny64,
+        "prompts_path": prompts,
+        "model_dir": tiny64,
         "output_dir": out,
         "samples_per_prompt": SAMPLES,
         "temperature": 0.8,
@@ -215,8 +215,7 @@ def test_a_sample_the_engine_refuses_ends_the_job_with_one_line(
     side = start_sidecar(env, tmp_path / "side.log", ready=False, may_exit=True)
     assert side.wait(60) == 2
     last = side.tail(1)
-    assert last.startswith("error: ROLLOUT_SIDECAR_PROMPTS: sample ") and "the engine refused it" in last, (
-        last
-    )
+    assert last.startswith("error: ROLLOUT_SIDECAR_PROMPTS_PATH: sample "), last
+    assert "the engine refused it" in last
     assert "context length" in last and "Traceback" not in side.tail(200)
     assert (tmp_path / "out" / "pod-0.jsonl").read_bytes() == b""

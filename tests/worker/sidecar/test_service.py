@@ -84,6 +84,7 @@ def test_a_plan_through_the_admin_port_reaches_the_engine(sidecar: SidecarProc, 
     assert (event["src"], event["dst"]) == (layout, other) and event["reason"].startswith("plan")
     seen = wait_for(lambda: (p := progress(sidecar)).layout == other and p, what="the sidecar to see it")
     assert seen.reconfigurations >= 1
+    assert sidecar.json("/v1/reconfigurations") == engine_call(engine, "GET", "/v1/reconfigurations")
     back = sidecar.admin_call("POST", "/v1/reconfigure", {"layout": layout})
     assert back.status_code == 200 and back.json()["event"]["dst"] == layout
 

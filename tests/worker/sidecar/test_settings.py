@@ -20,10 +20,10 @@ def test_every_setting_is_documented() -> None:
 def test_settings_env_round_trips_through_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     fields = {
         "engine_url": "http://127.0.0.1:30001",
-        "engine_api_key_file": Path("/secrets/engine"),  # not read: settings_env is pure
-        "prompts": Path("data/train.parquet"),
+        "engine_key_file": Path("/secrets/engine"),  # not read: settings_env is pure
+        "prompts_path": Path("data/train.parquet"),
         "prompts_limit": 100,
-        "model": Path("models/m"),
+        "model_dir": Path("models/m"),
         "pod_index": 1,
         "pods": 3,
         "samples_per_prompt": 4,
@@ -34,7 +34,7 @@ def test_settings_env_round_trips_through_the_environment(monkeypatch: pytest.Mo
         "seed": 11,
         "stop": ["</answer>", "\n\n"],
         "output_dir": Path("out"),
-        "api_key_file": Path("/secrets/sidecar"),
+        "token_file": Path("/secrets/sidecar"),
         "port": 9000,
         "admin_port": 9001,
         "max_in_flight": 32,
@@ -59,8 +59,8 @@ def test_settings_env_round_trips_through_the_environment(monkeypatch: pytest.Mo
     ("fields", "message"),
     [
         ({"pods": 2, "pod_index": 2}, "pod_index: 2 must be below pods (2)"),
-        ({"mode": "job", "output_dir": "o"}, "prompts: job mode needs it"),
-        ({"api_key": None}, "api_key: give exactly one of api_key or api_key_file"),
+        ({"mode": "job", "output_dir": "o"}, "prompts_path: job mode needs it"),
+        ({"token": None}, "token: give exactly one of token or token_file"),
         ({"port": 8000, "admin_port": 8000}, "admin_port: must differ from port (both 8000)"),
         ({"stop": ["ok", ""]}, "stop: stop strings must not be empty"),
         ({"temperature": -1}, "temperature: Input should be greater than or equal to 0"),
@@ -68,7 +68,7 @@ def test_settings_env_round_trips_through_the_environment(monkeypatch: pytest.Mo
     ],
 )
 def test_settings_env_refuses_bad_values_naming_the_field(fields: dict[str, object], message: str) -> None:
-    base: dict[str, object] = {"mode": "service", "api_key": "t"}
+    base: dict[str, object] = {"mode": "service", "token": "t"}
     with pytest.raises(UserError) as exc:
         settings_env(**{**base, **fields})
     assert str(exc.value).startswith(message)

@@ -1,9 +1,10 @@
 """The sidecar's two FastAPI applications, served by one process on two ports.
 
-API port (reading): ``GET /v1/progress``, ``/v1/state``, ``/v1/samples``, and the open ``/healthz``,
-``/readyz``, ``/metrics``. Admin port (changing the engine): ``PUT /v1/plan``, ``POST /v1/reconfigure``,
-forwarded to the engine, whose answers (409 for a stale plan, 400 for a layout it cannot run) come back
-as they are. A NetworkPolicy can then keep everyone but the operator away from the admin port.
+API port (reading): ``GET /v1/progress``, ``/v1/state``, ``/v1/samples``, ``/v1/reconfigurations``, and
+the open ``/healthz``, ``/readyz``, ``/metrics``. Admin port (changing the engine): ``PUT /v1/plan``,
+``POST /v1/reconfigure``, forwarded to the engine, whose answers (409 for a stale plan, 400 for a layout it
+cannot run) come back as they are. A NetworkPolicy can then keep everyone but the operator away from the
+admin port.
 
 Every route but the three open ones needs ``Authorization: Bearer <token>`` (401 without, 403 wrong); every
 body and query is validated (422 naming the field); bodies over ``max_body_bytes`` get 413. Nothing from a
@@ -19,7 +20,7 @@ from fastapi.responses import JSONResponse
 from fastapi.security import HTTPBearer
 
 from rollout_worker import __version__
-from rollout_worker.api.plan import Plan
+from rollout_worker.api.plan import Plan, ReconfigEvent
 from rollout_worker.api.sidecar import Health, Progress, SamplesPage, SidecarState
 from rollout_worker.api.state import PlanResponse, ReconfigureRequest, ReconfigureResponse
 from rollout_worker.sidecar.core import Sidecar
@@ -90,6 +91,21 @@ async def progress(request: Request) -> Progress:
 async def state(request: Request, since_step: SinceStep = 0) -> Any:
     try:
         return await _side(request).state(since_step)
+    except EngineUnreachable as exc:
+        return _unreachable(exc)
+    except EngineAnswer as exc:
+        return JSONResponse(exc.body, status_code=exc.status)
+
+
+@protected.get(
+    "/reconfigurations",
+    response_model=list[ReconfigEvent],
+    summary="Every layout switch the engine made (its /v1/reconfigurations)",
+    responses={503: _ERR},
+)
+async def reconfigurations(request: Request) -> Any:
+    try:
+        return await _side(request).client.call("GET", "/v1/reconfigurations")
     except EngineUnreachable as exc:
         return _unreachable(exc)
     except EngineAnswer as exc:

@@ -36,7 +36,7 @@ class Sidecar:
         before a port is bound or the engine called."""
         token = s.bearer_token()
         prompts = shard(s) if s.mode == "job" else []
-        client = EngineClient(s.engine_url, s.engine_key(), s.max_in_flight)
+        client = EngineClient(s.engine_url, s.engine_secret(), s.max_in_flight)
         watch = EngineWatch(client, s.poll_seconds, s.engine_wait_seconds, s.engine_timeout_seconds)
         side = cls(s, token, client, watch, SidecarMetrics())
         if s.mode == "job":

@@ -32,18 +32,18 @@ Item = tuple[Prompt, int]
 
 def shard(settings: SidecarFields) -> list[Prompt]:
     """This pod's prompts; pass-through fields named like a sample's own fields are refused."""
-    assert settings.prompts is not None
-    template = ChatTemplate.of_model(settings.model) if settings.model is not None else None
+    assert settings.prompts_path is not None
+    template = ChatTemplate.of_model(settings.model_dir) if settings.model_dir is not None else None
     try:
-        prompts = load_prompts(settings.prompts, settings.prompts_limit, template)
-    except UserError as exc:  # the loader names the job manifest's field; here the setting is `prompts`
-        raise (exc.with_field("prompts") if exc.field else exc) from None
+        prompts = load_prompts(settings.prompts_path, settings.prompts_limit, template)
+    except UserError as exc:  # the loader names the job manifest's field; here it is `prompts_path`
+        raise (exc.with_field("prompts_path") if exc.field else exc) from None
     mine = prompts[settings.pod_index :: settings.pods]
     for p in mine:
         clash = sorted(SAMPLE_FIELDS & set(p.extra))
         if clash:
             raise UserError(
-                f"prompt {p.id!r}: pass-through field {clash[0]!r} is a sample field's name", "prompts"
+                f"prompt {p.id!r}: pass-through field {clash[0]!r} is a sample field's name", "prompts_path"
             )
     return mine
 
@@ -165,7 +165,8 @@ class Job:
             return "unavailable"
         if exc.status == 400 and exc.field == "rid":  # the same rid still in flight (a restarted sidecar)
             return "in_flight"
-        raise UserError(f"sample {sample} of prompt {prompt.id!r}: the engine refused it: {exc}", "prompts")
+        what = f"sample {sample} of prompt {prompt.id!r}"
+        raise UserError(f"{what}: the engine refused it: {exc}", "prompts_path")
 
     def _body(self, prompt: Prompt, sample: int, seed: int) -> dict[str, Any]:
         s = self.s

@@ -38,17 +38,17 @@ class SidecarFields(BaseModel):
         pattern=r"^https?://[^\s/]+(:\d+)?/?$",
         description="Base URL of the pod's engine server (`rolloutctl serve`).",
     )
-    engine_api_key: SecretStr | None = Field(None, description="The engine's API key, if it has one.")
-    engine_api_key_file: Path | None = Field(None, description="File holding the engine's API key.")
+    engine_key: SecretStr | None = Field(None, description="The engine's API key, if it has one.")
+    engine_key_file: Path | None = Field(None, description="File holding the engine's API key.")
     mode: Literal["job", "service"] = Field(
         "job",
         description="job: submit the shard's prompts and write the samples; service: an external client "
         "sends requests straight to the engine, the sidecar only reports and forwards plans.",
     )
     # the job's work (job mode)
-    prompts: Path | None = Field(None, description="Prompts file: JSONL, or Parquet in VeRL's format.")
+    prompts_path: Path | None = Field(None, description="Prompts file: JSONL, or Parquet in VeRL's format.")
     prompts_limit: int | None = Field(None, ge=1, description="Use only the first N prompts of the file.")
-    model: Path | None = Field(
+    model_dir: Path | None = Field(
         None, description="Checkpoint directory, for its chat template (chat-message prompts need it)."
     )
     pod_index: int = Field(0, ge=0, description="This pod's index; its shard is prompts[pod_index::pods].")
@@ -64,8 +64,8 @@ class SidecarFields(BaseModel):
     stop: list[str] = Field(default_factory=list, max_length=64, description="Stop strings (JSON list).")
     output_dir: Path | None = Field(None, description="Directory of the pod's output file pod-{index}.jsonl.")
     # the sidecar's own API
-    api_key: SecretStr | None = Field(None, description="Bearer token every route but health/metrics needs.")
-    api_key_file: Path | None = Field(None, description="File holding that bearer token.")
+    token: SecretStr | None = Field(None, description="Bearer token every route but health/metrics needs.")
+    token_file: Path | None = Field(None, description="File holding that bearer token.")
     host: str = Field("127.0.0.1", min_length=1, description="Address both ports listen on.")
     port: int = Field(8080, ge=1, le=65535, description="API port: progress, state, samples, health.")
     admin_port: int = Field(
@@ -101,13 +101,13 @@ class SidecarFields(BaseModel):
         if self.pod_index >= self.pods:
             raise _FieldError("pod_index", f"{self.pod_index} must be below pods ({self.pods})")
         if self.mode == "job":
-            for name in ("prompts", "output_dir"):
+            for name in ("prompts_path", "output_dir"):
                 if getattr(self, name) is None:
                     raise _FieldError(name, "job mode needs it")
-        if (self.api_key is None) == (self.api_key_file is None):
-            raise _FieldError("api_key", "give exactly one of api_key or api_key_file (the bearer token)")
-        if self.engine_api_key is not None and self.engine_api_key_file is not None:
-            raise _FieldError("engine_api_key", "give at most one of engine_api_key or engine_api_key_file")
+        if (self.token is None) == (self.token_file is None):
+            raise _FieldError("token", "give exactly one of token or token_file (the sidecar's bearer token)")
+        if self.engine_key is not None and self.engine_key_file is not None:
+            raise _FieldError("engine_key", "give at most one of engine_key or engine_key_file")
         if self.port == self.admin_port:
             raise _FieldError("admin_port", f"must differ from port (both {self.port})")
         return self
@@ -118,10 +118,11 @@ class SidecarFields(BaseModel):
 
     def bearer_token(self) -> str:
         """The sidecar's own token (read from its file when given so)."""
-        return _secret(self.api_key, self.api_key_file, "api_key_file") or ""
+        return _secret(self.token, self.token_file, "token_file") or ""
 
-    def engine_key(self) -> str | None:
-        return _secret(self.engine_api_key, self.engine_api_key_file, "engine_api_key_file")
+    def engine_secret(self) -> str | None:
+        """The engine's API key (read from its file when given so), or None."""
+        return _secret(self.engine_key, self.engine_key_file, "engine_key_file")
 
 
 class _FieldError(ValueError):
