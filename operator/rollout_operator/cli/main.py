@@ -25,9 +25,17 @@ app = typer.Typer(
 
 
 def _register_all() -> None:
-    from rollout_operator.cli import db_cmds, engine_cmds, profile_cmds, run_cmds, serve_cmds, sim_cmds
+    from rollout_operator.cli import (
+        db_cmds,
+        engine_cmds,
+        profile_cmds,
+        run_cmds,
+        serve_cmds,
+        sidecar_cmds,
+        sim_cmds,
+    )
 
-    for module in (engine_cmds, serve_cmds, run_cmds, profile_cmds, db_cmds, sim_cmds):
+    for module in (engine_cmds, serve_cmds, sidecar_cmds, run_cmds, profile_cmds, db_cmds, sim_cmds):
         module.register(app)
 
 

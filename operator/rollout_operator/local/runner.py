@@ -20,6 +20,7 @@ from rollout_profiler.profile import ModelShape, Profile
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.api.plan import Plan, ReconfigEvent
+from rollout_worker.api.sidecar import SidecarState
 from rollout_worker.api.state import EngineState
 from rollout_worker.server.process import free_port
 from rollout_worker.sidecar.outputs import write_manifest
@@ -73,8 +74,8 @@ class SidecarLink:
     async def state(self, since_step: int) -> tuple[EngineState, int]:
         r = await self.client.get(self.api + "/v1/state", params={"since_step": since_step})
         r.raise_for_status()
-        body = r.json()
-        return EngineState.model_validate(body["engine"]), int(body.get("not_submitted", 0))
+        got = SidecarState.model_validate(r.json())
+        return got.engine, got.not_submitted.samples
 
     async def push(self, plan: Plan) -> bool:
         r = await self.client.put(self.admin + "/v1/plan", json=plan.model_dump(mode="json"))

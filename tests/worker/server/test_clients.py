@@ -45,7 +45,7 @@ def test_sglang_frontend(server: Served) -> None:
 
 
 @pytest.mark.parametrize("backend", ["sglang", "sglang-oai"])
-def test_bench_serving(server: Served, tiny64: Path, backend: str) -> None:
+def test_bench_serving(server: Served, tiny64: Path, backend: str, tmp_path: Path) -> None:
     r = subprocess.run(
         [
             sys.executable,
@@ -73,6 +73,7 @@ def test_bench_serving(server: Served, tiny64: Path, backend: str) -> None:
         capture_output=True,
         text=True,
         timeout=300,
+        cwd=tmp_path,  # it writes its results file into the working directory
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     ok = re.search(r"Successful requests:\s+(\d+)", r.stdout)

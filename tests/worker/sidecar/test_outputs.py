@@ -54,3 +54,12 @@ def test_manifest_counts_and_checksums(tmp_path: Path) -> None:
     assert m["samples"] == 5 and m["job"] == "x"
     assert [(e["file"], e["samples"]) for e in m["files"]] == [("pod-0.jsonl", 2), ("pod-1.jsonl", 3)]
     assert m["files"][1]["sha256"] == sha256_of(tmp_path / "pod-1.jsonl")
+
+
+def test_one_writer_at_a_time(tmp_path: Path) -> None:
+    path = tmp_path / "pod-0.jsonl"
+    first = SampleWriter(path)
+    with pytest.raises(UserError, match="being written by another process"):
+        SampleWriter(path)
+    first.close()  # released (as when the holder dies)
+    SampleWriter(path).close()

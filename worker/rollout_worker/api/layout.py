@@ -96,7 +96,12 @@ def parse_candidates(text: str, world: int, field: str = "candidates") -> list[L
 
 
 def _coerce_layout(value: object) -> object:
-    return Layout.parse(value) if isinstance(value, str) else value
+    if not isinstance(value, str):
+        return value
+    try:
+        return Layout.parse(value)
+    except UserError as exc:  # pydantic reports a ValueError with the field's own path
+        raise ValueError(exc.message) from None
 
 
 # A Layout in pydantic models: "DxT" in JSON, a Layout in Python.

@@ -11,23 +11,22 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from rollout_worker import __version__
-from rollout_worker.api.errors import EngineError, UserError
+from rollout_worker.api.errors import EngineError
 from rollout_worker.engine.config import EngineConfig
 from rollout_worker.engine.driver import Engine
 from rollout_worker.engine.messages import Faults
 from rollout_worker.engine.tokenizer import TextCodec
 from rollout_worker.server.deps import ServerState
 from rollout_worker.server.metrics import Metrics
-from rollout_worker.server.middleware import ApiKey, BodyLimit
 from rollout_worker.server.routes import control, generate, info, openai, planner
 from rollout_worker.server.settings import ServerSettings
+from rollout_worker.web.errors import error_body, install_error_handlers
+from rollout_worker.web.middleware import ApiKey, BodyLimit
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +73,7 @@ def create_app(settings: ServerSettings, cfg: EngineConfig, faults: Faults | Non
     app.state.server = state
     for module in (generate, control, info, openai, planner):
         app.include_router(module.router)
-    app.add_exception_handler(UserError, _user_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
+    install_error_handlers(app, validation_status=400)  # SGLang answers a bad body with 400
     app.add_exception_handler(EngineError, _engine_error)
     if settings.api_key:
         app.add_middleware(ApiKey, key=settings.api_key)
@@ -98,36 +96,6 @@ def _fail_soon(state: ServerState, reason: str) -> None:
     state.exit_code = 1
     log.error("engine failed: %s; exiting in %.1f s", reason, state.settings.failure_grace_seconds)
     asyncio.get_running_loop().call_later(state.settings.failure_grace_seconds, state.request_exit, 1)
-
-
-def error_body(message: str, field_name: str | None, code: int) -> dict[str, Any]:
-    return {
-        "error": {"message": message, "field": field_name, "code": code},
-        "object": "error",
-        "message": message,
-    }
-
-
-async def _user_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, UserError)
-    return JSONResponse(error_body(str(exc), exc.field, exc.status), status_code=exc.status)
-
-
-async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
-    """400 naming the field, e.g. ``sampling_params.top_p: Input should be less than or equal to 1``."""
-    assert isinstance(exc, RequestValidationError)
-    err = exc.errors()[0]
-    loc = [
-        str(x)
-        for x in err.get("loc", ())
-        if x not in ("body", "query", "path") and not str(x).startswith("function-")
-    ]
-    loc = [x for x in loc if x not in ("list[SamplingParams]", "SamplingParams", "str", "list[str]")]
-    where = ".".join(loc) or "body"
-    msg = err.get("msg", "invalid")
-    if err.get("type") == "json_invalid":
-        where, msg = "body", f"malformed JSON: {err.get('ctx', {}).get('error', msg)}"
-    return JSONResponse(error_body(f"{where}: {msg}", where, 400), status_code=400)
 
 
 async def _engine_error(request: Request, exc: Exception) -> JSONResponse:

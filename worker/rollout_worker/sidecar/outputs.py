@@ -2,12 +2,15 @@
 
 Resuming: the file is read back; a torn last line (the process died while writing it) is cut off, every
 whole line is a sample already done and is not generated again, and no sample is ever written twice. A
-line in the middle that is not JSON is corruption, reported, never skipped. At the end a manifest lists
-every output file with its sample count and SHA-256.
+line in the middle that is not JSON is corruption, reported, never skipped. One writer at a time: the file
+is locked (``flock``, released by the kernel when the holder dies, SIGKILL included), so a second sidecar
+of the same pod is refused instead of writing beside the first. At the end a manifest lists every output
+file with its sample count and SHA-256.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -27,13 +30,23 @@ class SampleWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.records: list[dict[str, Any]] = []  # every sample in the file, in file order (the cursor)
         self.done: set[Key] = set()
-        self.repaired_bytes = self._load()
         self._f = self.path.open("ab")
+        try:
+            fcntl.flock(self._f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._f.close()
+            raise UserError(
+                f"{self.path} is being written by another process (another sidecar of this pod?)",
+                "output_dir",
+            ) from None
+        try:
+            self.repaired_bytes = self._load()
+        except BaseException:
+            self._f.close()
+            raise
 
     def _load(self) -> int:
         """Read back what is there; cut a torn last line. Returns the bytes cut."""
-        if not self.path.exists():
-            return 0
         data = self.path.read_bytes()
         end = data.rfind(b"\n") + 1  # everything after the last newline is a torn write
         cut = len(data) - end

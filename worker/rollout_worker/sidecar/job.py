@@ -1,0 +1,219 @@
+"""Job mode: the pod's shard of the prompts (``prompts[pod_index::pods]``), ``samples_per_prompt`` each, sent
+over the engine's ``/generate`` with at most ``max_in_flight`` at once, every finished sample written once.
+
+Each sample is one request with a stable id (``rid``) and its own seed (:func:`sample_seed`), so a sample
+sent again (after an abort, an engine restart or a sidecar restart) draws the same tokens. What is in the
+output file already is not sent again. A sample the engine aborted (it is stopping, or someone aborted it)
+is not written: it is sent again once the engine is healthy. A sample the engine refuses as invalid (a
+prompt too long for its context, ...) ends the job with that error: the file can never be complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from rollout_worker.api.errors import UserError
+from rollout_worker.api.prompts import ChatTemplate, Prompt, load_prompts
+from rollout_worker.api.sampling import sample_seed
+from rollout_worker.api.sidecar import SAMPLE_FIELDS, NotSubmitted
+from rollout_worker.sidecar.engine import EngineAnswer, EngineClient, EngineUnreachable
+from rollout_worker.sidecar.metrics import SidecarMetrics
+from rollout_worker.sidecar.outputs import SampleWriter
+from rollout_worker.sidecar.settings import SidecarFields
+from rollout_worker.sidecar.watch import EngineWatch
+
+log = logging.getLogger(__name__)
+Item = tuple[Prompt, int]
+
+
+def shard(settings: SidecarFields) -> list[Prompt]:
+    """This pod's prompts; pass-through fields named like a sample's own fields are refused."""
+    assert settings.prompts_path is not None
+    template = ChatTemplate.of_model(settings.model_dir) if settings.model_dir is not None else None
+    try:
+        prompts = load_prompts(settings.prompts_path, settings.prompts_limit, template)
+    except UserError as exc:  # the loader names the job manifest's field; here it is `prompts_path`
+        raise (exc.with_field("prompts_path") if exc.field else exc) from None
+    mine = prompts[settings.pod_index :: settings.pods]
+    for p in mine:
+        clash = sorted(SAMPLE_FIELDS & set(p.extra))
+        if clash:
+            raise UserError(
+                f"prompt {p.id!r}: pass-through field {clash[0]!r} is a sample field's name", "prompts_path"
+            )
+    return mine
+
+
+def rid_of(prompt_id: str, sample: int) -> str:
+    return f"{prompt_id}#{sample}"
+
+
+class Job:
+    def __init__(
+        self,
+        settings: SidecarFields,
+        prompts: list[Prompt],
+        writer: SampleWriter,
+        client: EngineClient,
+        watch: EngineWatch,
+        metrics: SidecarMetrics,
+    ) -> None:
+        self.s, self.writer, self.client, self.watch, self.metrics = settings, writer, client, watch, metrics
+        self.total = len(prompts) * settings.samples_per_prompt
+        self._check_file(prompts)
+        self.queue: deque[Item] = deque(
+            (p, i)
+            for p in prompts
+            for i in range(settings.samples_per_prompt)
+            if (p.id, i) not in writer.done
+        )
+        self.unsent: dict[str, int] = {}  # prompt id -> samples neither written nor in flight
+        for p, _ in self.queue:
+            self.unsent[p.id] = self.unsent.get(p.id, 0) + 1
+        self.in_flight = 0
+        self.finished = asyncio.Event()
+        self._disk = ThreadPoolExecutor(1, "sample-writer")  # one write at a time, off the event loop
+
+    def _check_file(self, prompts: list[Prompt]) -> None:
+        """The output file holds samples of this job only, drawn with this job's seeds."""
+        ids = {p.id for p in prompts}
+        for rec in self.writer.records:
+            pid, i = str(rec["prompt_id"]), int(rec["sample"])
+            if pid not in ids or i >= self.s.samples_per_prompt:
+                raise UserError(
+                    f"{self.writer.path} holds sample {i} of prompt {pid!r}, which is not in this pod's "
+                    "shard (did prompts, pods or samples_per_prompt change?); use another output_dir",
+                    "output_dir",
+                )
+            if rec.get("sampling_seed") != sample_seed(self.s.seed, pid, i):
+                raise UserError(
+                    f"{self.writer.path}: sample {i} of prompt {pid!r} was drawn with another seed; use "
+                    "another output_dir",
+                    "seed",
+                )
+
+    @property
+    def done(self) -> int:
+        return len(self.writer.done)
+
+    def not_submitted(self) -> NotSubmitted:
+        n = self.total - self.done - self.in_flight
+        return NotSubmitted(
+            samples=n, prompts=sum(1 for v in self.unsent.values() if v), max_new_tokens=self.s.max_new_tokens
+        )
+
+    async def run(self) -> None:
+        """Until every sample is written; a refused sample raises UserError."""
+        if self.queue:
+            log.info(
+                "job: %d of %d sample(s) to generate (%d in %s already)",
+                len(self.queue),
+                self.total,
+                self.done,
+                self.writer.path,
+            )
+            workers = [
+                asyncio.create_task(self._worker()) for _ in range(min(self.s.max_in_flight, len(self.queue)))
+            ]
+            try:
+                await asyncio.gather(*workers)
+            finally:
+                for w in workers:
+                    w.cancel()
+                await asyncio.gather(*workers, return_exceptions=True)
+        self.finished.set()
+        log.info("job done: all %d sample(s) written to %s", self.total, self.writer.path)
+
+    async def _worker(self) -> None:
+        while self.queue:
+            await self._one(*self.queue.popleft())
+
+    async def _one(self, prompt: Prompt, sample: int) -> None:
+        seed = sample_seed(self.s.seed, prompt.id, sample)
+        body = self._body(prompt, sample, seed)
+        while True:
+            await self.watch.wait_healthy()
+            self.unsent[prompt.id] -= 1
+            self.in_flight += 1
+            try:
+                out = await self.client.generate(body)
+            except EngineUnreachable as exc:
+                self.watch.lost(f"unreachable ({exc})")
+                why = "unreachable"
+            except EngineAnswer as exc:
+                why = self._transient(exc, prompt, sample)
+            else:
+                finish = out.get("meta_info", {}).get("finish_reason") or {}
+                if finish.get("type") != "abort":
+                    await self._write(self._record(prompt, sample, seed, out))
+                    return
+                why = "aborted"
+            finally:
+                self.in_flight -= 1
+            self.unsent[prompt.id] += 1
+            self.metrics.retries.labels(why).inc()
+            await asyncio.sleep(self.s.retry_seconds)
+
+    def _transient(self, exc: EngineAnswer, prompt: Prompt, sample: int) -> str:
+        """Why sending again may work (the engine is starting, stopping or still ending an earlier send of
+        the same sample); raises UserError when it cannot."""
+        if exc.status in (429, 502, 503, 504):
+            return "unavailable"
+        if exc.status == 400 and exc.field == "rid":  # the same rid still in flight (a restarted sidecar)
+            return "in_flight"
+        what = f"sample {sample} of prompt {prompt.id!r}"
+        raise UserError(f"{what}: the engine refused it: {exc}", "prompts_path")
+
+    def _body(self, prompt: Prompt, sample: int, seed: int) -> dict[str, Any]:
+        s = self.s
+        body: dict[str, Any] = {
+            "rid": rid_of(prompt.id, sample),
+            "sampling_params": {
+                "temperature": s.temperature,
+                "top_p": s.top_p,
+                "top_k": s.top_k,
+                "max_new_tokens": s.max_new_tokens,
+                "stop": list(s.stop),
+                "sampling_seed": seed,
+            },
+            "return_logprob": True,
+        }
+        if prompt.text is not None:
+            body["text"] = prompt.text
+        else:
+            body["input_ids"] = prompt.input_ids
+        return body
+
+    @staticmethod
+    def _record(prompt: Prompt, sample: int, seed: int, out: dict[str, Any]) -> dict[str, Any]:
+        meta = out["meta_info"]
+        return {
+            "prompt_id": prompt.id,
+            "sample": sample,
+            "prompt": prompt.text if prompt.text is not None else prompt.input_ids,
+            "output_text": out["text"],
+            "output_ids": out["output_ids"],
+            "output_logprobs": [t[0] for t in meta.get("output_token_logprobs") or []],
+            "finish_reason": meta["finish_reason"],
+            "prompt_tokens": meta["prompt_tokens"],
+            "completion_tokens": meta["completion_tokens"],
+            "layouts": meta.get("layouts", []),
+            "weight_version": meta.get("weight_version", "default"),
+            "sampling_seed": seed,
+            **prompt.extra,
+        }
+
+    async def _write(self, record: dict[str, Any]) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._disk, self.writer.write, record)
+        self.metrics.written.inc()
+        self.metrics.completion_tokens.inc(record["completion_tokens"])
+
+    def close(self) -> None:
+        """After the workers stopped: let a write under way finish (a cancelled worker's write still lands,
+        once), then close the file."""
+        self._disk.shutdown(wait=True)
+        self.writer.close()
