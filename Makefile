@@ -2,7 +2,6 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
-MODEL   = build/models/tiny-float32-seed0
 
 .PHONY: setup run test test-fast lint typecheck imports check bench-engine bench-planner bench-serve bench-peer clean
 
@@ -15,14 +14,11 @@ $(BIN)/.installed: pyproject.toml
 
 setup: $(BIN)/.installed
 
-$(MODEL)/config.json: | setup
-	$(BIN)/rolloutctl make-model --preset tiny --seed 0 --out $(MODEL)
-
-# The main job with embedded defaults: 4 CPU ranks start as 4 replicas of TP=1 and consolidate the
-# long tail onto 2x2, then 1x4, while generating (KV migrated or recomputed, whichever is cheaper).
-run: $(MODEL)/config.json
-	$(BIN)/rolloutctl generate --model $(MODEL) --prompts examples/prompts.jsonl --out build/out.jsonl \
-	  --ranks 4 --layout 4x1 --reconfigure 16:2:auto --reconfigure 6:4:auto
+# The main job (examples/quickstart.yaml; embedded SQLite database): one pod of 2 CPU ranks starts as two
+# TP=1 replicas, the planner moves it to TP=2 when the shipped profile says it pays, and the same job runs
+# again as static replicas to compare time and check every token. tests/test_readme.py runs this command.
+run: setup
+	$(BIN)/rolloutctl run examples/quickstart.yaml --compare static
 
 test: setup
 	$(BIN)/pytest

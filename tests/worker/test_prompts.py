@@ -9,8 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from rollout_worker.api.errors import UserError
-from rollout_worker.api.prompts import ChatTemplate, load_prompts
-from rollout_worker.engine.checkpoint import CHAT_TEMPLATE
+from rollout_worker.api.prompts import CHAT_TEMPLATE, ChatTemplate, load_prompts
 
 TEMPLATE = ChatTemplate(CHAT_TEMPLATE, {"bos_token": "<s>"})
 
@@ -20,7 +19,7 @@ def test_jsonl_forms_and_pass_through(tmp_path: Path) -> None:
     rows = [
         {"prompt": "What is 2+2?", "data_source": "math", "reward_model": {"ground_truth": "4"}},
         {"id": "q7", "prompt": [{"role": "user", "content": "Hi"}]},
-        {"input_ids": [5, 6, 7], "extra_info": {"split": "train"}},
+        {"input_ids": [5, 6, 7], "extra_info": {"split": "train"}, "max_new_tokens": 9},
     ]
     p.write_text("".join(json.dumps(r) + "\n" for r in rows))
     got = load_prompts(p, template=TEMPLATE)
@@ -31,6 +30,8 @@ def test_jsonl_forms_and_pass_through(tmp_path: Path) -> None:
     }
     assert got[1].text == "<s>user: Hi\nassistant:"
     assert got[2].input_ids == [5, 6, 7] and got[2].text is None
+    assert got[2].max_new_tokens == 9 and "max_new_tokens" not in got[2].extra
+    assert got[0].max_new_tokens is None
     assert [g.id for g in load_prompts(p, limit=2, template=TEMPLATE)] == ["0", "q7"]
 
 
@@ -42,6 +43,8 @@ def test_jsonl_forms_and_pass_through(tmp_path: Path) -> None:
         ({"prompt": ""}, "field 'prompt' is empty"),
         ({"prompt": 7}, "must be text or a list of chat messages"),
         ({"input_ids": ["a"]}, "'input_ids' must be a non-empty list of integers"),
+        ({"prompt": "a", "max_new_tokens": 0}, "p.jsonl:1: field 'max_new_tokens' must be an integer >= 1"),
+        ({"prompt": "a", "max_new_tokens": "9"}, "field 'max_new_tokens' must be an integer >= 1"),
     ],
 )
 def test_jsonl_errors_name_line_and_field(tmp_path: Path, line: dict[str, object], message: str) -> None:

@@ -10,9 +10,10 @@ spec:
   engine: {maxBatch: 64, kvBudgetTokens: null, device: cpu}
   pods: 1
   gpusPerPod: 2
+  mode: job
   prompts: {path: examples/longtail.jsonl, limit: null}
   samplesPerPrompt: 1
-  sampling: {temperature: 1.0, topP: 1.0, topK: -1, maxNewTokens: 1024, seed: 0, stop: []}
+  sampling: {temperature: 1.0, topP: 1.0, topK: -1, maxNewTokens: 1024, seed: 0, stop: [], ignoreEos: false}
   parallelism: {initialLayout: auto, candidates: null, policy: adaptive, method: auto, margin: 0.1,
                 cooldownSeconds: 0.0, profile: null}
   output: {path: build/rollout}
@@ -75,6 +76,7 @@ class SamplingSpec(_Spec):
     max_new_tokens: int = Field(1024, ge=1)
     seed: int = Field(0, ge=0, description="Each sample's seed is a fixed hash of (seed, prompt id, index).")
     stop: list[str] = Field(default_factory=list)
+    ignore_eos: bool = Field(False, description="Generate past end-of-sequence (replaying recorded lengths).")
 
 
 class ParallelismSpec(_Spec):
@@ -110,7 +112,12 @@ class RolloutJobSpec(_Spec):
     engine: EngineSpec = EngineSpec()
     pods: int = Field(1, ge=1, le=1024)
     gpus_per_pod: int = Field(1, ge=1, le=64, description="Engine ranks per pod.")
-    prompts: PromptsSpec
+    mode: Literal["job", "service"] = Field(
+        "job",
+        description="job: each pod's sidecar submits its shard of `prompts` and writes the samples; service: "
+        "an RL framework sends SGLang requests to each pod's engine (no `prompts`), the planner still runs.",
+    )
+    prompts: PromptsSpec | None = Field(None, description="The job's prompts (job mode).")
     samples_per_prompt: int = Field(1, ge=1, le=1024)
     sampling: SamplingSpec = SamplingSpec()
     parallelism: ParallelismSpec = ParallelismSpec()
@@ -120,6 +127,10 @@ class RolloutJobSpec(_Spec):
     def _layouts(self) -> RolloutJobSpec:
         """Cross-field rules (the CRD states them as CEL): candidates use gpusPerPod ranks; an explicit
         initial layout is among them."""
+        if self.mode == "job" and self.prompts is None:
+            raise _at(("prompts",), "job mode needs prompts (or set mode: service)")
+        if self.mode == "service" and self.prompts is not None:
+            raise _at(("prompts",), "service mode takes no prompts: the client sends the requests")
         g, par = self.gpus_per_pod, self.parallelism
         for i, c in enumerate(par.candidates or []):
             lay = Layout.parse(c)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Annotated
 
 import typer
@@ -19,18 +18,12 @@ DbOption = Annotated[
 ]
 
 
-def quiet_alembic() -> None:
-    """Alembic logs every plugin and context at INFO; the commands print what matters themselves."""
-    logging.getLogger("alembic").setLevel(logging.WARNING)
-
-
 db_app = typer.Typer(help="The profile/decision database (SQLite or PostgreSQL).", no_args_is_help=True)
 
 
 @db_app.command("upgrade")
 def upgrade(db: DbOption = None) -> None:
     """Create the database tables, or migrate them to this version's schema."""
-    quiet_alembic()  # before alembic is imported: it logs its plugins at INFO then
     from rollout_profiler.store import engine, migrate
 
     url = engine.resolve_url(db)
@@ -46,7 +39,6 @@ def upgrade(db: DbOption = None) -> None:
 @db_app.command("current")
 def current(db: DbOption = None) -> None:
     """Print the revision the database is at, and whether it is this version's head."""
-    quiet_alembic()  # before alembic is imported: it logs its plugins at INFO then
     from rollout_profiler.store import engine, migrate
 
     url = engine.resolve_url(db)

@@ -7,8 +7,11 @@ commands so that ``rolloutctl --help`` stays fast.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
+import tempfile
+import traceback
 
 import typer
 from rollout_worker.api.errors import EngineError, UserError
@@ -50,7 +53,10 @@ def _terminate(signum: int, frame: object) -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    for handler in logging.getLogger().handlers:  # the terminal gets INFO and up, whatever a log file takes
+        handler.setLevel(logging.INFO)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP call is noise here
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # every plugin and context at INFO otherwise
     signal.signal(signal.SIGTERM, _terminate)
     try:
         app()
@@ -63,6 +69,21 @@ def main() -> None:
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         sys.exit(130)
+    except Exception as exc:  # a bug: one line here, the traceback in a file (ROLLOUT_DEBUG=1: raised)
+        if os.environ.get("ROLLOUT_DEBUG"):
+            raise
+        typer.echo(f"error: internal error ({type(exc).__name__}: {exc}); {_crash_report()}", err=True)
+        sys.exit(1)
+
+
+def _crash_report() -> str:
+    try:
+        fd, path = tempfile.mkstemp(prefix="rolloutctl-crash-", suffix=".txt")
+        with os.fdopen(fd, "w") as f:
+            traceback.print_exc(file=f)
+    except OSError:
+        return "set ROLLOUT_DEBUG=1 to see the traceback"
+    return f"the traceback is in {path}; please report it"
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from rollout_operator.cli.db_cmds import DbOption, quiet_alembic
+from rollout_operator.cli.db_cmds import DbOption
 
 if TYPE_CHECKING:
     from rollout_profiler.profile import Profile
@@ -89,7 +89,6 @@ def profile(
 @contextmanager
 def _session(db: str | None) -> Iterator[tuple[Session, str]]:
     """A session (in one transaction) on a database migrated to head, and its masked URL."""
-    quiet_alembic()  # before alembic is imported: it logs its plugins at INFO then
     from rollout_profiler.store import engine, migrate
     from sqlalchemy.orm import Session
 

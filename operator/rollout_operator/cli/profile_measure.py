@@ -98,9 +98,6 @@ def run_profile(opts: dict[str, Any]) -> None:
 
 def store(prof: Any, db: str | None) -> str:
     """Save to the database; the embedded SQLite database is migrated on first use."""
-    from rollout_operator.cli.db_cmds import quiet_alembic
-
-    quiet_alembic()
     from rollout_profiler.store import engine, migrate, repo
     from sqlalchemy.orm import Session
 

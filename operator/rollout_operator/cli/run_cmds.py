@@ -8,39 +8,63 @@ from typing import Annotated, Any
 import typer
 from rollout_worker.api.errors import UserError
 
+from rollout_operator.cli.args import bench_group
+
 
 def register(app: typer.Typer) -> None:
     app.command("run")(run_cmd)
+    bench_group(app).command("run")(bench_run_cmd)
 
 
 class _Bars:
-    """Live progress: a bar per pod (samples written), its running batch, layout and switches."""
+    """Live progress, started on first use: the model being made (bytes), then a bar per pod (samples
+    written) with its layout, running batch, waiting requests and switches."""
 
     def __init__(self) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.progress = Progress(
             TextColumn("{task.description}"),
-            BarColumn(),
+            BarColumn(bar_width=24),
             MofNCompleteColumn(),
             TextColumn("{task.fields[info]}"),
             TimeElapsedColumn(),
             transient=False,
         )
         self.tasks: dict[str, Any] = {}
+        self.live = False
 
-    def __call__(self, progress: dict[str, dict[str, Any]]) -> None:
+    def _start(self) -> None:
+        if not self.live:
+            self.progress.start()
+            self.live = True
+
+    def stop(self) -> None:
+        if self.live:
+            self.progress.stop()
+            self.live = False
+
+    def say(self, line: str) -> None:
+        """A line above the bars, as written (paths and URLs unwrapped, no markup)."""
+        self.progress.console.print(line, soft_wrap=True, markup=False, highlight=False)
+
+    def model_bytes(self, done: int, total: int) -> None:
+        self._start()
+        mib = 1 << 20
+        if "model" not in self.tasks:
+            self.tasks["model"] = self.progress.add_task("making the model", total=total // mib, info="MiB")
+        self.progress.update(self.tasks["model"], completed=done // mib)
+
+    def __call__(self, progress: dict[str, Any]) -> None:
+        self._start()
         for pod, p in progress.items():
             info = (
-                f"running {p.get('running', 0):>3}  layout {p.get('layout', '?'):>4}  "
-                f"switches {p.get('reconfigurations', 0)}  {p.get('tokens_per_s', 0):.0f} tok/s"
+                f"{p.layout or '?':>4}  running {p.running:>3}  waiting {p.waiting:>3}  "
+                f"switches {p.reconfigurations}  {p.tokens_per_s:>5.0f} tok/s"
             )
-            total = int(p.get("samples_total", 0)) or None
             if pod not in self.tasks:
-                self.tasks[pod] = self.progress.add_task(pod, total=total, info=info)
-            self.progress.update(
-                self.tasks[pod], completed=int(p.get("samples_done", 0)), total=total, info=info
-            )
+                self.tasks[pod] = self.progress.add_task(pod, total=p.samples_total, info=info)
+            self.progress.update(self.tasks[pod], completed=p.samples_done, total=p.samples_total, info=info)
 
 
 def run_cmd(
@@ -66,7 +90,8 @@ def run_cmd(
     the same command resumes from the outputs. Ctrl-C stops every child process."""
     from rollout_operator.api.manifest import load_job
     from rollout_operator.local import report as rep
-    from rollout_operator.local.app import RunOptions, outputs_equal, run_job
+    from rollout_operator.local.app import RunOptions, execute, outputs_equal, prepare
+    from rollout_operator.local.runner import Interrupted
 
     if policy not in (None, "adaptive", "static"):
         raise UserError(f"must be adaptive or static, got {policy!r}", "--policy")
@@ -75,24 +100,72 @@ def run_cmd(
     loaded = load_job(job)
     opts = RunOptions(policy=policy, output=output, compare_static=compare == "static", db_url=db)
     bars = _Bars()
-    with bars.progress:
-        results = run_job(loaded, opts, typer.echo, bars)
+    try:
+        prepared = prepare(loaded, opts, bars.say, bars.model_bytes)
+        results = execute(prepared, bars.say, bars)
+    except Interrupted:
+        out = output or Path(loaded.job.spec.output.path)
+        typer.echo(f"interrupted: every process stopped; the samples so far are in {out}; rerun to resume")
+        raise typer.Exit(130) from None
+    finally:
+        bars.stop()
     for r in results:
         for line in rep.lines(r):
             typer.echo(line)
     extra: dict[str, Any] = {"job": loaded.job.metadata.name}
     if len(results) == 2:
         same, detail = outputs_equal(results[0].out_dir, results[1].out_dir)
-        ratio = results[1].seconds / results[0].seconds if results[0].seconds else 0.0
+        a, b = results
+        ratio = b.seconds / a.seconds if a.seconds else 0.0
+        partial = " (a resumed run: its time covers only what it generated)" if a.resumed or b.resumed else ""
         typer.echo(
-            f"compare: {results[0].policy} {results[0].seconds:.2f} s vs static {results[1].seconds:.2f} s "
-            f"({ratio:.2f}x); outputs {'identical' if same else 'DIFFER'} ({detail})"
+            f"compare: {a.policy} {a.seconds:.2f} s vs static {b.seconds:.2f} s: {a.policy} is "
+            f"{ratio:.2f}x as fast{partial}; outputs {'identical' if same else 'DIFFER'} ({detail})"
         )
-        extra["compare"] = {"identical": same, "detail": detail, "speedup": ratio}
+        extra["compare"] = {"identical": same, "detail": detail, "speedup": ratio, "partial": bool(partial)}
         if not same:
-            raise UserError(f"the outputs differ from the static run: {detail}")
+            typer.echo(f"error: the outputs differ from the static run's: {detail}", err=True)
+            raise typer.Exit(1)
     png = timeline or Path(output or loaded.job.spec.output.path) / "timeline.png"
     typer.echo(f"timeline: {rep.timeline_png(png, results)}")
     if report is not None:
         rep.write_json(report, results, extra)
         typer.echo(f"report: {report}")
+
+
+def bench_run_cmd(
+    job: Annotated[Path, typer.Argument(help="RolloutJob manifest.")] = Path("examples/medium-rollout.yaml"),
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds; each runs every policy once.")] = 3,
+    work: Annotated[Path, typer.Option(help="Where the trials write (emptied per trial).")] = Path(
+        "build/bench-run"
+    ),
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
+    db: Annotated[
+        str | None, typer.Option(help="Database URL (default: a fresh SQLite file under --work).")
+    ] = None,
+) -> None:
+    """The job adaptive and static at every candidate layout, alternated over rounds on this machine: the
+    median ratio adaptive / best static, the switching overhead and the sidecar's /v1/progress p99 under
+    load. Minutes to tens of minutes; kept out of CI."""
+    import json
+
+    from rollout_operator.api.manifest import load_job
+    from rollout_operator.local.app import RunOptions, prepare
+    from rollout_operator.local.bench import bench_job, table
+
+    loaded = load_job(job)
+    if loaded.job.spec.mode != "job":
+        raise loaded.error(("spec", "mode"), "the benchmark runs job mode (prompts to generate)")
+    work.mkdir(parents=True, exist_ok=True)
+    url = db or f"sqlite:///{(work / 'bench.db').resolve()}"
+    prep = prepare(loaded, RunOptions(policy="adaptive", output=work, db_url=url), typer.echo)
+    try:
+        summary = bench_job(prep, rounds, work, typer.echo)
+    finally:
+        prep.db.finish(None, "benchmark")
+    for line in table(summary):
+        typer.echo(line)
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(summary, indent=1) + "\n")
+        typer.echo(f"wrote {json_out}")

@@ -1,6 +1,5 @@
 """The planner loop: every tick, for every pod, read its state, decide (``tick``), push the plan, and record
-decisions and their outcomes. It talks to pods only over HTTP, through a ``PodLink``: straight to an engine
-server (service mode, tests) or to a pod's sidecar (``rolloutctl run``, the operator).
+decisions and their outcomes. It talks to pods only over HTTP, through a ``PodLink`` (``links``).
 """
 
 from __future__ import annotations
@@ -8,73 +7,27 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
 from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.planning.planner import PlannerPolicy
 from rollout_profiler.planning.predictor import Prior
-from rollout_worker.api.plan import Plan, ReconfigEvent
-from rollout_worker.api.state import EngineState
+from rollout_worker.api.plan import ReconfigEvent
 
+from rollout_operator.control.links import PodLink
 from rollout_operator.control.tick import PodMemory, TickResult, tick
 
 log = logging.getLogger(__name__)
-
-
-class PodLink(Protocol):
-    name: str
-
-    async def state(self, since_step: int) -> tuple[EngineState, int]:
-        """The engine's state and how many of the pod's samples are not yet submitted."""
-        ...
-
-    async def push(self, plan: Plan) -> bool:
-        """PUT the plan; False when the engine's layout changed meanwhile (409)."""
-        ...
-
-    async def events(self) -> list[ReconfigEvent]: ...
-
-
-@dataclass
-class EngineLink:
-    """A pod reached at its engine server's port (service mode: nothing left to submit)."""
-
-    name: str
-    url: str
-    key: str | None = None
-    client: httpx.AsyncClient = field(init=False)
-
-    def __post_init__(self) -> None:
-        headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
-        self.client = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=10.0)
-
-    async def state(self, since_step: int) -> tuple[EngineState, int]:
-        r = await self.client.get("/v1/state", params={"since_step": since_step})
-        r.raise_for_status()
-        return EngineState.model_validate(r.json()), 0
-
-    async def push(self, plan: Plan) -> bool:
-        r = await self.client.put("/v1/plan", json=plan.model_dump(mode="json"))
-        if r.status_code == 409:
-            return False
-        r.raise_for_status()
-        return True
-
-    async def events(self) -> list[ReconfigEvent]:
-        r = await self.client.get("/v1/reconfigurations")
-        r.raise_for_status()
-        return [ReconfigEvent.model_validate(e) for e in r.json()]
-
-    async def aclose(self) -> None:
-        await self.client.aclose()
 
 
 class Recorder(Protocol):
     def decided(self, pod: str, result: TickResult) -> int | None: ...
 
     def switched(self, pod: str, decision_id: int | None, event: ReconfigEvent) -> None: ...
+
+    def lengths(self, lengths: list[int], capped: list[bool]) -> None: ...
 
 
 @dataclass
@@ -119,7 +72,13 @@ class PlannerLoop:
             decision_id = self.pending[link.name].pop(0) if self.pending[link.name] else None
             if self.recorder is not None:
                 self.recorder.switched(link.name, decision_id, ev)
-        result = tick(state, mem, self.model, self.policy, self.prior, not_submitted)
+        try:
+            result = tick(state, mem, self.model, self.policy, self.prior, not_submitted)
+        except Exception as exc:  # a planner bug must not stop the pods: no plan this tick, the error logged
+            log.warning("pod %s: the planner failed on this state (%r); no plan this tick", link.name, exc)
+            log.debug("the planner's traceback", exc_info=True)
+            self.failures[link.name] += 1
+            return None
         pushed = False
         if result.plan is not None and not state.reconfiguring:
             pushed = await link.push(result.plan)

@@ -37,12 +37,16 @@ class PodMemory:
     capped: list[bool] = field(default_factory=list)
     last_switch: LastSwitch | None = None
     events_seen: int = 0
-    pushed_for: str | None = None  # layout the last pushed plan was based on
+    weights: str | None = None  # the engine's weight version at the last tick
+    new_iteration: bool = False  # the weights changed (the next RL iteration) since the last switch
 
     def absorb(self, state: EngineState) -> None:
         self.lengths += state.finished.lengths
         self.capped += state.finished.capped
         self.since_step = state.step
+        if self.weights is not None and state.weight_version != self.weights:
+            self.new_iteration = True
+        self.weights = state.weight_version
 
     def note_events(self, events: list[ReconfigEvent]) -> list[ReconfigEvent]:
         """New switch events since the last call; the last committed one starts the cooldown."""
@@ -51,6 +55,7 @@ class PodMemory:
         for ev in new:
             if ev.outcome == "committed":
                 self.last_switch = LastSwitch(ev.step, ev.time_s)
+                self.new_iteration = False
         return new
 
 
@@ -58,7 +63,7 @@ def snapshot(state: EngineState, not_submitted: int = 0) -> PodSnapshot:
     """The planner's view of an engine state. Requests the engine holds but has not given a replica, and the
     prompts the pod has not submitted yet, count as waiting (dealt over the replicas)."""
     reps = []
-    extra = len(state.queued) + not_submitted
+    extra = len(state.queued) + max(0, not_submitted)
     n = max(len(state.replicas), 1)
     for d, r in enumerate(state.replicas):
         reps.append(
@@ -104,8 +109,10 @@ def tick(
     snap = snapshot(state, not_submitted)
     waiting = sum(r.waiting for r in snap.replicas)
     running = sum(len(r.generated) for r in snap.replicas)
-    # a new wave on a consolidated pod (waiting work beyond what runs) may move back toward throughput
-    pol = policy if not waiting or policy.allow_shrink else _with_shrink(policy)
+    # a new wave on a consolidated pod (waiting work beyond what runs, or new weights: the next RL
+    # iteration) may move back toward throughput
+    wave = waiting > 0 or memory.new_iteration
+    pol = policy if not wave or policy.allow_shrink else _with_shrink(policy)
     pred = predictor(memory, snap, prior)
     decision = decide(model, snap, pol, pred, memory.last_switch)
     inputs = {
@@ -116,6 +123,7 @@ def tick(
         "finished": len(memory.lengths),
         "step_ms": state.step_ms,
         "predictor": pred.source,
+        "new_wave": wave,
         "reason": decision.reason,
     }
     plan = None

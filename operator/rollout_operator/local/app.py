@@ -1,5 +1,7 @@
-"""``rolloutctl run``'s whole course: checks before any process starts, set-up on first use (model from a
-preset, profile), the initial layout, the run (and ``--compare static``), database records, the report."""
+"""``rolloutctl run``'s whole course. ``prepare``: every check before anything is made or started (prompts,
+model, layouts, profile file, output directories), then set-up on first use (the model from its preset, a
+profile measured when none is stored), the database's job row and the initial layout. ``execute``: the
+run (and ``--compare static``), and the job's outcome and finished lengths in the database."""
 
 from __future__ import annotations
 
@@ -12,13 +14,27 @@ from typing import Any
 
 import numpy as np
 from rollout_profiler.planning.latency import LatencyModel
-from rollout_profiler.planning.planner import PlannerPolicy, PodSnapshot, ReplicaState, choose_start
-from rollout_profiler.planning.predictor import Prior, fit
+from rollout_profiler.planning.planner import PlannerPolicy
+from rollout_profiler.planning.predictor import Prior
+from rollout_profiler.profile import Profile
 from rollout_worker.api.layout import Layout
-from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.api.sidecar import Progress
 
 from rollout_operator.api.manifest import LoadedJob
-from rollout_operator.local.runner import RunResult, candidate_layouts, load_profile_for, run_pods
+from rollout_operator.local import result as res
+from rollout_operator.local.result import RunResult
+from rollout_operator.local.runner import Interrupted, Planning, PodRun, run_pods
+from rollout_operator.local.setup import (
+    candidate_layouts,
+    check_model,
+    initial_layout,
+    load_job_prompts,
+    make_model_if_missing,
+    measure_profile,
+    profile_file,
+    shape_of,
+    stored_profile,
+)
 
 
 @dataclass(frozen=True)
@@ -29,136 +45,160 @@ class RunOptions:
     db_url: str | None = None
 
 
-def prepare_model(loaded: LoadedJob, echo: Callable[[str], Any]) -> ModelConfig:
-    spec = loaded.job.spec.model
-    path = Path(spec.path)
-    if not (path / "config.json").exists():
-        if spec.preset is None:
-            raise loaded.error(
-                ("spec", "model", "path"), f"no checkpoint at {path} (and no preset to make one)"
-            )
-        from rollout_worker.engine.checkpoint import make_model
-
-        echo(f"first use: making the {spec.preset} model at {path} (random weights) ...")
-        make_model(spec.preset, 0, path, spec.dtype)
-    return ModelConfig.load(path)
+Echo = Callable[[str], Any]
+OnProgress = Callable[[dict[str, Progress]], Any]
+Bytes = Callable[[int, int], Any]
 
 
-def check_inputs(loaded: LoadedJob) -> None:
+@dataclass(frozen=True)
+class Prepared:
+    loaded: LoadedJob
+    policy: str
+    prompts: int
+    candidates: list[Layout]
+    latency: LatencyModel | None
+    layout: Layout
+    runs: list[tuple[str, Path]]  # (policy, output directory), in order
+    db: _Database
+
+
+def prepare(loaded: LoadedJob, opts: RunOptions, echo: Echo, model_bytes: Bytes | None = None) -> Prepared:
     spec = loaded.job.spec
-    if not Path(spec.prompts.path).is_file():
-        raise loaded.error(("spec", "prompts", "path"), f"file not found: {spec.prompts.path}")
-
-
-def initial_layout(
-    loaded: LoadedJob, candidates: list[Layout], model: LatencyModel | None, prompts: int
-) -> Layout:
-    init = loaded.job.spec.parallelism.initial_layout
-    if init != "auto":
-        lay = Layout.parse(init)
-        if lay not in candidates:
-            raise loaded.error(("spec", "parallelism", "initialLayout"), f"{lay} is not among {candidates}")
-        return lay
-    if model is None:
-        return candidates[0]
-    sp = loaded.job.spec
-    n = prompts * sp.samples_per_prompt // sp.pods
-    waiting = ReplicaState(np.zeros(0), np.zeros(0), np.zeros(0), n)
-    snap = PodSnapshot(
-        candidates[0], (waiting,), (True,) * sp.gpus_per_pod, 0, 0.0, 128, sp.sampling.max_new_tokens
-    )
-    pol = PlannerPolicy(candidates=tuple(candidates), margin=sp.parallelism.margin)
-    pred = fit(np.zeros(0), np.zeros(0), np.zeros(0))
-    return choose_start(model, snap, pol, pred)
-
-
-def run_job(
-    loaded: LoadedJob, opts: RunOptions, echo: Callable[[str], Any], on_progress: Any
-) -> list[RunResult]:
-    spec = loaded.job.spec
-    check_inputs(loaded)
-    model_cfg = prepare_model(loaded, echo)
-    candidates = candidate_layouts(loaded, model_cfg)
+    if opts.compare_static and spec.mode == "service":
+        raise loaded.error(("spec", "mode"), "--compare static needs job mode (the prompts to run twice)")
     policy = opts.policy or spec.parallelism.policy
-    profile = load_profile_for(loaded, model_cfg, opts.db_url)
-    if policy == "adaptive" and profile is None:
-        raise loaded.error(
-            ("spec", "parallelism", "profile"), "adaptive needs a profile (a JSON file or a name)"
-        )
-    latency = LatencyModel(profile) if profile is not None else None
-    from rollout_worker.api.prompts import ChatTemplate, load_prompts
-
-    prompts = load_prompts(spec.prompts.path, spec.prompts.limit, ChatTemplate.of_model(spec.model.path))
-    layout = initial_layout(loaded, candidates, latency, len(prompts))
+    prompts = load_job_prompts(loaded)
+    model_cfg = check_model(loaded)
+    candidates = candidate_layouts(loaded, model_cfg)
+    profile = profile_file(loaded, model_cfg)
     out = Path(opts.output or spec.output.path)
-    planner = PlannerPolicy(
-        candidates=tuple(candidates),
-        margin=spec.parallelism.margin,
-        cooldown_s=spec.parallelism.cooldown_seconds,
-        method=spec.parallelism.method,
-    )
-    recorder, prior, job_id, db = _database(loaded, opts, profile)
-    results = []
-    echo(
-        f"{loaded.job.metadata.name}: {spec.pods} pod(s) x {spec.gpus_per_pod} rank(s), "
-        f"{len(prompts)} prompts x {spec.samples_per_prompt}, {policy}, starting as {layout}"
-    )
-    adaptive = policy == "adaptive"
-    first_out = out / policy if opts.compare_static else out
-    if adaptive:
-        first = run_pods(
-            loaded, policy, layout, candidates, first_out, latency, planner, prior, recorder, on_progress
-        )
-    else:
-        first = run_pods(loaded, policy, layout, candidates, first_out, None, None, None, None, on_progress)
-    results.append(asyncio.run(first))
+    runs = [(policy, out / policy if opts.compare_static else out)]
     if opts.compare_static:
-        static = run_pods(
-            loaded, "static", layout, candidates, out / "static", None, None, None, None, on_progress
-        )
-        results.append(asyncio.run(static))
-    if db is not None and job_id is not None:
-        _finish(db, job_id, results[0])
+        runs.append(("static", out / "static"))
+    for _, d in runs:
+        res.check_claim(d, spec, loaded.job.metadata.name)
+    # every input is valid: set up what is missing
+    if make_model_if_missing(loaded, model_bytes):
+        echo(f"made the {spec.model.preset} model at {spec.model.path} (random weights)")
+    db = _Database.open(opts.db_url)
+    if profile is None:
+        profile = db.profile(loaded, model_cfg)
+    if profile is None and policy == "adaptive":
+        profile = measure_profile(loaded, Path(spec.model.path), candidates, echo)
+        echo(f"stored profile {profile.name} ({db.store(profile)})")
+    latency = LatencyModel(profile) if profile is not None else None
+    layout = initial_layout(loaded, candidates, latency, len(prompts))
+    shape = shape_of(model_cfg, Path(spec.model.path).name).shape_hash
+    db.start(loaded, shape)
+    for _, d in runs:
+        res.claim(d, spec, loaded.job.metadata.name)
+    return Prepared(loaded, policy, len(prompts), candidates, latency, layout, runs, db)
+
+
+def execute(prep: Prepared, echo: Echo, on_progress: OnProgress) -> list[RunResult]:
+    loaded, spec = prep.loaded, prep.loaded.job.spec
+    what = f"{prep.prompts} prompts x {spec.samples_per_prompt}" if spec.mode == "job" else "service mode"
+    echo(
+        f"{loaded.job.metadata.name}: {spec.pods} pod(s) x {spec.gpus_per_pod} rank(s), {what}, "
+        f"{prep.policy}, starting as {prep.layout}"
+    )
+    results = []
+    try:
+        for name, out_dir in prep.runs:
+            done = res.finished(out_dir, name) if spec.mode == "job" else None
+            if done is not None:
+                echo(f"{name}: already finished in {out_dir} (remove it to run again)")
+                results.append(done)
+                continue
+            planning = None
+            if name == "adaptive" and prep.latency is not None:
+                pol = PlannerPolicy(
+                    candidates=tuple(prep.candidates),
+                    margin=spec.parallelism.margin,
+                    cooldown_s=spec.parallelism.cooldown_seconds,
+                    method=spec.parallelism.method,
+                )
+                planning = Planning(prep.latency, pol, prep.db.prior, prep.db.recorder())
+            run = PodRun(loaded, name, prep.layout, prep.candidates, out_dir, planning)
+            results.append(asyncio.run(run_pods(run, on_progress, echo)))
+    except BaseException as exc:
+        prep.db.finish(None, "interrupted" if isinstance(exc, KeyboardInterrupt | Interrupted) else "failed")
+        raise
+    prep.db.finish(results[0], "succeeded")
     return results
 
 
-def _database(loaded: LoadedJob, opts: RunOptions, profile: Any) -> tuple[Any, Prior | None, int | None, Any]:
-    from rollout_profiler.store import engine as db_engine
-    from rollout_profiler.store import migrate, runs
-    from sqlalchemy.orm import Session
+@dataclass
+class _Database:
+    """The job's rows: the job, its decisions (through the recorder), its finished lengths; the profiles
+    stored; and the prior from earlier jobs of the same model."""
 
-    from rollout_operator.control.records import DbRecorder
-    from rollout_operator.local.runner import spec_hash
+    engine: Any
+    job_id: int | None = None
+    prior: Prior | None = None
 
-    url = db_engine.resolve_url(opts.db_url)
-    migrate.upgrade(url)
-    db = db_engine.make_engine(url)
-    shape = profile.model.shape_hash if profile is not None else "unknown"
-    with Session(db) as session, session.begin():
-        prior_samples = runs.finished_lengths_for_model(session, shape)
-        job_id = runs.record_job(session, name=loaded.job.metadata.name, namespace="local",
-                                 spec_hash=spec_hash(loaded), model_shape_hash=shape)  # fmt: skip
-    prior = None
-    if len(prior_samples) >= 20:
-        lengths = np.array([s.length for s in prior_samples], dtype=float)
-        caps = np.array([s.length if s.capped else np.inf for s in prior_samples])
-        prior = Prior.from_samples(lengths, caps)
-    return DbRecorder(db, job_id), prior, job_id, db
+    @classmethod
+    def open(cls, url: str | None) -> _Database:
+        from rollout_profiler.store import engine as db_engine
+        from rollout_profiler.store import migrate
 
+        resolved = db_engine.resolve_url(url)
+        migrate.upgrade(resolved)
+        return cls(db_engine.make_engine(resolved))
 
-def _finish(db: Any, job_id: int, r: RunResult) -> None:
-    from rollout_profiler.store import runs
-    from sqlalchemy.orm import Session
+    def profile(self, loaded: LoadedJob, model: Any) -> Profile | None:
+        from sqlalchemy.orm import Session
 
-    lengths, capped = [], []
-    for f in sorted(r.out_dir.glob("pod-*.jsonl")):
-        for line in f.read_text().splitlines():
-            s = json.loads(line)
-            lengths.append(int(s["completion_tokens"]))
-            capped.append((s.get("finish_reason") or {}).get("type") == "length")
-    with Session(db) as session, session.begin():
-        runs.add_finished_lengths(session, job_id, lengths, capped)
-        runs.finish_job(session, job_id, outcome="succeeded", generation_seconds=r.seconds)
+        with Session(self.engine) as session:
+            return stored_profile(loaded, model, session)
+
+    def store(self, prof: Profile) -> str:
+        from rollout_profiler.store import repo
+        from sqlalchemy.orm import Session
+
+        with Session(self.engine) as session, session.begin():
+            return f"id {repo.save_profile(session, prof)}"
+
+    def start(self, loaded: LoadedJob, shape: str) -> None:
+        from rollout_profiler.store import runs
+        from sqlalchemy.orm import Session
+
+        with Session(self.engine) as session, session.begin():
+            earlier = runs.finished_lengths_for_model(session, shape)
+            self.job_id = runs.record_job(
+                session,
+                name=loaded.job.metadata.name,
+                namespace="local",
+                spec_hash=res.samples_hash(loaded.job.spec),
+                model_shape_hash=shape,
+            )
+        if len(earlier) >= 20:
+            lengths = np.array([s.length for s in earlier], dtype=float)
+            caps = np.array([s.length if s.capped else np.inf for s in earlier])
+            self.prior = Prior.from_samples(lengths, caps)
+
+    def recorder(self) -> Any:
+        from rollout_operator.control.records import DbRecorder
+
+        return DbRecorder(self.engine, self.job_id)
+
+    def finish(self, r: RunResult | None, outcome: str) -> None:
+        from rollout_profiler.store import runs
+        from sqlalchemy.orm import Session
+
+        assert self.job_id is not None
+        lengths, capped = [], []
+        if r is not None and not r.reused:
+            for f in sorted(r.out_dir.glob("pod-*.jsonl")):
+                for line in f.read_text().splitlines():
+                    s = json.loads(line)
+                    lengths.append(int(s["completion_tokens"]))
+                    capped.append((s.get("finish_reason") or {}).get("type") == "length")
+        with Session(self.engine) as session, session.begin():
+            if lengths:
+                runs.add_finished_lengths(session, self.job_id, lengths, capped)
+            seconds = r.seconds if r is not None else None
+            runs.finish_job(session, self.job_id, outcome=outcome, generation_seconds=seconds)
 
 
 def outputs_equal(a: Path, b: Path) -> tuple[bool, str]:

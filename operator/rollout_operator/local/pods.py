@@ -3,11 +3,11 @@ Pure: built from the job and the ports, so it can be tested (and mirrors the ope
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollout_worker.api.layout import Layout
+from rollout_worker.sidecar.settings import settings_env
 
 from rollout_operator.api.job import RolloutJobSpec
 
@@ -57,29 +57,30 @@ def build_pods(
         ]  # fmt: skip
         if eng.kv_budget_tokens is not None:
             args += ["--kv-budget", str(eng.kv_budget_tokens)]
-        s = spec.sampling
-        env = {
-            "ROLLOUT_SIDECAR_ENGINE_URL": f"http://127.0.0.1:{ep}",
-            "ROLLOUT_SIDECAR_ENGINE_KEY_FILE": str(engine_key),
-            "ROLLOUT_SIDECAR_TOKEN_FILE": str(token),
-            "ROLLOUT_SIDECAR_MODE": "job",
-            "ROLLOUT_SIDECAR_PROMPTS_PATH": spec.prompts.path,
-            "ROLLOUT_SIDECAR_MODEL_DIR": spec.model.path,
-            "ROLLOUT_SIDECAR_POD_INDEX": str(i),
-            "ROLLOUT_SIDECAR_PODS": str(spec.pods),
-            "ROLLOUT_SIDECAR_SAMPLES_PER_PROMPT": str(spec.samples_per_prompt),
-            "ROLLOUT_SIDECAR_TEMPERATURE": str(s.temperature),
-            "ROLLOUT_SIDECAR_TOP_P": str(s.top_p),
-            "ROLLOUT_SIDECAR_TOP_K": str(s.top_k),
-            "ROLLOUT_SIDECAR_MAX_NEW_TOKENS": str(s.max_new_tokens),
-            "ROLLOUT_SIDECAR_SEED": str(s.seed),
-            "ROLLOUT_SIDECAR_STOP": json.dumps(s.stop),
-            "ROLLOUT_SIDECAR_OUTPUT_DIR": str(out_dir),
-            "ROLLOUT_SIDECAR_HOST": "127.0.0.1",
-            "ROLLOUT_SIDECAR_PORT": str(api),
-            "ROLLOUT_SIDECAR_ADMIN_PORT": str(admin),
-        }
-        if spec.prompts.limit is not None:
-            env["ROLLOUT_SIDECAR_PROMPTS_LIMIT"] = str(spec.prompts.limit)
+        s, prompts = spec.sampling, spec.prompts
+        env = settings_env(
+            engine_url=f"http://127.0.0.1:{ep}",
+            engine_key_file=engine_key,
+            token_file=token,
+            mode=spec.mode,
+            prompts_path=prompts.path if prompts else None,
+            prompts_limit=prompts.limit if prompts else None,
+            model_dir=spec.model.path,
+            pod_index=i,
+            pods=spec.pods,
+            samples_per_prompt=spec.samples_per_prompt,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            max_new_tokens=s.max_new_tokens,
+            seed=s.seed,
+            stop=list(s.stop),
+            ignore_eos=s.ignore_eos,
+            output_dir=out_dir if spec.mode == "job" else None,
+            host="127.0.0.1",
+            port=api,
+            admin_port=admin,
+            exit_with_parent=True,
+        )
         pods.append(PodProcesses(i, f"{job_name}-{i}", ep, api, admin, args, env))
     return pods

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rollout_operator.local.runner import RunResult
+from rollout_operator.local.result import RunResult
 
 
 def as_dict(r: RunResult) -> dict[str, Any]:
@@ -37,15 +37,33 @@ def as_dict(r: RunResult) -> dict[str, Any]:
             for e in evs
         ],
         "decisions": r.decisions,
+        "resumed_samples": r.resumed,
+        "reused": r.reused,
     }
 
 
 def lines(r: RunResult) -> list[str]:
     d = as_dict(r)
+    if r.service:
+        out = [
+            f"{r.policy} (service): {r.samples} requests served in {r.seconds:.2f} s, starting as {r.layout}"
+        ]
+        return out + _switches(d)
+    if r.reused:
+        how = " (recorded when it ran)"
+    elif r.resumed:
+        how = f" (resumed: {r.resumed} were already written; the time covers the rest)"
+    else:
+        how = ""
     out = [
         f"{r.policy}: {r.samples} samples, {r.tokens} tokens in {r.seconds:.2f} s "
-        f"({r.tokens_per_s:.0f} tok/s), starting as {r.layout}; outputs in {r.out_dir}"
+        f"({r.tokens_per_s:.0f} tok/s){how}, starting as {r.layout}; outputs in {r.out_dir}"
     ]
+    return out + _switches(d)
+
+
+def _switches(d: dict[str, Any]) -> list[str]:
+    out = []
     for e in d["reconfigurations"]:
         out.append(
             f"  {e['pod']}: {e['from']} -> {e['to']} ({e['method']}) at step {e['step']}, "

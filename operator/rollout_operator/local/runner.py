@@ -1,14 +1,18 @@
-"""Running a RolloutJob on this machine: checks before any process starts, set-up (model, profile), the pods
-as local processes, the planner loop, then the manifest, the database records and a report."""
+"""One run of a job's pods on this machine: start each pod (engine server + sidecar) as local processes on
+loopback ports, tick the planner loop (adaptive) until every sample is written (job mode) or until SIGTERM /
+Ctrl-C (service mode), then stop the pods and write the manifest and the run's record."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import contextlib
 import json
+import logging
 import secrets
+import signal
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,91 +20,48 @@ import httpx
 from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.planning.planner import PlannerPolicy
 from rollout_profiler.planning.predictor import Prior
-from rollout_profiler.profile import ModelShape, Profile
+from rollout_worker.api.errors import EngineError
 from rollout_worker.api.layout import Layout
-from rollout_worker.api.model_config import ModelConfig
-from rollout_worker.api.plan import Plan, ReconfigEvent
-from rollout_worker.api.sidecar import SidecarState
-from rollout_worker.api.state import EngineState
+from rollout_worker.api.sidecar import Progress
 from rollout_worker.server.process import free_port
 from rollout_worker.sidecar.outputs import write_manifest
 
 from rollout_operator.api.manifest import LoadedJob
-from rollout_operator.control.loop import Outcome, PlannerLoop
+from rollout_operator.control.links import SidecarLink
+from rollout_operator.control.loop import Outcome, PlannerLoop, Recorder
 from rollout_operator.local.pods import PodProcesses, build_pods
 from rollout_operator.local.processes import LocalPods
+from rollout_operator.local.result import Point, RunResult, record
+
+TICK_S = 0.25
+LATEST = 2**62  # as since_step: no finished lengths, only the counts
+ENDPOINTS = "endpoints.json"
 
 
-@dataclass
-class Sample:
-    """One moment of one pod, for the timeline."""
+@dataclass(frozen=True)
+class Planning:
+    """The planner's side of an adaptive run."""
 
-    t: float
-    pod: str
-    running: int
-    tp: int
+    model: LatencyModel
+    policy: PlannerPolicy
+    prior: Prior | None
+    recorder: Recorder | None
 
 
-@dataclass
-class RunResult:
-    policy: str
+@dataclass(frozen=True)
+class PodRun:
+    """One run of the job's pods."""
+
+    loaded: LoadedJob
+    policy: str  # adaptive | static
     layout: Layout
+    candidates: list[Layout]
     out_dir: Path
-    seconds: float
-    samples: int
-    tokens: int
-    events: dict[str, list[ReconfigEvent]]
-    decisions: list[dict[str, Any]]
-    timeline: list[Sample] = field(default_factory=list)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
+    planning: Planning | None  # None: static
 
 
-@dataclass
-class SidecarLink:
-    """A pod reached through its sidecar: state on the API port, plans on the admin port."""
-
-    name: str
-    api: str
-    admin: str
-    token: str
-    client: httpx.AsyncClient = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.client = httpx.AsyncClient(headers={"Authorization": f"Bearer {self.token}"}, timeout=10.0)
-
-    async def state(self, since_step: int) -> tuple[EngineState, int]:
-        r = await self.client.get(self.api + "/v1/state", params={"since_step": since_step})
-        r.raise_for_status()
-        got = SidecarState.model_validate(r.json())
-        return got.engine, got.not_submitted.samples
-
-    async def push(self, plan: Plan) -> bool:
-        r = await self.client.put(self.admin + "/v1/plan", json=plan.model_dump(mode="json"))
-        if r.status_code == 409:
-            return False
-        r.raise_for_status()
-        return True
-
-    async def events(self) -> list[ReconfigEvent]:
-        r = await self.client.get(self.api + "/v1/reconfigurations")
-        r.raise_for_status()
-        return [ReconfigEvent.model_validate(e) for e in r.json()]
-
-    async def progress(self) -> dict[str, Any]:
-        r = await self.client.get(self.api + "/v1/progress")
-        r.raise_for_status()
-        result: dict[str, Any] = r.json()
-        return result
-
-    async def aclose(self) -> None:
-        await self.client.aclose()
-
-
-def spec_hash(loaded: LoadedJob) -> str:
-    return hashlib.sha256(loaded.job.spec.model_dump_json(by_alias=True).encode()).hexdigest()[:16]
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM during a job-mode run: the pods were stopped; rerunning resumes."""
 
 
 def _secrets(dir_: Path) -> tuple[Path, str]:
@@ -115,153 +76,165 @@ def _secrets(dir_: Path) -> tuple[Path, str]:
     return dir_, token
 
 
+def _decision_row(o: Outcome) -> dict[str, Any]:
+    d = o.result.decision
+    return {
+        "pod": o.pod,
+        "to": str(d.target),
+        "method": d.method,
+        "gain_ms": d.predicted_gain_ms,
+        "cost_ms": d.predicted_cost_ms,
+        "reason": d.reason,
+    }
+
+
+def _endpoints(pods: list[PodProcesses], secrets_dir: Path, out_dir: Path) -> dict[str, Any]:
+    """Where each pod listens, written as ``endpoints.json`` before the pods start: the sidecars' progress,
+    and in service mode where an RL framework sends its requests."""
+    info = {
+        "pods": [
+            {"pod": p.name, "engine_url": p.engine_url, "sidecar_url": p.api_url, "admin_url": p.admin_url}
+            for p in pods
+        ],
+        "engine_key_file": str(secrets_dir / "engine-key"),
+        "sidecar_token_file": str(secrets_dir / "sidecar-token"),
+    }
+    tmp = out_dir / f".{ENDPOINTS}.tmp"
+    tmp.write_text(json.dumps(info, indent=1) + "\n")
+    tmp.replace(out_dir / ENDPOINTS)
+    return info
+
+
+def _serving(info: dict[str, Any], echo: Callable[[str], Any]) -> None:
+    for r in info["pods"]:
+        echo(f"{r['pod']}: SGLang API at {r['engine_url']}, progress at {r['sidecar_url']}/v1/progress")
+    echo(f"API key in {info['engine_key_file']}; sidecar token in {info['sidecar_token_file']}")
+    echo("serving until Ctrl-C or SIGTERM")
+
+
 async def run_pods(
-    loaded: LoadedJob,
-    policy_name: str,
-    layout: Layout,
-    candidates: list[Layout],
-    out_dir: Path,
-    model: LatencyModel | None,
-    planner: PlannerPolicy | None,
-    prior: Prior | None,
-    recorder: Any,
-    on_progress: Any,
+    run: PodRun, on_progress: Callable[[dict[str, Progress]], Any], echo: Callable[[str], Any]
 ) -> RunResult:
-    """Start the pods, run the planner loop (adaptive) until every sample is written, stop the pods."""
-    spec = loaded.job.spec
-    secrets_dir, token = _secrets(out_dir / ".secrets")
-    ports = [free_port() for _ in range(3 * spec.pods)]
-    pods: list[PodProcesses] = build_pods(
-        loaded.job.metadata.name, spec, layout, candidates, ports, out_dir, secrets_dir
+    spec = run.loaded.job.spec
+    service = spec.mode == "service"
+    run.out_dir.mkdir(parents=True, exist_ok=True)
+    secrets_dir, token = _secrets(run.out_dir / ".secrets")
+    resumed = sum(
+        1 for f in run.out_dir.glob("pod-*.jsonl") for line in f.read_bytes().splitlines() if line.strip()
     )
-    local = LocalPods(pods, out_dir / "logs")
+    ports = [free_port() for _ in range(3 * spec.pods)]
+    pods = build_pods(
+        run.loaded.job.metadata.name, spec, run.layout, run.candidates, ports, run.out_dir, secrets_dir
+    )
+    local = LocalPods(pods, run.out_dir / "logs")
+    log_file = _log_to(run.out_dir / "logs" / "runner.log")
     links = [SidecarLink(p.name, p.api_url, p.admin_url, token) for p in pods]
-    timeline: list[Sample] = []
+    plan = run.planning
+    loop = PlannerLoop(list(links), plan.model, plan.policy, plan.prior, plan.recorder) if plan else None
+    timeline: list[Point] = []
+    decisions: list[dict[str, Any]] = []
+    progress: dict[str, Progress] = {}
+    stop = asyncio.Event()
+    aio = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        aio.add_signal_handler(sig, stop.set)
+    info = _endpoints(pods, secrets_dir, run.out_dir)
     local.start()
     try:
-        await local.wait_ready()
-        t_gen = time.monotonic()
-        progress: dict[str, dict[str, Any]] = {}
-
-        def finished() -> bool:
-            if local.dead():
-                c = local.dead()[0]
-                raise RuntimeError(f"{c.name} exited with code {c.proc.returncode}:\n{c.tail()}")
-            return len(progress) == len(links) and all(p.get("done") for p in progress.values())
+        await _until(local.wait_ready(), stop)
+        t0 = time.monotonic()
+        if service:
+            _serving(info, echo)
 
         async def poll() -> None:
             for link in links:
-                try:
-                    progress[link.name] = await link.progress()
-                except httpx.HTTPError:
-                    continue
-                p = progress[link.name]
-                timeline.append(
-                    Sample(
-                        time.monotonic() - t_gen,
-                        link.name,
-                        int(p.get("running", 0)),
-                        Layout.parse(str(p.get("layout", layout))).tp,
-                    )
-                )
+                with contextlib.suppress(httpx.HTTPError, ValueError):
+                    p = progress[link.name] = await link.progress()
+                    tp = Layout.parse(p.layout).tp if p.layout else run.layout.tp
+                    timeline.append(Point(time.monotonic() - t0, link.name, p.running, tp))
             on_progress(progress)
 
-        loop = PlannerLoop(list(links), model, planner, prior, recorder, 0.25) if model and planner else None
-        decisions: list[dict[str, Any]] = []
+        def done() -> bool:
+            if local.dead():
+                c = local.dead()[0]
+                raise EngineError(f"{c.name} exited with code {c.proc.returncode}:\n{c.tail()}")
+            return not service and len(progress) == len(links) and all(p.done for p in progress.values())
 
-        def on_tick(outcomes: list[Outcome]) -> None:
-            for o in outcomes:
-                if o.pushed:
-                    d = o.result.decision
-                    decisions.append(
-                        {
-                            "pod": o.pod,
-                            "to": str(d.target),
-                            "method": d.method,
-                            "gain_ms": d.predicted_gain_ms,
-                            "cost_ms": d.predicted_cost_ms,
-                            "reason": d.reason,
-                        }
-                    )
-
-        while not finished():
+        while not done() and not stop.is_set():
             await poll()
             if loop is not None:
-                on_tick(await loop.run_once())
-            await asyncio.sleep(0.25)
+                decisions += [_decision_row(o) for o in await loop.run_once() if o.pushed]
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), TICK_S)
+        if stop.is_set() and not service:
+            raise Interrupted
         await poll()
-        seconds = time.monotonic() - t_gen
+        seconds = time.monotonic() - t0
         events = {link.name: await link.events() for link in links}
+        served = 0
+        if service:  # the engines' own count, live (the sidecars' progress lags by a poll)
+            for link in links:
+                state, _ = await link.state(LATEST)
+                served += state.finished.total
         if loop is not None:
-            await loop.run_once()  # records the outcome of the last switches
+            await loop.run_once()  # records the outcome of the switches since the last tick
+            if service and plan is not None and plan.recorder is not None:
+                for mem in loop.memory.values():
+                    plan.recorder.lengths(mem.lengths, mem.capped)
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            aio.remove_signal_handler(sig)
         for link in links:
             await link.aclose()
         local.stop()
-    files = sorted(out_dir.glob("pod-*.jsonl"))
+        logging.getLogger("rollout_operator").removeHandler(log_file)
+        log_file.close()
+    files = sorted(run.out_dir.glob("pod-*.jsonl"))
     samples = [json.loads(x) for f in files for x in f.read_text().splitlines()]
-    write_manifest(
-        out_dir, files, {"job": loaded.job.metadata.name, "policy": policy_name, "layout": str(layout)}
-    )
     tokens = sum(int(s.get("completion_tokens", 0)) for s in samples)
-    return RunResult(policy_name, layout, out_dir, seconds, len(samples), tokens, events, decisions, timeline)
-
-
-def candidate_layouts(loaded: LoadedJob, model: ModelConfig) -> list[Layout]:
-    """The job's candidates (each checked against the model), or every layout the model can run."""
-    spec = loaded.job.spec
-    given = spec.parallelism.candidates
-    if given is None:
-        return model.candidate_layouts(spec.gpus_per_pod)
-    out = []
-    for i, c in enumerate(given):
-        lay = Layout.parse(c)
-        why = model.tp_problem(lay.tp)
-        if why:
-            raise loaded.error(("spec", "parallelism", "candidates", i), why)
-        out.append(lay)
-    return sorted(set(out), key=lambda x: x.tp)
-
-
-def shape_of(model: ModelConfig, name: str) -> ModelShape:
-    return ModelShape(
-        name,
-        model.architecture,
-        model.hidden_size,
-        model.num_layers,
-        model.num_heads,
-        model.num_kv_heads,
-        model.head_dim,
-        model.intermediate_size,
-        model.vocab_size,
-    )
-
-
-def load_profile_for(loaded: LoadedJob, model: ModelConfig, db_url: str | None) -> Profile | None:
-    """The profile the job names (a JSON file, or a name in the database), else the best stored one for this
-    model shape, device, rank count and dtype; None when there is none."""
-    from rollout_profiler.store import engine as db_engine
-    from rollout_profiler.store import repo
-    from sqlalchemy.orm import Session
-
-    spec, where = loaded.job.spec, ("spec", "parallelism", "profile")
-    name = spec.parallelism.profile
-    shape = shape_of(model, Path(spec.model.path).name)
-    if name is not None and (name.endswith(".json") or Path(name).exists()):
-        if not Path(name).is_file():
-            raise loaded.error(where, f"profile file not found: {name}")
-        prof: Profile | None = Profile.from_json(name)
+    if service:
+        n, tokens = served, 0
     else:
-        with Session(db_engine.make_engine(db_engine.resolve_url(db_url))) as session:
-            if name is None:
-                prof = repo.find_profile(
-                    session, shape.shape_hash, spec.engine.device, spec.gpus_per_pod, spec.model.dtype
-                )
-            else:
-                ids = [p.id for p in repo.list_profiles(session) if p.name == name]
-                if not ids:
-                    raise loaded.error(where, f"no profile named {name!r} in the database")
-                prof = repo.load_profile(session, max(ids))
-    if prof is not None and prof.model.shape_hash != shape.shape_hash:
-        raise loaded.error(where, f"profile {prof.name} is of another model shape than {spec.model.path}")
-    return prof
+        n = len(samples)
+        write_manifest(run.out_dir, files, {"job": run.loaded.job.metadata.name, "policy": run.policy})
+    result = RunResult(
+        run.policy,
+        run.layout,
+        run.out_dir,
+        seconds,
+        n,
+        tokens,
+        events,
+        decisions,
+        timeline,
+        resumed,
+        False,
+        service,
+    )
+    if not service:
+        record(result)
+    return result
+
+
+def _log_to(path: Path) -> logging.Handler:
+    """The runner's own log, in full (the planner's warnings with their tracebacks), beside the pods' logs."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setLevel(logging.DEBUG)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("rollout_operator")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    return handler
+
+
+async def _until(work: Any, stop: asyncio.Event) -> None:
+    """Await ``work`` unless ``stop`` is set first (then: Interrupted)."""
+    task = asyncio.ensure_future(work)
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if not task.done():
+        task.cancel()
+        raise Interrupted
+    task.result()

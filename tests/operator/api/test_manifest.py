@@ -70,7 +70,11 @@ BAD = [
         "    margin: -1",
         "spec.parallelism.margin: Input should be greater than or equal to 0",
     ),
-    ("  prompts:\n    path: examples/prompts.jsonl\n", "", "job.yaml:5: spec.prompts: Field required"),
+    (
+        "  prompts:\n    path: examples/prompts.jsonl\n",
+        "",
+        "job.yaml:5: spec.prompts: job mode needs prompts (or set mode: service)",
+    ),
     (
         "gpusPerPod: 2",
         "gpusPerPod: 2\n  samplesPerPrompt: 0",

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rollout_operator.control.loop import EngineLink, PlannerLoop
+from rollout_operator.control.links import EngineLink
+from rollout_operator.control.loop import PlannerLoop
 from rollout_operator.control.records import DbRecorder
 from rollout_operator.control.tick import PodMemory, snapshot, tick
 from rollout_profiler.planning.latency import LatencyModel
@@ -73,6 +74,28 @@ def test_snapshot_and_tick_are_pure() -> None:
     assert tail.decision.predicted_gain_ms > tail.decision.predicted_cost_ms * 1.1
     busy = tick(_state([1] * 16), PodMemory(), model, POLICY, None)  # a full batch: keep 2x1
     assert busy.decision.action == "keep" and busy.plan is None
+
+
+def test_a_new_wave_moves_a_consolidated_pod_back_toward_throughput() -> None:
+    model = LatencyModel(Profile.from_json(PROFILE))
+    one = Layout(1, 2)
+    # consolidated, a few requests running: shrinking is not considered
+    quiet = tick(_state([40, 50], layout=one), PodMemory(), model, POLICY, None)
+    assert quiet.plan is None and not quiet.inputs["new_wave"]
+    # a wave queues behind them: back to 2x1
+    wave = tick(_state([40, 50], waiting=14, layout=one), PodMemory(), model, POLICY, None)
+    assert wave.inputs["new_wave"] and wave.plan is not None
+    assert wave.plan.triggers[0].layout == Layout(2, 1)
+    # new weights (the next RL iteration): the first requests may move it back before any queue forms
+    mem = PodMemory()
+    first = _state([1] * 8, layout=one)
+    mem.absorb(first)
+    assert tick(first, mem, model, POLICY, None).plan is None  # same weights: no shrink
+    updated = first.model_copy(update={"weight_version": "v2"})
+    mem.absorb(updated)
+    moved = tick(updated, mem, model, POLICY, None)
+    assert moved.inputs["new_wave"] and moved.plan is not None
+    assert moved.plan.triggers[0].layout == Layout(2, 1)
 
 
 def _bodies() -> list[dict[str, Any]]:

@@ -35,6 +35,8 @@ def write_prompts(path: Path, n: int) -> Path:
             rows.append({"id": f"q{i}", "prompt": [{"role": "user", "content": f"Double {i}."}], **extra})
         else:
             rows.append({"id": f"q{i}", "input_ids": [10 + i, 20, 30, 40], **extra})
+        if i == 5:
+            rows[-1]["max_new_tokens"] = 3  # the prompt's own cap, under the job's
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 

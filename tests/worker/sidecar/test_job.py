@@ -76,6 +76,7 @@ def test_every_prompt_and_sample_once_with_its_fields(reference: Path, engine: S
         s = Sample.model_validate(rec)
         i = int(s.prompt_id[1:])
         assert s.completion_tokens == len(s.output_ids) == len(s.output_logprobs) > 0
+        assert s.completion_tokens <= (3 if i == 5 else 24) and "max_new_tokens" not in rec
         assert all(lp is not None and lp <= 0 for lp in s.output_logprobs)
         assert s.finish_reason is not None and s.finish_reason["type"] in ("stop", "length")
         assert s.layouts == ["2x1"] and s.weight_version == "default"

@@ -1,8 +1,10 @@
 """A job's prompts: JSONL, or Parquet in VeRL's format, each with its pass-through fields (torch-free).
 
 JSONL: one object per line with ``prompt`` (text, or a list of chat messages ``{role, content}``) or
-``input_ids``, an optional ``id`` (default: the line's index among the prompts), and any other fields, which
-are passed through to the samples (VeRL's ``data_source``, ``reward_model``, ``extra_info``, ...).
+``input_ids``, an optional ``id`` (default: the line's index among the prompts), an optional
+``max_new_tokens`` (this prompt's own cap, under the job's: how a prompt set replays recorded lengths),
+and any other fields, which are passed through to the samples (VeRL's ``data_source``, ``reward_model``,
+``extra_info``, ...).
 Parquet (VeRL): a ``prompt`` column of chat messages (or text); the id is ``extra_info.index`` when present,
 else the row index; every other column passes through. Chat messages are rendered with the model's chat
 template (``tokenizer_config.json``) when it has one; without one, prompts must be text.
@@ -18,6 +20,21 @@ from typing import Any
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.jsonl import iter_jsonl
 
+# The tokenizer config of ``rolloutctl make-model``'s random checkpoints, with a plain chat template (each
+# message as "role: content", then the assistant's turn), so that chat-format prompts (VeRL's Parquet) render
+# with them as with a real model's template.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+RANDOM_MODEL_TOKENIZER_CONFIG: dict[str, str] = {
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "bos_token": "<|begin_of_text|>",
+    "eos_token": "<|end_of_text|>",
+    "pad_token": "<|pad|>",
+    "chat_template": CHAT_TEMPLATE,
+}
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -25,6 +42,7 @@ class Prompt:
     text: str | None  # the rendered prompt (chat template applied), or None when given as ids
     input_ids: list[int] | None
     extra: dict[str, Any] = field(default_factory=dict)  # passed through to every sample of the prompt
+    max_new_tokens: int | None = None  # this prompt's cap (the job's applies too)
 
 
 class ChatTemplate:
@@ -43,7 +61,11 @@ class ChatTemplate:
         path = Path(model_dir) / "tokenizer_config.json"
         if not path.exists():
             return None
-        cfg = json.loads(path.read_text())
+        return cls.of_config(json.loads(path.read_text()))
+
+    @classmethod
+    def of_config(cls, cfg: dict[str, Any]) -> ChatTemplate | None:
+        """From a ``tokenizer_config.json``'s contents; None when it has no chat template."""
         if not cfg.get("chat_template"):
             return None
         special = {k: v for k, v in cfg.items() if k.endswith("_token") and isinstance(v, str)}
@@ -78,7 +100,10 @@ def _jsonl(path: Path, template: ChatTemplate | None) -> list[Prompt]:
         if not isinstance(obj, dict):
             raise UserError(f"{where}: expected a JSON object")
         rid = str(obj.get("id", len(out)))
-        extra = {k: v for k, v in obj.items() if k not in ("id", "prompt", "input_ids")}
+        extra = {k: v for k, v in obj.items() if k not in ("id", "prompt", "input_ids", "max_new_tokens")}
+        cap = obj.get("max_new_tokens")
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+            raise UserError(f"{where}: field 'max_new_tokens' must be an integer >= 1")
         if ("prompt" in obj) == ("input_ids" in obj):
             raise UserError(f"{where}: give exactly one of 'prompt' or 'input_ids'")
         if "input_ids" in obj:
@@ -89,9 +114,9 @@ def _jsonl(path: Path, template: ChatTemplate | None) -> list[Prompt]:
                 or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
             ):
                 raise UserError(f"{where}: field 'input_ids' must be a non-empty list of integers")
-            out.append(Prompt(rid, None, ids, extra))
+            out.append(Prompt(rid, None, ids, extra, cap))
         else:
-            out.append(Prompt(rid, _text(obj["prompt"], where, template), None, extra))
+            out.append(Prompt(rid, _text(obj["prompt"], where, template), None, extra, cap))
     return out
 
 

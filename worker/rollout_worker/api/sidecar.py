@@ -27,7 +27,8 @@ class Sample(BaseModel):
     output_text: str
     output_ids: list[int]
     output_logprobs: list[float | None] = Field(
-        description="Log-probability of each output token under the distribution it was drawn from."
+        description="Log-probability of each output token under the distribution it was drawn from, to 8 "
+        "significant digits."
     )
     finish_reason: dict[str, Any] | None = Field(
         description='SGLang\'s: {"type": "stop", "matched": ...} or {"type": "length", "length": N}.'

@@ -10,6 +10,7 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from safetensors.torch import save_file
 
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.api.prompts import RANDOM_MODEL_TOKENIZER_CONFIG
 from rollout_worker.engine.checkpoint_index import CheckpointIndex, read_header, tensor_shapes
 from rollout_worker.engine.presets import preset_config
 from rollout_worker.engine.sharding import ShardRange
@@ -30,12 +32,6 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-# A plain chat template for the random checkpoints (each message as "role: content", then the assistant's
-# turn), so that chat-format prompts (VeRL's Parquet) render with them as with a real model's template.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
 SHARD_BYTES = 2 * 1024**3  # split checkpoints larger than this into model-0000i-of-0000n files
 
 
@@ -59,13 +55,25 @@ def random_tensor(
     return t.to(dtype)
 
 
-def make_model(preset: str, seed: int, out: str | Path, dtype: str = "float32") -> ModelConfig:
+Progress = Callable[[int, int], Any]  # (bytes written, bytes in all)
+
+
+def make_model(
+    preset: str, seed: int, out: str | Path, dtype: str = "float32", progress: Progress | None = None
+) -> ModelConfig:
     """Write a seeded random checkpoint of a named preset to ``out``."""
-    return write_random_checkpoint(preset_config(preset), seed, out, dtype, where=f"preset {preset}")
+    return write_random_checkpoint(
+        preset_config(preset), seed, out, dtype, where=f"preset {preset}", progress=progress
+    )
 
 
 def write_random_checkpoint(
-    raw: dict[str, Any], seed: int, out: str | Path, dtype: str = "float32", where: str = "config"
+    raw: dict[str, Any],
+    seed: int,
+    out: str | Path,
+    dtype: str = "float32",
+    where: str = "config",
+    progress: Progress | None = None,
 ) -> ModelConfig:
     """Write config.json, seeded random safetensors and tokenizer.json to ``out`` atomically."""
     raw = {**raw, "torch_dtype": dtype}
@@ -81,19 +89,12 @@ def write_random_checkpoint(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".make-model-", dir=out.parent))
     try:
-        _write_weights(cfg, tmp, seed, tdtype)
+        _write_weights(cfg, tmp, seed, tdtype, progress)
         (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
         gen_cfg = {"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"]}
         (tmp / "generation_config.json").write_text(json.dumps(gen_cfg) + "\n")
         byte_level_tokenizer(cfg.vocab_size).save(str(tmp / "tokenizer.json"))
-        tok_cfg = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": "<|begin_of_text|>",
-            "eos_token": "<|end_of_text|>",
-            "pad_token": "<|pad|>",
-            "chat_template": CHAT_TEMPLATE,
-        }
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg) + "\n")
+        (tmp / "tokenizer_config.json").write_text(json.dumps(RANDOM_MODEL_TOKENIZER_CONFIG) + "\n")
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
@@ -103,20 +104,27 @@ def write_random_checkpoint(
     return cfg
 
 
-def _write_weights(cfg: ModelConfig, out: Path, seed: int, dtype: torch.dtype) -> None:
+def _write_weights(
+    cfg: ModelConfig, out: Path, seed: int, dtype: torch.dtype, progress: Progress | None
+) -> None:
     """Generate tensors in checkpoint order; keep at most one shard (SHARD_BYTES) in memory."""
     gen = torch.Generator().manual_seed(seed)
     elem = torch.empty((), dtype=dtype).element_size()
     parts: list[Path] = []
     current: dict[str, torch.Tensor] = {}
-    size = 0
-    for name, shape in tensor_shapes(cfg):
+    size, done = 0, 0
+    shapes = list(tensor_shapes(cfg))
+    total = sum(math.prod(shape) for _, shape in shapes) * elem
+    for name, shape in shapes:
         nbytes = math.prod(shape) * elem
         if current and size + nbytes > SHARD_BYTES:
             parts.append(_save_part(current, out, len(parts)))
             current, size = {}, 0
         current[name] = random_tensor(name, shape, gen, dtype)
         size += nbytes
+        done += nbytes
+        if progress is not None:
+            progress(done, total)
     parts.append(_save_part(current, out, len(parts)))
     if len(parts) == 1:
         parts[0].rename(out / "model.safetensors")

@@ -44,11 +44,13 @@ class KVSlab:
         """Room for ``slots`` requests of ``capacity`` tokens each; existing contents are kept."""
         if slots <= self.slots and capacity <= self.capacity:
             return
-        new_slots = min(max(self.slots, _round_up(slots, _SLOT_STEP)), self.max_slots)
-        grown = max(
-            self.capacity, _round_up(capacity, _TOKEN_STEP), 2 * self.capacity if self.capacity else 0
-        )
-        new_cap = min(grown, self.max_capacity)
+        # Each dimension grows only when it is short, then geometrically (amortised copies): a batch that
+        # outgrows the slots must not double the tokens too (that multiplied the slab's memory per growth).
+        new_slots, new_cap = self.slots, self.capacity
+        if slots > self.slots:
+            new_slots = min(max(_round_up(slots, _SLOT_STEP), 2 * self.slots), self.max_slots)
+        if capacity > self.capacity:
+            new_cap = min(max(_round_up(capacity, _TOKEN_STEP), 2 * self.capacity), self.max_capacity)
         if new_slots < slots or new_cap < capacity:
             raise ValueError(
                 f"KV slab cannot hold {slots} slots x {capacity} tokens (limits {self.max_slots} x "

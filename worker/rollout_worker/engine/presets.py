@@ -35,7 +35,23 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rope_theta": 500000.0,
         "tie_word_embeddings": False,
     },
-    # Llama-7B width, 4 layers: ~4.3 GB of float32 weights. Memory-bound at batch 1 on a 2-core CPU, and
+    # The quickstart's model: one Llama-3.2-3B layer (hidden 3072, 24 heads, 8 KV heads) and a 16k vocabulary,
+    # 0.76 GB of float32 weights. A decode step reads every weight, and one CPU core reads them at about half
+    # the rate two do: a lone TP=1 replica steps 1.3x (batch 1) to 1.7x (batch 8) slower than TP=2 on 2
+    # cores, while the few collectives of one layer stay cheap (profiles/wide-cpu-2core-measured.json).
+    "wide": {
+        **_LLAMA,
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 8,
+        "vocab_size": 16000,
+        "max_position_embeddings": 4096,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+    },
+    # Llama-7B width, 4 layers: 3.9 GB of float32 weights. Memory-bound at batch 1 on a 2-core CPU, and
     # few (but wide) layers keep the per-step cost of TP synchronisation (2 collectives per layer) small
     # against the weight reads, which is where TP=2 beats one TP=1 replica (see README, benchmarks).
     "medium": {

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import multiprocessing as mp
 import os
 import random
 import statistics
@@ -35,6 +34,7 @@ from rollout_worker.engine.batch import run_batch
 from rollout_worker.engine.bench import ensure_model
 from rollout_worker.engine.config import EngineConfig
 from rollout_worker.server.process import start_server, stop_server
+from rollout_worker.web.probe import Prober, percentile
 
 Echo = Callable[[str], Any]
 Request = tuple[list[int], int]  # (prompt ids, new tokens)
@@ -69,11 +69,6 @@ def _complete(chunk: dict[str, Any], max_new: int) -> bool:
     return len(chunk["output_ids"]) == max_new and finish.get("type") == "length"
 
 
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
-
-
 def _cpu_s(pid: int) -> float:
     """CPU seconds (user + system) a process has used (Linux /proc; 0 when it is gone)."""
     try:
@@ -81,20 +76,6 @@ def _cpu_s(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _probe(url: str, conn: Any) -> None:
-    """In its own process (it measures the server, not the load client's event loop): time /health and
-    /v1/state every 20 ms until told to stop, then send the latencies back."""
-    health: list[float] = []
-    state: list[float] = []
-    with httpx.Client(base_url=url, timeout=30) as c:
-        while not conn.poll(0.02):
-            for path, sink in (("/health", health), ("/v1/state", state)):
-                t0 = time.perf_counter()
-                if c.get(path).status_code == 200:
-                    sink.append((time.perf_counter() - t0) * 1e3)
-    conn.send((health, state))
 
 
 async def _load(
@@ -137,23 +118,18 @@ async def _load(
             r = await c.post("/v1/reconfigure", json={"layout": switch_to, "method": "auto"})
             out.switch = r.json().get("event")
 
-        ctx = mp.get_context("spawn")
-        mine, theirs = ctx.Pipe()
-        prober = ctx.Process(target=_probe, args=(url, theirs), daemon=True)
-        prober.start()
-        t0 = time.perf_counter()
-        tasks = [asyncio.create_task(client()) for _ in range(clients)]
-        if switch_to:
-            tasks.append(asyncio.create_task(switch()))
-        await asyncio.gather(*tasks)
-        out.seconds = time.perf_counter() - t0
-        cpu1 = (_cpu_s(server_pid), sum(_cpu_s(p) for p in rank_pids), time.process_time())
+        with Prober(url, ["/health", "/v1/state"]) as prober:
+            t0 = time.perf_counter()
+            tasks = [asyncio.create_task(client()) for _ in range(clients)]
+            if switch_to:
+                tasks.append(asyncio.create_task(switch()))
+            await asyncio.gather(*tasks)
+            out.seconds = time.perf_counter() - t0
+            cpu1 = (_cpu_s(server_pid), sum(_cpu_s(p) for p in rank_pids), time.process_time())
         out.cpu_s = dict(
             zip(("server", "ranks", "client"), (b - a for a, b in zip(cpu0, cpu1, strict=True)), strict=True)
         )
-        mine.send("stop")
-        out.health_ms, out.state_ms = mine.recv()
-        prober.join(10)
+        out.health_ms, out.state_ms = prober.ms["/health"], prober.ms["/v1/state"]
     return out
 
 
@@ -191,10 +167,10 @@ def bench_preset(
                 "inproc_tps": inproc,
                 "server_tps": load.tps,
                 "lost": len(load.lost),
-                "health_p50_ms": _pct(load.health_ms, 0.5),
-                "health_p99_ms": _pct(load.health_ms, 0.99),
-                "state_p50_ms": _pct(load.state_ms, 0.5),
-                "state_p99_ms": _pct(load.state_ms, 0.99),
+                "health_p50_ms": percentile(load.health_ms, 0.5),
+                "health_p99_ms": percentile(load.health_ms, 0.99),
+                "state_p50_ms": percentile(load.state_ms, 0.5),
+                "state_p99_ms": percentile(load.state_ms, 0.99),
                 "probes": len(load.health_ms) + len(load.state_ms),
                 "server_cpu_per_token_us": 1e6 * load.cpu_s["server"] / total,
                 "rank_cpu_per_token_us": 1e6 * load.cpu_s["ranks"] / total,

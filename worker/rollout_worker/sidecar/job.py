@@ -48,6 +48,16 @@ def shard(settings: SidecarFields) -> list[Prompt]:
     return mine
 
 
+LOGPROB_DIGITS = 8
+
+
+def _digits(logprob: float | None) -> float | None:
+    """A logprob to 8 significant digits (beyond float32's precision). The engine's float64 values differ
+    in their last bits with the batch a request ran in; rounded, a rerun or a resumed run writes the same
+    bytes."""
+    return None if logprob is None else float(f"{logprob:.{LOGPROB_DIGITS}g}")
+
+
 def rid_of(prompt_id: str, sample: int) -> str:
     return f"{prompt_id}#{sample}"
 
@@ -101,9 +111,11 @@ class Job:
         return len(self.writer.done)
 
     def not_submitted(self) -> NotSubmitted:
-        n = self.total - self.done - self.in_flight
+        """Samples neither written nor in flight (queued, or waiting to be sent again)."""
         return NotSubmitted(
-            samples=n, prompts=sum(1 for v in self.unsent.values() if v), max_new_tokens=self.s.max_new_tokens
+            samples=sum(self.unsent.values()),
+            prompts=sum(1 for v in self.unsent.values() if v),
+            max_new_tokens=self.s.max_new_tokens,
         )
 
     async def run(self) -> None:
@@ -176,8 +188,9 @@ class Job:
                 "temperature": s.temperature,
                 "top_p": s.top_p,
                 "top_k": s.top_k,
-                "max_new_tokens": s.max_new_tokens,
+                "max_new_tokens": min(s.max_new_tokens, prompt.max_new_tokens or s.max_new_tokens),
                 "stop": list(s.stop),
+                "ignore_eos": s.ignore_eos,
                 "sampling_seed": seed,
             },
             "return_logprob": True,
@@ -197,7 +210,7 @@ class Job:
             "prompt": prompt.text if prompt.text is not None else prompt.input_ids,
             "output_text": out["text"],
             "output_ids": out["output_ids"],
-            "output_logprobs": [t[0] for t in meta.get("output_token_logprobs") or []],
+            "output_logprobs": [_digits(t[0]) for t in meta.get("output_token_logprobs") or []],
             "finish_reason": meta["finish_reason"],
             "prompt_tokens": meta["prompt_tokens"],
             "completion_tokens": meta["completion_tokens"],

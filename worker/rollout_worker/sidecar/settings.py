@@ -62,6 +62,9 @@ class SidecarFields(BaseModel):
         0, ge=0, lt=2**63, description="Job seed; each sample's seed is a hash of (seed, prompt id, index)."
     )
     stop: list[str] = Field(default_factory=list, max_length=64, description="Stop strings (JSON list).")
+    ignore_eos: bool = Field(
+        False, description="Generate past the end-of-sequence token (replaying recorded lengths, benchmarks)."
+    )
     output_dir: Path | None = Field(None, description="Directory of the pod's output file pod-{index}.jsonl.")
     # the sidecar's own API
     token: SecretStr | None = Field(None, description="Bearer token every route but health/metrics needs.")

@@ -1,0 +1,159 @@
+"""`rolloutctl run` end to end, with real processes and HTTP: 2 pods (engine server + sidecar each) of the
+tiny model in float64, the planner loop in the runner with a profile in which TP=2 pays in the tail.
+
+- the planner switches on its own (no manual trigger), honestly (recorded gain > cost x (1 + margin)), and
+  the outputs equal a static run's; decisions and finished lengths land in SQLite and in PostgreSQL;
+- a sidecar, or one engine rank, killed mid-run: the run stops every process and fails naming the one that
+  died; rerunning resumes, and the outputs equal an uninterrupted run's byte for byte (static policy, so
+  that the `layouts` field, too, is the same), nothing lost, nothing twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+from rollout_profiler.profile import Profile
+from rollout_profiler.store import engine as db_engine
+from rollout_profiler.store import runs
+from sqlalchemy.orm import Session
+
+from tests.conftest import run_cli
+from tests.operator.local.jobs import (
+    ALL,
+    PROFILE,
+    SAMPLES,
+    count_lines,
+    job_doc,
+    records,
+    rolloutctl,
+    sorted_lines,
+    start_run,
+    wait_for,
+    write_job,
+    write_prompts,
+)
+from tests.worker.server.served import alive, descendants
+
+pytestmark = pytest.mark.multiproc
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_prompts(tmp_path_factory.mktemp("prompts") / "prompts.jsonl")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny64: Path, prompts: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One uninterrupted static run of the job."""
+    d = tmp_path_factory.mktemp("reference")
+    job = write_job(d / "job.yaml", job_doc(tiny64, prompts, d / "out"))
+    got = run_cli("run", str(job), "--policy", "static", "--db", f"sqlite:///{d / 'db.sqlite'}")
+    assert got.returncode == 0, got.stdout + got.stderr
+    return d / "out"
+
+
+def _without_layouts(out: Path) -> list[dict[str, object]]:
+    recs = [{k: v for k, v in r.items() if k != "layouts"} for r in records(out)]
+    return sorted(recs, key=lambda r: (str(r["prompt_id"]), int(str(r["sample"]))))
+
+
+def test_the_planner_switches_honestly_and_the_outputs_equal_static(
+    empty_url: str, tiny64: Path, prompts: Path, reference: Path, tmp_path: Path
+) -> None:
+    job = write_job(tmp_path / "job.yaml", job_doc(tiny64, prompts, tmp_path / "out"))
+    got = run_cli("run", str(job), "--db", empty_url, "--report", str(tmp_path / "report.json"))
+    assert got.returncode == 0, got.stdout + got.stderr
+    out = tmp_path / "out"
+    recs = records(out)
+    assert sorted((r["prompt_id"], r["sample"]) for r in recs) == sorted(ALL)  # each exactly once
+    for r in recs:
+        assert r["data_source"] == "arith" and "ground_truth" in r["reward_model"]  # pass-through
+    assert _without_layouts(out) == _without_layouts(reference)  # the same tokens, logprobs, texts
+    switched = [r for r in recs if len(r["layouts"]) > 1]
+    assert switched and all(r["layouts"][:2] == ["2x1", "1x2"] for r in switched)
+
+    report = json.loads((tmp_path / "report.json").read_text())["runs"][0]
+    committed = [e for e in report["reconfigurations"] if e["outcome"] == "committed"]
+    assert committed and all(e["reason"].startswith("plan: unfinished") for e in committed)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["samples"] == len(ALL) and [f["file"] for f in manifest["files"]] == [
+        "pod-0.jsonl",
+        "pod-1.jsonl",
+    ]
+
+    with Session(db_engine.make_engine(empty_url)) as session:
+        decisions = runs.list_decisions(session)
+        lengths = runs.finished_lengths_for_model(session, Profile.from_json(PROFILE).model.shape_hash)
+    ran = [d for d in decisions if d.outcome == "committed"]
+    assert len(ran) == len(committed)
+    honest = [d for d in ran if d.inputs is not None]  # pushed by the planner, with what it saw
+    assert honest, decisions
+    for d in honest:
+        assert d.predicted_gain_ms > d.predicted_cost_ms * 1.1, d
+        assert d.to_layout == "1x2" and d.step is not None and d.actual_cost_ms is not None
+    assert sorted(x.length for x in lengths) == sorted(r["completion_tokens"] for r in recs)
+    assert len(lengths) == len(ALL)
+
+
+Killer = Callable[[Path, int], str]  # (output dir, runner pid) -> the child's name it killed
+
+
+def _kill_sidecar(out: Path, runner: int) -> str:
+    for pid in descendants(runner):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        env = Path(f"/proc/{pid}/environ").read_bytes()
+        if b"sidecar" in cmd and b"ROLLOUT_SIDECAR_POD_INDEX=0" in env:
+            os.kill(pid, signal.SIGKILL)
+            return "tiny-e2e-0-sidecar"
+    raise AssertionError("no sidecar of pod 0 among the runner's processes")
+
+
+def _kill_rank(out: Path, runner: int) -> str:
+    ends = json.loads((out / "endpoints.json").read_text())
+    key = Path(ends["engine_key_file"]).read_text().strip()
+    url = ends["pods"][1]["engine_url"]
+    info = httpx.get(url + "/get_server_info", headers={"Authorization": f"Bearer {key}"}, timeout=10).json()
+    os.kill(info["rank_pids"][1], signal.SIGKILL)
+    return "tiny-e2e-1-engine"
+
+
+@pytest.mark.parametrize("kill", [_kill_sidecar, _kill_rank], ids=["sidecar", "engine-rank"])
+def test_a_run_killed_mid_way_resumes_to_the_uninterrupted_outputs(
+    kill: Killer, tiny64: Path, prompts: Path, reference: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "job.yaml", job_doc(tiny64, prompts, out))
+    args = [str(job), "--policy", "static", "--db", f"sqlite:///{tmp_path / 'db.sqlite'}"]
+    runner = start_run(*args, log=tmp_path / "first.log")
+    try:
+        per_pod = len(ALL) // 2
+        pods = [out / "pod-0.jsonl", out / "pod-1.jsonl"]
+        wait_for(lambda: all(count_lines(f) >= 4 for f in pods), "4 samples of each pod")
+        family = descendants(runner.pid)
+        victim = kill(out, runner.pid)
+        written = sum(count_lines(f) for f in pods)
+        assert written < 2 * per_pod, "the run finished before the kill: nothing was interrupted"
+        assert runner.wait(60) == 1
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+    log = (tmp_path / "first.log").read_text()
+    assert f"error: {victim} exited with code" in log, log
+    assert "Traceback" not in log
+    wait_for(lambda: not alive(family), "every process of the failed run to end", timeout=30)
+
+    again = subprocess.run(rolloutctl("run", *args), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "resumed:" in again.stdout
+    assert sorted_lines(out) == sorted_lines(reference)  # byte for byte: nothing lost, nothing twice
+    assert len(sorted_lines(out)) == len(ALL) == 12 * SAMPLES

@@ -1,0 +1,80 @@
+"""The README's two commands stay true: it opens with `make run` and `make test`; `make run` runs the main job
+`rolloutctl run examples/quickstart.yaml --compare static`, which this test runs as a user would on a fresh
+clone (first use: the model made from its preset), within the time the README promises. The planner must
+reconfigure on its own because the shipped profile says it pays, and the outputs must equal the static
+run's, token for token."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from rollout_profiler.store import engine as db_engine
+from rollout_profiler.store import runs
+from sqlalchemy.orm import Session
+
+ROOT = Path(__file__).parents[1]
+MAIN = "rolloutctl run examples/quickstart.yaml --compare static"
+FIRST_USE_S = 300  # the README: first use, set-up included, under 5 minutes
+
+
+def _readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", text, re.S)
+    assert block, "the README opens with a bash block"
+    return [line.split("#")[0].strip() for line in block.group(1).splitlines() if line.strip()]
+
+
+def _make_recipe(target: str) -> list[str]:
+    lines = (ROOT / "Makefile").read_text().splitlines()
+    start = next(i for i, x in enumerate(lines) if x.startswith(f"{target}:"))
+    recipe = []
+    for line in lines[start + 1 :]:
+        if not line.startswith("\t"):
+            break
+        recipe.append(line.strip())
+    return recipe
+
+
+def test_the_readme_opens_with_the_two_commands() -> None:
+    assert _readme_commands() == ["make run", "make test"]
+    assert _make_recipe("run") == [f"$(BIN)/{MAIN}"]
+    assert _make_recipe("test") == ["$(BIN)/pytest"]
+    assert MAIN in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.multiproc
+def test_the_main_job_runs_as_written(tmp_path: Path) -> None:
+    for d in ("examples", "profiles"):  # a clean checkout's files, nothing made yet
+        shutil.copytree(ROOT / d, tmp_path / d)
+    home = tmp_path / "home"  # the embedded database's default place (ROLLOUT_HOME), fresh
+    env = {k: v for k, v in os.environ.items() if k != "ROLLOUT_DB_URL"} | {"ROLLOUT_HOME": str(home)}
+    rolloutctl = Path(sys.executable).with_name("rolloutctl")  # the installed entry point, as a user runs it
+    argv = [str(rolloutctl), *MAIN.split()[1:]]
+    t0 = time.monotonic()
+    got = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=FIRST_USE_S)
+    took = time.monotonic() - t0
+    assert got.returncode == 0, got.stdout + got.stderr
+    out = got.stdout
+    assert "made the wide model at build/models/wide" in out
+    assert re.search(
+        r"compare: adaptive [\d.]+ s vs static [\d.]+ s: .*outputs identical \(32 samples", out
+    ), out
+    assert re.search(r"quickstart-0: 2x1 -> 1x2 \((migrate|recompute)\) at step \d+", out), out
+    assert "Traceback" not in got.stderr and took < FIRST_USE_S
+
+    run = json.loads((tmp_path / "build/quickstart/adaptive/run.json").read_text())
+    events = [e for evs in run["events"].values() for e in evs if e["outcome"] == "committed"]
+    assert events and all(e["reason"].startswith("plan: unfinished") for e in events)  # no manual trigger
+    with Session(db_engine.make_engine(f"sqlite:///{home / 'rollout.db'}")) as session:
+        decisions = [d for d in runs.list_decisions(session) if d.outcome == "committed"]
+    assert decisions and all(d.inputs is not None for d in decisions)
+    assert all(d.predicted_gain_ms > d.predicted_cost_ms * 1.1 for d in decisions)  # the profile says it pays
+    assert (tmp_path / "build/quickstart/timeline.png").stat().st_size > 10_000
