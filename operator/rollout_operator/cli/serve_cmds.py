@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rollout_worker.api.errors import UserError
@@ -49,6 +50,13 @@ def serve_cmd(
         float, typer.Option(help="On SIGTERM, let requests finish this long first.")
     ] = 0.0,
     access_log: Annotated[bool, typer.Option(help="Log one line per HTTP request.")] = False,
+    costs: Annotated[
+        Path | None,
+        typer.Option(
+            help="Switch-cost model: a profile JSON (its `costs`) or the costs alone, so the engine prices "
+            "and picks a switch's KV method as the planner does (default: built-in priors)."
+        ),
+    ] = None,
 ) -> None:
     """Serve the engine over HTTP until SIGTERM / Ctrl-C; exits non-zero if a rank dies."""
     from rollout_worker.server.run import serve
@@ -60,6 +68,8 @@ def serve_cmd(
     cfg = engine_config(
         model, ranks, layout, candidates, dtype, device, max_batch, kv_budget, timeout, context_length
     )
+    if costs is not None:
+        cfg = replace(cfg, costs=_cost_model(costs))
     if weights_root is not None and not weights_root.is_dir():
         raise UserError(f"{weights_root} is not a directory", "--weights-root")
     settings = ServerSettings(
@@ -83,6 +93,29 @@ def serve_cmd(
     )
     code = serve(settings, cfg)
     sys.exit(code)
+
+
+def _cost_model(path: Path) -> Any:
+    import json
+
+    from rollout_worker.api.costs import CostModel
+
+    try:
+        doc = json.loads(path.read_text())
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror}", "--costs") from None
+    except ValueError as exc:
+        raise UserError(f"{path} is not JSON: {exc}", "--costs") from None
+    body = doc.get("costs", doc) if isinstance(doc, dict) else doc
+    if not isinstance(body, dict):
+        raise UserError(f"{path}: expected an object of cost rates", "--costs")
+    for key, value in body.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise UserError(f"{path}: costs.{key} must be a number >= 0, got {value!r}", "--costs")
+    try:
+        return CostModel(**body)
+    except TypeError as exc:
+        raise UserError(f"{path}: not a cost model ({exc})", "--costs") from None
 
 
 def _api_key(path: Path | None) -> str | None:

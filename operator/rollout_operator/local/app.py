@@ -62,6 +62,20 @@ class Prepared:
     db: _Database
 
 
+def planning(prep: Prepared, policy: str) -> Planning | None:
+    """The planner's side of a run of ``policy`` (None for a static run): the job's planner settings."""
+    if policy != "adaptive" or prep.latency is None:
+        return None
+    par = prep.loaded.job.spec.parallelism
+    pol = PlannerPolicy(
+        candidates=tuple(prep.candidates),
+        margin=par.margin,
+        cooldown_s=par.cooldown_seconds,
+        method=par.method,
+    )
+    return Planning(prep.latency, pol, prep.db.prior, prep.db.recorder())
+
+
 def prepare(loaded: LoadedJob, opts: RunOptions, echo: Echo, model_bytes: Bytes | None = None) -> Prepared:
     spec = loaded.job.spec
     if opts.compare_static and spec.mode == "service":
@@ -110,16 +124,7 @@ def execute(prep: Prepared, echo: Echo, on_progress: OnProgress) -> list[RunResu
                 echo(f"{name}: already finished in {out_dir} (remove it to run again)")
                 results.append(done)
                 continue
-            planning = None
-            if name == "adaptive" and prep.latency is not None:
-                pol = PlannerPolicy(
-                    candidates=tuple(prep.candidates),
-                    margin=spec.parallelism.margin,
-                    cooldown_s=spec.parallelism.cooldown_seconds,
-                    method=spec.parallelism.method,
-                )
-                planning = Planning(prep.latency, pol, prep.db.prior, prep.db.recorder())
-            run = PodRun(loaded, name, prep.layout, prep.candidates, out_dir, planning)
+            run = PodRun(loaded, name, prep.layout, prep.candidates, out_dir, planning(prep, name))
             results.append(asyncio.run(run_pods(run, on_progress, echo)))
     except BaseException as exc:
         prep.db.finish(None, "interrupted" if isinstance(exc, KeyboardInterrupt | Interrupted) else "failed")

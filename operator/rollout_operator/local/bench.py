@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollout_profiler.planning.planner import PlannerPolicy
 from rollout_worker.api.layout import Layout
 from rollout_worker.web.probe import Prober, percentile
 
-from rollout_operator.local.app import Prepared, outputs_equal
-from rollout_operator.local.runner import ENDPOINTS, Planning, PodRun, run_pods
+from rollout_operator.local.app import Prepared, outputs_equal, planning
+from rollout_operator.local.report import switch_rows
+from rollout_operator.local.runner import ENDPOINTS, PodRun, run_pods
 
 Echo = Callable[[str], Any]
 PROGRESS = "/v1/progress"
@@ -85,43 +85,15 @@ def _policies(prep: Prepared) -> list[tuple[str, Layout]]:
 
 
 def _trial(prep: Prepared, r: int, name: str, layout: Layout, out_dir: Path) -> Trial:
-    spec = prep.loaded.job.spec
-    planning = None
-    if name == "adaptive":
-        assert prep.latency is not None
-        pol = PlannerPolicy(
-            candidates=tuple(prep.candidates),
-            margin=spec.parallelism.margin,
-            cooldown_s=spec.parallelism.cooldown_seconds,
-            method=spec.parallelism.method,
-        )
-        planning = Planning(prep.latency, pol, prep.db.prior, prep.db.recorder())
     if out_dir.exists():
         shutil.rmtree(out_dir)  # every trial generates everything
     probe = _ProbeOnReady(out_dir)
+    run = PodRun(prep.loaded, name, layout, prep.candidates, out_dir, planning(prep, name))
     try:
-        res = asyncio.run(
-            run_pods(
-                PodRun(prep.loaded, name, layout, prep.candidates, out_dir, planning), probe, lambda _: None
-            )
-        )
+        res = asyncio.run(run_pods(run, probe, lambda _: None))
     finally:
         ms = probe.stop()
-    switches = [
-        {
-            "pod": pod,
-            "from": str(e.src),
-            "to": str(e.dst),
-            "method": e.method,
-            "step": e.step,
-            "outcome": e.outcome,
-            "predicted_ms": e.predicted_ms,
-            "actual_ms": e.actual_ms,
-        }
-        for pod, evs in res.events.items()
-        for e in evs
-    ]
-    return Trial(r, name, res.seconds, res.tokens, switches, ms)
+    return Trial(r, name, res.seconds, res.tokens, switch_rows(res), ms)
 
 
 def bench_job(prep: Prepared, rounds: int, work: Path, echo: Echo) -> dict[str, Any]:

@@ -43,8 +43,10 @@ def build_pods(
     ports: list[int],
     out_dir: Path,
     secrets: Path,
+    costs: Path | None = None,
 ) -> list[PodProcesses]:
-    """One engine + sidecar per pod; ``ports`` holds 3 free ports per pod (engine, sidecar API, admin)."""
+    """One engine + sidecar per pod; ``ports`` holds 3 free ports per pod (engine, sidecar API, admin);
+    ``costs``: the planner's switch-cost model (a JSON file) for the engines, so both price a switch alike."""
     pods = []
     engine_key, token = secrets / "engine-key", secrets / "sidecar-token"
     for i in range(spec.pods):
@@ -57,6 +59,8 @@ def build_pods(
         ]  # fmt: skip
         if eng.kv_budget_tokens is not None:
             args += ["--kv-budget", str(eng.kv_budget_tokens)]
+        if costs is not None:
+            args += ["--costs", str(costs)]
         s, prompts = spec.sampling, spec.prompts
         env = settings_env(
             engine_url=f"http://127.0.0.1:{ep}",

@@ -11,6 +11,26 @@ from typing import Any
 from rollout_operator.local.result import RunResult
 
 
+def switch_rows(r: RunResult) -> list[dict[str, Any]]:
+    """Every reconfiguration of the run, one row each (the report's and the benchmark's)."""
+    return [
+        {
+            "pod": pod,
+            "step": e.step,
+            "time_s": e.time_s,
+            "from": str(e.src),
+            "to": str(e.dst),
+            "method": e.method,
+            "outcome": e.outcome,
+            "reason": e.reason,
+            "predicted_ms": e.predicted_ms,
+            "actual_ms": e.actual_ms,
+        }
+        for pod, evs in r.events.items()
+        for e in evs
+    ]
+
+
 def as_dict(r: RunResult) -> dict[str, Any]:
     return {
         "policy": r.policy,
@@ -20,22 +40,7 @@ def as_dict(r: RunResult) -> dict[str, Any]:
         "samples": r.samples,
         "tokens": r.tokens,
         "tokens_per_s": round(r.tokens_per_s, 1),
-        "reconfigurations": [
-            {
-                "pod": pod,
-                "step": e.step,
-                "time_s": e.time_s,
-                "from": str(e.src),
-                "to": str(e.dst),
-                "method": e.method,
-                "outcome": e.outcome,
-                "reason": e.reason,
-                "predicted_ms": e.predicted_ms,
-                "actual_ms": e.actual_ms,
-            }
-            for pod, evs in r.events.items()
-            for e in evs
-        ],
+        "reconfigurations": switch_rows(r),
         "decisions": r.decisions,
         "resumed_samples": r.resumed,
         "reused": r.reused,

@@ -12,7 +12,7 @@ import secrets
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -123,8 +123,12 @@ async def run_pods(
         1 for f in run.out_dir.glob("pod-*.jsonl") for line in f.read_bytes().splitlines() if line.strip()
     )
     ports = [free_port() for _ in range(3 * spec.pods)]
+    costs = None
+    if run.planning is not None:  # the engines price a switch with the planner's (the profile's) costs
+        costs = run.out_dir / "costs.json"
+        costs.write_text(json.dumps(asdict(run.planning.model.profile.costs), indent=1) + "\n")
     pods = build_pods(
-        run.loaded.job.metadata.name, spec, run.layout, run.candidates, ports, run.out_dir, secrets_dir
+        run.loaded.job.metadata.name, spec, run.layout, run.candidates, ports, run.out_dir, secrets_dir, costs
     )
     local = LocalPods(pods, run.out_dir / "logs")
     log_file = _log_to(run.out_dir / "logs" / "runner.log")

@@ -98,6 +98,10 @@ def test_the_planner_switches_honestly_and_the_outputs_equal_static(
     for d in honest:
         assert d.predicted_gain_ms > d.predicted_cost_ms * 1.1, d
         assert d.to_layout == "1x2" and d.step is not None and d.actual_cost_ms is not None
+    # the engines price a switch with the planner's costs (the profile's), not their built-in priors
+    planner = sorted(d.predicted_cost_ms for d in honest)
+    engine = sorted(e["predicted_ms"] for e in committed)
+    assert planner == pytest.approx(engine, rel=0.5), (planner, engine)
     assert sorted(x.length for x in lengths) == sorted(r["completion_tokens"] for r in recs)
     assert len(lengths) == len(ALL)
 
