@@ -2,8 +2,34 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import typer
 from rollout_worker.api.errors import UserError
+
+F = TypeVar("F", bound=Callable[..., Any])
+ENGINE_EXTRA = "pip install 'elastic-rollout[engine]'"
+
+
+def require_engine() -> None:
+    """The engine needs torch, which only the ``engine`` extra installs (the operator and the sidecar run
+    without it): say so before anything starts, not as a rank's ImportError."""
+    if importlib.util.find_spec("torch") is None:
+        raise UserError(f"this command runs the engine, which needs torch: {ENGINE_EXTRA}")
+
+
+def needs_engine(command: F) -> F:
+    """A command that runs the engine (see ``require_engine``)."""
+
+    @functools.wraps(command)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        require_engine()
+        return command(*args, **kwargs)
+
+    return checked  # type: ignore[return-value]
 
 
 def int_list(text: str, flag: str) -> list[int]:

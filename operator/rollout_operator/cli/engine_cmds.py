@@ -9,19 +9,19 @@ from typing import Annotated, Any
 import typer
 from rollout_worker.api.errors import UserError
 
-from rollout_operator.cli.args import bench_group, int_list
+from rollout_operator.cli.args import bench_group, int_list, needs_engine
 
 
 def register(app: typer.Typer) -> None:
-    app.command("make-model")(make_model_cmd)
-    app.command("generate")(generate_cmd)
+    app.command("make-model")(needs_engine(make_model_cmd))
+    app.command("generate")(needs_engine(generate_cmd))
     bench = bench_group(app)
-    bench.command("engine")(bench_engine_cmd)
-    bench.command("peer")(bench_peer_cmd)
+    bench.command("engine")(needs_engine(bench_engine_cmd))
+    bench.command("peer")(needs_engine(bench_peer_cmd))
 
 
 def make_model_cmd(
-    preset: Annotated[str, typer.Option(help="tiny | small | medium | llama-3.1-8b | qwen3-14b")],
+    preset: Annotated[str, typer.Option(help="tiny | small | wide | medium | llama-3.1-8b | qwen3-14b")],
     out: Annotated[Path, typer.Option(help="Directory to create (must not exist or be empty).")],
     seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
     dtype: Annotated[

@@ -16,7 +16,7 @@ import traceback
 import typer
 from rollout_worker.api.errors import EngineError, UserError
 
-from rollout_operator.cli.args import as_flags
+from rollout_operator.cli.args import ENGINE_EXTRA, as_flags
 
 app = typer.Typer(
     name="rolloutctl",
@@ -72,6 +72,9 @@ def main() -> None:
     except Exception as exc:  # a bug: one line here, the traceback in a file (ROLLOUT_DEBUG=1: raised)
         if os.environ.get("ROLLOUT_DEBUG"):
             raise
+        if isinstance(exc, ModuleNotFoundError) and exc.name == "torch":  # an install without the extra
+            typer.echo(f"error: this needs torch: {ENGINE_EXTRA}", err=True)
+            sys.exit(2)
         typer.echo(f"error: internal error ({type(exc).__name__}: {exc}); {_crash_report()}", err=True)
         sys.exit(1)
 

@@ -59,7 +59,10 @@ def profile(
     import shlex
     import sys
 
+    from rollout_operator.cli.args import require_engine
     from rollout_operator.cli.profile_measure import run_profile
+
+    require_engine()
 
     run_profile(
         {

@@ -8,12 +8,12 @@ from typing import Annotated, Any
 import typer
 from rollout_worker.api.errors import UserError
 
-from rollout_operator.cli.args import bench_group
+from rollout_operator.cli.args import bench_group, needs_engine
 
 
 def register(app: typer.Typer) -> None:
-    app.command("run")(run_cmd)
-    bench_group(app).command("run")(bench_run_cmd)
+    app.command("run")(needs_engine(run_cmd))
+    bench_group(app).command("run")(needs_engine(bench_run_cmd))
 
 
 class _Bars:

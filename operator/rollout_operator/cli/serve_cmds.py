@@ -11,12 +11,12 @@ from typing import Annotated, Any
 import typer
 from rollout_worker.api.errors import UserError
 
-from rollout_operator.cli.args import bench_group
+from rollout_operator.cli.args import bench_group, needs_engine
 
 
 def register(app: typer.Typer) -> None:
-    app.command("serve")(serve_cmd)
-    bench_group(app).command("serve")(bench_serve_cmd)
+    app.command("serve")(needs_engine(serve_cmd))
+    bench_group(app).command("serve")(needs_engine(bench_serve_cmd))
 
 
 def serve_cmd(

@@ -161,3 +161,40 @@ def test_a_run_killed_mid_way_resumes_to_the_uninterrupted_outputs(
     assert "resumed:" in again.stdout
     assert sorted_lines(out) == sorted_lines(reference)  # byte for byte: nothing lost, nothing twice
     assert len(sorted_lines(out)) == len(ALL) == 12 * SAMPLES
+
+
+def test_ctrl_c_then_sigkill_of_the_runner_stop_every_child_and_reruns_resume(
+    tiny64: Path, prompts: Path, reference: Path, tmp_path: Path
+) -> None:
+    """Ctrl-C (SIGINT) mid-run: exit 130, every child gone; rerun, then SIGKILL of the runner itself (how a
+    container is killed): its children die with it; the last rerun completes, byte-equal to an uninterrupted
+    run, nothing lost, nothing twice."""
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "job.yaml", job_doc(tiny64, prompts, out))
+    args = [str(job), "--policy", "static", "--db", f"sqlite:///{tmp_path / 'db.sqlite'}"]
+    pods = [out / "pod-0.jsonl", out / "pod-1.jsonl"]
+    for sig, code in ((signal.SIGINT, 130), (signal.SIGKILL, -signal.SIGKILL)):
+        base = [count_lines(f) for f in pods]
+        runner = start_run(*args, log=tmp_path / f"{sig.name}.log")
+        try:
+            wait_for(
+                lambda b=base: all(count_lines(f) >= n + 2 for f, n in zip(pods, b, strict=True)),
+                "2 more samples of each pod",
+            )
+            family = descendants(runner.pid)
+            assert family, "the runner has no children"
+            runner.send_signal(sig)
+            assert runner.wait(60) == code
+        finally:
+            if runner.poll() is None:
+                runner.kill()
+        assert sum(count_lines(f) for f in pods) < len(ALL), f"the run finished before {sig.name}"
+        wait_for(lambda fam=family: not alive(fam), f"every child to end after {sig.name}", timeout=30)
+        log = (tmp_path / f"{sig.name}.log").read_text()
+        assert "Traceback" not in log, log
+    assert "interrupted" in (tmp_path / "SIGINT.log").read_text()
+
+    again = subprocess.run(rolloutctl("run", *args), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "resumed:" in again.stdout
+    assert sorted_lines(out) == sorted_lines(reference)

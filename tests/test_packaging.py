@@ -1,0 +1,74 @@
+"""torch lives in the `engine` extra: a plain `pip install elastic-rollout` (what the operator's and the
+sidecar's image hold) installs and imports without it, its migrations are packaged, and a command that needs
+the engine says which extra to install instead of failing in a rank process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import venv
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+
+TORCH_FREE = """
+import importlib.util, sys
+assert importlib.util.find_spec("torch") is None, "torch is installed"
+import rollout_operator.cli.main, rollout_operator.local.runner, rollout_operator.control.loop
+import rollout_worker.sidecar.app, rollout_worker.server.app
+import rollout_profiler.planning.planner, rollout_profiler.sim.simulator, rollout_profiler.store.migrate
+assert "torch" not in sys.modules
+print("imports ok")
+"""
+
+
+@pytest.fixture(scope="module")
+def bare(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh venv with the project installed from a wheel, no extras."""
+    where = tmp_path_factory.mktemp("bare") / "venv"
+    venv.EnvBuilder(with_pip=True).create(where)
+    env = os.environ | {"PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    got = subprocess.run(
+        [str(where / "bin" / "pip"), "install", "-q", str(ROOT)],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert got.returncode == 0, got.stdout + got.stderr
+    return where / "bin"
+
+
+def _run(bin_: Path, *argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ROLLOUT_DB_URL")}
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=cwd or bin_)
+
+
+def test_the_package_imports_and_runs_without_torch(bare: Path, tmp_path: Path) -> None:
+    got = _run(bare, str(bare / "python"), "-c", TORCH_FREE)
+    assert got.returncode == 0 and "imports ok" in got.stdout, got.stdout + got.stderr
+    for argv in (["--help"], ["sidecar", "--help"], ["simulate", "--help"]):
+        got = _run(bare, str(bare / "rolloutctl"), *argv)
+        assert got.returncode == 0, (argv, got.stderr)
+    url = f"sqlite:///{tmp_path / 'r.db'}"  # the migrations ship in the wheel
+    got = _run(bare, str(bare / "rolloutctl"), "db", "upgrade", "--db", url)
+    assert got.returncode == 0, got.stdout + got.stderr
+    got = _run(bare, str(bare / "rolloutctl"), "db", "current", "--db", url)
+    assert got.returncode == 0 and "(head)" in got.stdout, got.stdout + got.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--model", "m"],
+        ["run", "examples/quickstart.yaml"],
+        ["bench", "engine", "--preset", "tiny"],
+        ["profile", "--preset", "tiny"],
+        ["make-model", "--preset", "tiny", "--out", "m"],
+    ],
+    ids=["serve", "run", "bench-engine", "profile", "make-model"],
+)
+def test_engine_commands_name_the_extra(bare: Path, argv: list[str]) -> None:
+    got = _run(bare, str(bare / "rolloutctl"), *argv, cwd=ROOT)
+    assert "Traceback" not in got.stderr, got.stderr
+    assert got.returncode == 2, got.stdout + got.stderr
+    assert "pip install 'elastic-rollout[engine]'" in got.stderr, got.stderr
