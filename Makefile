@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 
-.PHONY: setup run test test-fast lint typecheck imports check bench-engine bench-planner bench-serve bench-peer clean
+.PHONY: setup run test crds test-fast lint typecheck imports check bench-engine bench-planner bench-serve bench-peer clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ imports: setup
 	$(BIN)/lint-imports
 
 check: lint typecheck imports
+
+# The RolloutJob CRD, generated from the job spec's pydantic model (tests/operator/api/test_crd.py: no drift).
+crds: setup
+	$(BIN)/rolloutctl crd --out crds/rolloutjob.yaml
 
 bench-engine: setup
 	$(BIN)/rolloutctl bench engine --preset tiny --ranks 2 --json build/bench-engine-tiny.json

@@ -22,7 +22,7 @@ spec:
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
@@ -107,6 +107,40 @@ class OutputSpec(_Spec):
     path: str = Field(min_length=1, description="Directory for the outputs (one JSONL per pod, a manifest).")
 
 
+IMAGE = "ghcr.io/elastic-rollout/elastic-rollout:0.1.0"
+Object = dict[str, Any]  # a Kubernetes object the CRD keeps as given (x-kubernetes-preserve-unknown-fields)
+
+
+class PodSpec(_Spec):
+    """Where and how the operator runs each pod (a cluster's concern: `rolloutctl run` ignores it)."""
+
+    image: str = Field(IMAGE, min_length=1, description="Image of the engine and sidecar containers.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    gpu_resource_name: str = Field(
+        "nvidia.com/gpu", min_length=1, description="Extended resource a pod asks gpusPerPod of."
+    )
+    resources: Object = Field(
+        default_factory=dict, description="Extra requests/limits of the engine container (cpu, memory)."
+    )
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Object] = Field(default_factory=list)
+    affinity: Object | None = None
+    priority_class_name: str | None = None
+    service_account_name: str | None = None
+    volumes: list[Object] = Field(
+        default_factory=list, description="Pod volumes holding the model, the prompts and the outputs."
+    )
+    volume_mounts: list[Object] = Field(
+        default_factory=list, description="Where both containers mount them (paths as the spec names them)."
+    )
+
+
+# Fields only the operator reads (placement and the job's lifecycle, as in Kubernetes Jobs and RayJob).
+CLUSTER_FIELDS = frozenset(
+    {"pod", "suspend", "active_deadline_seconds", "backoff_limit", "ttl_seconds_after_finished"}
+)
+
+
 class RolloutJobSpec(_Spec):
     model: ModelSpec
     engine: EngineSpec = EngineSpec()
@@ -122,6 +156,15 @@ class RolloutJobSpec(_Spec):
     sampling: SamplingSpec = SamplingSpec()
     parallelism: ParallelismSpec = ParallelismSpec()
     output: OutputSpec
+    pod: PodSpec = PodSpec()
+    suspend: bool = Field(
+        False, description="True: the pods are deleted; false again: resumed from the outputs."
+    )
+    active_deadline_seconds: int | None = Field(None, ge=1, description="Fail the job after this long.")
+    backoff_limit: int = Field(3, ge=0, le=100, description="Pod restarts before the job fails.")
+    ttl_seconds_after_finished: int | None = Field(
+        None, ge=0, description="Delete the finished job (and its pods) this long after it ends."
+    )
 
     @model_validator(mode="after")
     def _layouts(self) -> RolloutJobSpec:

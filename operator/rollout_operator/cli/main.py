@@ -29,6 +29,7 @@ app = typer.Typer(
 
 def _register_all() -> None:
     from rollout_operator.cli import (
+        crd_cmds,
         db_cmds,
         engine_cmds,
         profile_cmds,
@@ -38,7 +39,16 @@ def _register_all() -> None:
         sim_cmds,
     )
 
-    for module in (engine_cmds, serve_cmds, sidecar_cmds, run_cmds, profile_cmds, db_cmds, sim_cmds):
+    for module in (
+        engine_cmds,
+        serve_cmds,
+        sidecar_cmds,
+        run_cmds,
+        profile_cmds,
+        db_cmds,
+        sim_cmds,
+        crd_cmds,
+    ):
         module.register(app)
 
 

@@ -15,7 +15,7 @@ from rollout_worker.api.layout import Layout
 from rollout_worker.api.plan import ReconfigEvent
 from rollout_worker.sidecar.outputs import sha256_of
 
-from rollout_operator.api.job import RolloutJobSpec
+from rollout_operator.api.job import CLUSTER_FIELDS, RolloutJobSpec
 
 RUN_FILE, JOB_FILE, MANIFEST = "run.json", "job.json", "manifest.json"
 
@@ -80,8 +80,9 @@ class RunResult:
 
 
 def samples_hash(spec: RolloutJobSpec) -> str:
-    """Every field the samples depend on (not the parallelism: it changes no token, nor where they go)."""
-    fields = spec.model_dump(mode="json", by_alias=True, exclude={"parallelism", "output"})
+    """Every field the samples depend on (not the parallelism: it changes no token, nor where they go; nor
+    the cluster's fields)."""
+    fields = spec.model_dump(mode="json", by_alias=True, exclude={"parallelism", "output", *CLUSTER_FIELDS})
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 

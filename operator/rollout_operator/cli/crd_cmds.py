@@ -1,0 +1,29 @@
+"""`rolloutctl crd`: the RolloutJob CustomResourceDefinition, generated from the job spec's pydantic model
+(``crds/rolloutjob.yaml`` is its output; ``make crds`` rewrites it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    app.command("crd")(crd_cmd)
+
+
+def crd_cmd(
+    out: Annotated[Path | None, typer.Option(help="Write it here (default: standard output).")] = None,
+) -> None:
+    """Print the RolloutJob CRD (apiextensions.k8s.io/v1) as YAML."""
+    from rollout_operator.api.crd_yaml import crd_yaml
+
+    text = crd_yaml()
+    if out is None:
+        typer.echo(text, nl=False)
+        return
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(out)
+    typer.echo(f"wrote {out}")
