@@ -61,7 +61,7 @@ def test_generate_with_reconfigurations(tmp_path: Path, tiny64: Path) -> None:
         assert len(row["output_ids"]) == 6 + 3 * i
         assert row["finish_reason"] == {"type": "length", "length": 6 + 3 * i}
         assert isinstance(row["text"], str) and row["placements"][0]["layout"] == "4x1"
-    assert rows[-1]["layouts"] == ["4x1", "2x2", "1x4"]
+    assert rows[-1]["layouts"] == ["4x1", "2x2", "1x4"], r.stderr  # failed once in CI under load: see why
     assert "reconfigured at step" in r.stderr and "4x1 -> 2x2 (migrate" in r.stderr
     assert "2x2 -> 1x4 (recompute" in r.stderr and "reshard" in r.stderr and "step p50" in r.stderr
     # reported live, before the summary line
