@@ -42,8 +42,15 @@ def _side(request: Request) -> Sidecar:
     return side
 
 
-def _unreachable(exc: EngineUnreachable) -> JSONResponse:
+async def _unreachable(_: Request, exc: Exception) -> JSONResponse:
+    """Any route that needed the engine and got no answer: 503."""
     return JSONResponse(error_body(f"engine unreachable: {exc}", None, 503), status_code=503)
+
+
+async def _engine_answer(_: Request, exc: Exception) -> JSONResponse:
+    """The engine's own error answer, passed on as it is (status and body)."""
+    assert isinstance(exc, EngineAnswer)
+    return JSONResponse(exc.body, status_code=exc.status)
 
 
 api = APIRouter()
@@ -89,12 +96,7 @@ async def progress(request: Request) -> Progress:
     responses={503: _ERR},
 )
 async def state(request: Request, since_step: SinceStep = 0) -> Any:
-    try:
-        return await _side(request).state(since_step)
-    except EngineUnreachable as exc:
-        return _unreachable(exc)
-    except EngineAnswer as exc:
-        return JSONResponse(exc.body, status_code=exc.status)
+    return await _side(request).state(since_step)
 
 
 @protected.get(
@@ -104,12 +106,7 @@ async def state(request: Request, since_step: SinceStep = 0) -> Any:
     responses={503: _ERR},
 )
 async def reconfigurations(request: Request) -> Any:
-    try:
-        return await _side(request).client.call("GET", "/v1/reconfigurations")
-    except EngineUnreachable as exc:
-        return _unreachable(exc)
-    except EngineAnswer as exc:
-        return JSONResponse(exc.body, status_code=exc.status)
+    return await _side(request).client.call("GET", "/v1/reconfigurations")
 
 
 @protected.get(
@@ -129,10 +126,7 @@ async def samples(
 
 
 async def _forward(request: Request, method: str, path: str, body: Any, timeout: float) -> JSONResponse:
-    try:
-        status, answer = await _side(request).client.forward(method, path, body, timeout)
-    except EngineUnreachable as exc:
-        return _unreachable(exc)
+    status, answer = await _side(request).client.forward(method, path, body, timeout)
     return JSONResponse(answer, status_code=status)
 
 
@@ -164,6 +158,8 @@ def _app(
     for r in routers:
         app.include_router(r)
     install_error_handlers(app, validation_status=422, http_errors=True)
+    app.add_exception_handler(EngineUnreachable, _unreachable)
+    app.add_exception_handler(EngineAnswer, _engine_answer)
     app.add_middleware(ApiKey, key=side.token, open_paths=open_paths)
     app.add_middleware(BodyLimit, limit=side.settings.max_body_bytes)
     return app
