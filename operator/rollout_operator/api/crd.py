@@ -21,7 +21,6 @@ PLURAL, SINGULAR, SHORT = "rolloutjobs", "rolloutjob", "rj"
 CRD_NAME = f"{PLURAL}.{GROUP}"
 
 _KEEP = ("description", "default", "enum", "minimum", "maximum", "minLength", "maxLength", "pattern")
-_LAYOUT = "[1-9][0-9]*x[1-9][0-9]*"
 # "DxT" -> D * T, with Kubernetes' CEL strings library (split).
 _RANKS = "int({0}.split('x')[0]) * int({0}.split('x')[1])"
 _GPUS = "(has(self.gpusPerPod) ? self.gpusPerPod : 1)"
@@ -112,15 +111,8 @@ def structural(schema: dict[str, Any]) -> dict[str, Any]:
     return conv(schema)
 
 
-def _layout_patterns(spec: dict[str, Any]) -> None:
-    par = spec["properties"]["parallelism"]["properties"]
-    par["candidates"]["items"]["pattern"] = f"^{_LAYOUT}$"
-    par["initialLayout"]["pattern"] = f"^(auto|{_LAYOUT})$"
-
-
 def spec_schema() -> dict[str, Any]:
     spec = structural(RolloutJobSpec.model_json_schema(by_alias=True, mode="validation"))
-    _layout_patterns(spec)
     spec["x-kubernetes-validations"] = copy.deepcopy(SPEC_RULES)
     return spec
 

@@ -24,7 +24,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.layout import Layout
@@ -41,7 +49,10 @@ def _layout(v: str) -> str:
     return v
 
 
-LayoutStr = Annotated[str, AfterValidator(_layout)]
+LAYOUT_PATTERN = "[1-9][0-9]*x[1-9][0-9]*"  # DxT, as the CRD states it (Layout.parse checks the rest)
+LayoutStr = Annotated[
+    str, AfterValidator(_layout), WithJsonSchema({"type": "string", "pattern": f"^{LAYOUT_PATTERN}$"})
+]
 
 
 class _Spec(BaseModel):
@@ -80,7 +91,11 @@ class SamplingSpec(_Spec):
 
 
 class ParallelismSpec(_Spec):
-    initial_layout: str = Field("auto", description="`auto` (the planner picks from the profile) or DxT.")
+    initial_layout: str = Field(
+        "auto",
+        description="`auto` (the planner picks from the profile) or DxT.",
+        json_schema_extra={"pattern": f"^(auto|{LAYOUT_PATTERN})$"},
+    )
     candidates: list[LayoutStr] | None = Field(
         None, description="Layouts DxT (default: every one that fits)."
     )
