@@ -50,6 +50,7 @@ from typing import Any
 
 from rollout_worker.api.costs import KV_METHODS, CostModel
 from rollout_worker.api.errors import UserError
+from rollout_worker.api.model_config import ModelConfig
 
 SCHEMA = "elastic-rollout/profile/v1"
 METHODS = ("measured", "shard-equivalent", "modelled")
@@ -67,6 +68,21 @@ class ModelShape:
     head_dim: int
     intermediate_size: int
     vocab_size: int
+
+    @classmethod
+    def of(cls, name: str, cfg: ModelConfig) -> ModelShape:
+        """The shape of a model's config."""
+        return cls(
+            name=name,
+            architecture=cfg.architecture,
+            hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_layers,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            intermediate_size=cfg.intermediate_size,
+            vocab_size=cfg.vocab_size,
+        )
 
     @property
     def shape_hash(self) -> str:

@@ -16,7 +16,7 @@ import numpy as np
 from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.planning.planner import PlannerPolicy
 from rollout_profiler.planning.predictor import Prior
-from rollout_profiler.profile import Profile
+from rollout_profiler.profile import ModelShape, Profile
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.sidecar import Progress
 
@@ -32,7 +32,6 @@ from rollout_operator.local.setup import (
     make_model_if_missing,
     measure_profile,
     profile_file,
-    shape_of,
     stored_profile,
 )
 
@@ -102,7 +101,7 @@ def prepare(loaded: LoadedJob, opts: RunOptions, echo: Echo, model_bytes: Bytes 
         echo(f"stored profile {profile.name} ({db.store(profile)})")
     latency = LatencyModel(profile) if profile is not None else None
     layout = initial_layout(loaded, candidates, latency, len(prompts))
-    shape = shape_of(model_cfg, Path(spec.model.path).name).shape_hash
+    shape = ModelShape.of(Path(spec.model.path).name, model_cfg).shape_hash
     db.start(loaded, shape)
     for _, d in runs:
         res.claim(d, spec, loaded.job.metadata.name)

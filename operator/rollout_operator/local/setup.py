@@ -88,20 +88,6 @@ def candidate_layouts(loaded: LoadedJob, model: ModelConfig) -> list[Layout]:
     return sorted(set(out), key=lambda x: x.tp)
 
 
-def shape_of(model: ModelConfig, name: str) -> ModelShape:
-    return ModelShape(
-        name,
-        model.architecture,
-        model.hidden_size,
-        model.num_layers,
-        model.num_heads,
-        model.num_kv_heads,
-        model.head_dim,
-        model.intermediate_size,
-        model.vocab_size,
-    )
-
-
 def profile_file(loaded: LoadedJob, model: ModelConfig) -> Profile | None:
     """The profile the job names as a JSON file (checked against the model), or None."""
     spec, where = loaded.job.spec, ("spec", "parallelism", "profile")
@@ -125,7 +111,7 @@ def stored_profile(loaded: LoadedJob, model: ModelConfig, session: Any) -> Profi
     spec = loaded.job.spec
     name = spec.parallelism.profile
     if name is None:
-        shape = shape_of(model, Path(spec.model.path).name)
+        shape = ModelShape.of(Path(spec.model.path).name, model)
         found = repo.find_profile(
             session, shape.shape_hash, spec.engine.device, spec.gpus_per_pod, spec.model.dtype
         )
@@ -155,7 +141,7 @@ def measure_profile(
 
 def _same_shape(loaded: LoadedJob, model: ModelConfig, prof: Profile) -> Profile:
     spec = loaded.job.spec
-    if prof.model.shape_hash != shape_of(model, Path(spec.model.path).name).shape_hash:
+    if prof.model.shape_hash != ModelShape.of(Path(spec.model.path).name, model).shape_hash:
         raise loaded.error(
             ("spec", "parallelism", "profile"),
             f"profile {prof.name} is of another model shape than {spec.model.path}",

@@ -42,20 +42,6 @@ H100_ALLREDUCE_US = [(1024, 5.0), (32768, 8.0), (1 << 20, 27.0), (16 << 20, 27.0
 H100_LINK_BYTES_PER_MS = 450e6 * 0.5  # NVLink 450 GB/s per direction at ~50% efficiency for KV transfers
 
 
-def model_shape(name: str, cfg: ModelConfig) -> ModelShape:
-    return ModelShape(
-        name=name,
-        architecture=cfg.architecture,
-        hidden_size=cfg.hidden_size,
-        num_layers=cfg.num_layers,
-        num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        intermediate_size=cfg.intermediate_size,
-        vocab_size=cfg.vocab_size,
-    )
-
-
 def _engine(
     model_dir: Path,
     cfg: ModelConfig,
@@ -177,7 +163,7 @@ def _profile(
 ) -> Profile:
     return Profile(
         name=name,
-        model=model_shape(model_name, cfg),
+        model=ModelShape.of(model_name, cfg),
         engine=f"elastic-rollout {__version__}",
         device_kind=device,
         device_count=count,
