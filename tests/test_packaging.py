@@ -5,6 +5,7 @@ the engine says which extra to install instead of failing in a rank process."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import venv
 from pathlib import Path
@@ -26,12 +27,21 @@ print("imports ok")
 
 @pytest.fixture(scope="module")
 def bare(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fresh venv with the project installed from a wheel, no extras."""
-    where = tmp_path_factory.mktemp("bare") / "venv"
+    """A fresh venv with the project installed from a wheel, no extras. The wheel is built from a copy of
+    the sources, so the build leaves nothing in the checkout (setuptools' build/ would otherwise keep stale
+    modules for later builds)."""
+    tmp = tmp_path_factory.mktemp("bare")
+    src, where = tmp / "src", tmp / "venv"
+    skip = shutil.ignore_patterns("__pycache__", "*.egg-info", "build")
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, src / name)
+    for name in ("worker", "profiler", "operator"):
+        shutil.copytree(ROOT / name, src / name, ignore=skip)
     venv.EnvBuilder(with_pip=True).create(where)
     env = os.environ | {"PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     got = subprocess.run(
-        [str(where / "bin" / "pip"), "install", "-q", str(ROOT)],
+        [str(where / "bin" / "pip"), "install", "-q", str(src)],
         capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
     assert got.returncode == 0, got.stdout + got.stderr
