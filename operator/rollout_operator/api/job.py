@@ -22,6 +22,8 @@ spec:
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -238,3 +240,10 @@ class FieldAt(ValueError):
 
 def _at(path: tuple[str | int, ...], message: str) -> FieldAt:
     return FieldAt(path, message)
+
+
+def samples_hash(spec: RolloutJobSpec) -> str:
+    """Every field the samples depend on (not the parallelism: it changes no token, nor where they go; nor
+    the cluster's fields)."""
+    fields = spec.model_dump(mode="json", by_alias=True, exclude={"parallelism", "output", *CLUSTER_FIELDS})
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]

@@ -66,6 +66,11 @@ def _error_path(err: Any) -> Path_:
     return loc
 
 
+def field_errors(exc: ValidationError, limit: int = 10) -> list[tuple[Path_, str]]:
+    """Each error of a validation as (the field's path, the message), cross-field rules at their field."""
+    return [(_error_path(err), str(err["msg"]).removeprefix("Value error, ")) for err in exc.errors()[:limit]]
+
+
 def parse_job(text: str, file: str = "job.yaml") -> LoadedJob:
     try:
         node = yaml.compose(text)
@@ -82,11 +87,7 @@ def parse_job(text: str, file: str = "job.yaml") -> LoadedJob:
     try:
         job = RolloutJob.model_validate(data)
     except ValidationError as exc:
-        msgs = []
-        for err in exc.errors()[:10]:
-            path = _error_path(err)
-            msg = str(err["msg"]).removeprefix("Value error, ")
-            msgs.append(f"{_where(file, lines, path)}: {dotted(path)}: {msg}")
+        msgs = [f"{_where(file, lines, path)}: {dotted(path)}: {msg}" for path, msg in field_errors(exc)]
         raise UserError("\n".join(msgs)) from None
     return LoadedJob(job, file, lines)
 

@@ -37,8 +37,18 @@ class PodProgress(_Status):
     samples_total: int = Field(0, ge=0)
     running: int = Field(0, ge=0)
     waiting: int = Field(0, ge=0)
-    restarts: int = Field(0, ge=0)
+    restarts: int = Field(0, ge=0, description="Times this pod failed and was made again.")
     ready: bool = False
+    reachable: bool = Field(False, description="Its sidecar answered the last poll.")
+    ip: str | None = None
+    uid: str | None = Field(None, description="The pod object these figures are of.")
+    reconfigurations: int = Field(
+        0, ge=0, description="Switches the pod's engine made (the operator has recorded each)."
+    )
+    tokens: int = Field(0, ge=0, description="Tokens of the requests the pod's engine finished.")
+    step: int = Field(0, ge=0, description="The engine's step at the last poll.")
+    last_failed_uid: str | None = Field(None, description="The last failed pod counted in restarts.")
+    last_failure: str | None = None
 
 
 class DecisionRecord(_Status):
@@ -63,7 +73,7 @@ class RolloutJobStatus(_Status):
     progress: str | None = Field(None, description="samples done / total, for the printer column.")
     samples_done: int = Field(0, ge=0)
     samples_total: int = Field(0, ge=0)
-    tokens: int = Field(0, ge=0)
+    tokens: int = Field(0, ge=0, description="Tokens of the finished requests, every pod.")
     reconfigurations: int = Field(0, ge=0)
     last_decisions: list[DecisionRecord] = Field(
         default_factory=list, description=f"The last {LAST_DECISIONS} decisions, newest last."
@@ -73,3 +83,7 @@ class RolloutJobStatus(_Status):
     generation_seconds: float | None = None
     output: str | None = Field(None, description="Where the samples are.")
     message: str | None = Field(None, description="Why the job failed or was refused.")
+    layout_plan: str | None = Field(
+        None, description="The layouts the pods start at and may switch to: `2x1 (2x1,1x2)`."
+    )
+    record_id: int | None = Field(None, description="The job's row in the operator's database.")

@@ -32,6 +32,7 @@ def _register_all() -> None:
         crd_cmds,
         db_cmds,
         engine_cmds,
+        operator_cmds,
         profile_cmds,
         run_cmds,
         serve_cmds,
@@ -48,6 +49,7 @@ def _register_all() -> None:
         db_cmds,
         sim_cmds,
         crd_cmds,
+        operator_cmds,
     ):
         module.register(app)
 

@@ -54,7 +54,8 @@ def serve_cmd(
         Path | None,
         typer.Option(
             help="Switch-cost model: a profile JSON (its `costs`) or the costs alone, so the engine prices "
-            "and picks a switch's KV method as the planner does (default: built-in priors)."
+            "and picks a switch's KV method as the planner does (or $ROLLOUT_COSTS_JSON, the same JSON "
+            "inline; default: built-in priors)."
         ),
     ] = None,
 ) -> None:
@@ -68,8 +69,9 @@ def serve_cmd(
     cfg = engine_config(
         model, ranks, layout, candidates, dtype, device, max_batch, kv_budget, timeout, context_length
     )
-    if costs is not None:
-        cfg = replace(cfg, costs=_cost_model(costs))
+    cost_model = _cost_model(costs)
+    if cost_model is not None:
+        cfg = replace(cfg, costs=cost_model)
     if weights_root is not None and not weights_root.is_dir():
         raise UserError(f"{weights_root} is not a directory", "--weights-root")
     settings = ServerSettings(
@@ -95,27 +97,39 @@ def serve_cmd(
     sys.exit(code)
 
 
-def _cost_model(path: Path) -> Any:
+COSTS_ENV = "ROLLOUT_COSTS_JSON"  # the cost model inline (what the operator's pods get; no file to mount)
+
+
+def _cost_model(path: Path | None) -> Any:
+    """The switch-cost model from ``--costs`` (a file), else from ``$ROLLOUT_COSTS_JSON``, else None."""
+    if path is not None:
+        try:
+            return _parse_costs(path.read_text(), str(path), "--costs")
+        except OSError as exc:
+            raise UserError(f"cannot read {path}: {exc.strerror}", "--costs") from None
+    text = os.environ.get(COSTS_ENV)
+    return _parse_costs(text, COSTS_ENV, COSTS_ENV) if text else None
+
+
+def _parse_costs(text: str, source: str, name: str) -> Any:
     import json
 
     from rollout_worker.api.costs import CostModel
 
     try:
-        doc = json.loads(path.read_text())
-    except OSError as exc:
-        raise UserError(f"cannot read {path}: {exc.strerror}", "--costs") from None
+        doc = json.loads(text)
     except ValueError as exc:
-        raise UserError(f"{path} is not JSON: {exc}", "--costs") from None
+        raise UserError(f"{source} is not JSON: {exc}", name) from None
     body = doc.get("costs", doc) if isinstance(doc, dict) else doc
     if not isinstance(body, dict):
-        raise UserError(f"{path}: expected an object of cost rates", "--costs")
+        raise UserError(f"{source}: expected an object of cost rates", name)
     for key, value in body.items():
         if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-            raise UserError(f"{path}: costs.{key} must be a number >= 0, got {value!r}", "--costs")
+            raise UserError(f"{source}: costs.{key} must be a number >= 0, got {value!r}", name)
     try:
         return CostModel(**body)
     except TypeError as exc:
-        raise UserError(f"{path}: not a cost model ({exc})", "--costs") from None
+        raise UserError(f"{source}: not a cost model ({exc})", name) from None
 
 
 def _api_key(path: Path | None) -> str | None:

@@ -20,6 +20,7 @@ from rollout_profiler.profile import ModelShape, Profile
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.sidecar import Progress
 
+from rollout_operator.api.job import samples_hash
 from rollout_operator.api.manifest import LoadedJob
 from rollout_operator.local import result as res
 from rollout_operator.local.result import RunResult
@@ -173,7 +174,7 @@ class _Database:
                 session,
                 name=loaded.job.metadata.name,
                 namespace="local",
-                spec_hash=res.samples_hash(loaded.job.spec),
+                spec_hash=samples_hash(loaded.job.spec),
                 model_shape_hash=shape,
             )
         if len(earlier) >= 20:

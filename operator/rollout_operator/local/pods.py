@@ -10,6 +10,7 @@ from rollout_worker.api.layout import Layout
 from rollout_worker.sidecar.settings import settings_env
 
 from rollout_operator.api.job import RolloutJobSpec
+from rollout_operator.control.podspec import engine_args, sidecar_fields
 
 
 @dataclass(frozen=True)
@@ -51,36 +52,15 @@ def build_pods(
     engine_key, token = secrets / "engine-key", secrets / "sidecar-token"
     for i in range(spec.pods):
         ep, api, admin = ports[3 * i : 3 * i + 3]
-        eng = spec.engine
-        args = [
-            "--model", spec.model.path, "--ranks", str(spec.gpus_per_pod), "--layout", str(layout),
-            "--candidates", ",".join(map(str, candidates)), "--port", str(ep), "--dtype", spec.model.dtype,
-            "--device", eng.device, "--max-batch", str(eng.max_batch), "--api-key-file", str(engine_key),
-        ]  # fmt: skip
-        if eng.kv_budget_tokens is not None:
-            args += ["--kv-budget", str(eng.kv_budget_tokens)]
+        args = [*engine_args(spec, layout, candidates), "--port", str(ep), "--api-key-file", str(engine_key)]
         if costs is not None:
             args += ["--costs", str(costs)]
-        s, prompts = spec.sampling, spec.prompts
+        fields = sidecar_fields(spec, i) | {"output_dir": out_dir if spec.mode == "job" else None}
         env = settings_env(
+            **fields,
             engine_url=f"http://127.0.0.1:{ep}",
             engine_key_file=engine_key,
             token_file=token,
-            mode=spec.mode,
-            prompts_path=prompts.path if prompts else None,
-            prompts_limit=prompts.limit if prompts else None,
-            model_dir=spec.model.path,
-            pod_index=i,
-            pods=spec.pods,
-            samples_per_prompt=spec.samples_per_prompt,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            max_new_tokens=s.max_new_tokens,
-            seed=s.seed,
-            stop=list(s.stop),
-            ignore_eos=s.ignore_eos,
-            output_dir=out_dir if spec.mode == "job" else None,
             host="127.0.0.1",
             port=api,
             admin_port=admin,

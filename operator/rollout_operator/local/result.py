@@ -4,7 +4,6 @@ only (``job.json``: the hash of every spec field the samples depend on)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -15,7 +14,7 @@ from rollout_worker.api.layout import Layout
 from rollout_worker.api.plan import ReconfigEvent
 from rollout_worker.sidecar.outputs import sha256_of
 
-from rollout_operator.api.job import CLUSTER_FIELDS, RolloutJobSpec
+from rollout_operator.api.job import RolloutJobSpec, samples_hash
 
 RUN_FILE, JOB_FILE, MANIFEST = "run.json", "job.json", "manifest.json"
 
@@ -77,13 +76,6 @@ class RunResult:
             int(d.get("resumed", 0)),
             reused=True,
         )
-
-
-def samples_hash(spec: RolloutJobSpec) -> str:
-    """Every field the samples depend on (not the parallelism: it changes no token, nor where they go; nor
-    the cluster's fields)."""
-    fields = spec.model_dump(mode="json", by_alias=True, exclude={"parallelism", "output", *CLUSTER_FIELDS})
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def check_claim(out_dir: Path, spec: RolloutJobSpec, job_name: str) -> None:

@@ -1,0 +1,47 @@
+"""What every pod of a job runs, whoever starts it (``rolloutctl run``'s local processes or the operator's
+Kubernetes pods): the engine server's arguments and the sidecar's settings that follow from the job spec.
+Pure; the caller adds where things listen and where the secrets are."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollout_worker.api.layout import Layout
+
+from rollout_operator.api.job import RolloutJobSpec
+
+
+def engine_args(spec: RolloutJobSpec, layout: Layout, candidates: list[Layout]) -> list[str]:
+    """``rolloutctl serve``'s arguments for the job's model, ranks, layouts and engine settings."""
+    eng = spec.engine
+    args = [
+        "--model", spec.model.path, "--ranks", str(spec.gpus_per_pod), "--layout", str(layout),
+        "--candidates", ",".join(map(str, candidates)), "--dtype", spec.model.dtype,
+        "--device", eng.device, "--max-batch", str(eng.max_batch),
+    ]  # fmt: skip
+    if eng.kv_budget_tokens is not None:
+        args += ["--kv-budget", str(eng.kv_budget_tokens)]
+    return args
+
+
+def sidecar_fields(spec: RolloutJobSpec, index: int) -> dict[str, Any]:
+    """The sidecar settings (``SidecarFields``) the job decides for pod ``index``: its mode, shard and
+    sampling. Output and listening addresses are the caller's."""
+    s, prompts = spec.sampling, spec.prompts
+    return {
+        "mode": spec.mode,
+        "prompts_path": prompts.path if prompts else None,
+        "prompts_limit": prompts.limit if prompts else None,
+        "model_dir": spec.model.path,
+        "pod_index": index,
+        "pods": spec.pods,
+        "samples_per_prompt": spec.samples_per_prompt,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k,
+        "max_new_tokens": s.max_new_tokens,
+        "seed": s.seed,
+        "stop": list(s.stop),
+        "ignore_eos": s.ignore_eos,
+        "output_dir": spec.output.path if spec.mode == "job" else None,
+    }
