@@ -124,7 +124,7 @@ class OutputSpec(_Spec):
     path: str = Field(min_length=1, description="Directory for the outputs (one JSONL per pod, a manifest).")
 
 
-IMAGE = "ghcr.io/elastic-rollout/elastic-rollout:0.1.0"
+IMAGE = "ghcr.io/elastic-rollout/elastic-rollout-engine:0.1.0"  # the Dockerfile's engine target
 Object = dict[str, Any]  # a Kubernetes object the CRD keeps as given (x-kubernetes-preserve-unknown-fields)
 
 

@@ -36,6 +36,8 @@ def operator_cmd(
     if namespace:
         settings = settings.model_copy(update={"namespaces": [*settings.namespaces, *namespace]})
     logging.getLogger().setLevel(settings.log_level)
+    if settings.log_level != "DEBUG":  # kopf logs every timer run at INFO: one line per job per tick
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     from rollout_operator.kube.main import run
 
     asyncio.run(run(settings))

@@ -235,6 +235,7 @@ def reconcile(obs: Observed) -> Actions:
     # a pod still being deleted (not ours to count) is made again once it is gone
     acts.create = [i for i in range(spec.pods) if i not in obs.pods or obs.pods[i].name in gone]
 
+    _degraded(acts, obs)  # before the end: a sidecar back in the last tick is a recovery all the same
     answered = obs.progress.values()
     done = spec.mode == "job" and len(answered) == spec.pods and all(p.done for p in answered)
     if done:
@@ -258,7 +259,6 @@ def reconcile(obs: Observed) -> Actions:
     set_condition(st, "Progressing", True, "Generating" if running else "CreatingPods", "", now, gen)
     switching = obs.reconfiguring
     set_condition(st, "Reconfiguring", switching, "PlanPushed" if switching else "Idle", "", now, gen)
-    _degraded(acts, obs)
     return acts
 
 

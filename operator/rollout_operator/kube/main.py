@@ -39,6 +39,11 @@ def registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     reg = kopf.OperatorRegistry()
     state: dict[str, handlers.Context] = {}
 
+    @kopf.on.login(registry=reg)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        """The pod's service account in a cluster, else $KUBECONFIG (kopf's own readers, no client)."""
+        return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
     @kopf.on.startup(registry=reg)
     async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         # kopf's own bookkeeping in annotations under our group: the status is ours alone

@@ -146,3 +146,23 @@ def test_the_secret_and_the_headless_service() -> None:
     svc = build_service(JOB)
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["selector"] == k.job_labels("rl")
     assert {p["port"] for p in svc["spec"]["ports"]} == {k.ENGINE_PORT, k.SIDECAR_PORT, k.ADMIN_PORT}
+
+
+CLUSTER_EXAMPLES = sorted((Path(__file__).parents[3] / "examples" / "cluster").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CLUSTER_EXAMPLES, ids=[p.name for p in CLUSTER_EXAMPLES])
+def test_the_cluster_examples_pass_every_check_with_the_shipped_profiles(path: Path, tmp_path: Path) -> None:
+    from rollout_operator.api.manifest import load_job
+    from rollout_operator.kube.profiles import find_profile
+    from rollout_profiler.store.engine import make_engine
+
+    job = load_job(path).job
+    profiles = Path(__file__).parents[3] / "profiles"
+    prof = find_profile(job.spec.parallelism.profile, profiles, make_engine(f"sqlite:///{tmp_path / 'db'}"))
+    assert isinstance(prof, Profile), prof
+    assert check_cluster_fields(job.metadata.name, job.spec) is None
+    plan = plan_pods(job.spec, prof)
+    assert isinstance(plan, PodPlan), plan
+    pod = build_pod(JobRef(job.metadata.name, "ns", "u", job.metadata.labels), job.spec, 0, plan)
+    assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == str(job.spec.gpus_per_pod)

@@ -153,3 +153,11 @@ def test_pod_view_reads_phase_address_readiness_and_why_a_container_failed() -> 
     assert v is not None and (v.index, v.phase, v.ip, v.ready) == (3, "Failed", "10.0.0.7", False)
     assert "container sidecar exited with code 1" in v.message
     assert pod_view({"metadata": {"name": "other"}}) is None
+
+
+def test_a_sidecar_back_in_the_last_tick_is_a_recovery_even_as_the_job_succeeds() -> None:
+    st = reconcile(_obs(_started(), [_pod(0), _pod(1)], [_progress(0, 1)], away={1: 12.0})).status
+    assert condition(st, "Degraded")
+    end = reconcile(_obs(st, [_pod(0), _pod(1)], [_progress(0, 4), _progress(1, 4)]))
+    assert end.finished == "succeeded" and not condition(end.status, "Degraded")
+    assert [e.reason for e in end.events] == ["Recovered", "Completed"]

@@ -1,0 +1,81 @@
+"""Jobs the schema accepts but the operator cannot run are refused by the operator: phase Failed, a Failed
+condition (reason InvalidSpec) naming the field, a Warning Event, and nothing made for them (no Secret, no
+Service, no pod). And two operators with kopf peering: only the one with the higher priority acts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kubernetes.client.exceptions import ApiException
+
+from tests.operator.kube.conftest import NS, Cluster, wait_for
+from tests.operator.local.jobs import job_doc
+
+REFUSED: list[tuple[str, dict[str, Any], str]] = [
+    ("no-profile", {"parallelism": {"profile": None}}, "spec.parallelism.profile"),
+    ("unknown-profile", {"parallelism": {"profile": "nope.json"}}, "spec.parallelism.profile"),
+    ("wrong-devices", {"gpusPerPod": 4, "parallelism": {"initialLayout": "4x1"}}, "spec.parallelism.profile"),
+    (
+        "no-volume",
+        {"pod": {"volumeMounts": [{"name": "data", "mountPath": "/data"}]}},
+        "spec.pod.volumeMounts[0].name",
+    ),
+    ("gpu-by-hand", {"pod": {"resources": {"limits": {"nvidia.com/gpu": "1"}}}}, "spec.pod.resources.limits"),
+    ("bad-resources", {"pod": {"resources": {"claims": {"a": "b"}}}}, "spec.pod.resources.claims"),
+    ("x" * 62, {"pods": 10}, "metadata.name"),
+]
+
+
+def _doc(name: str, tmp: Path, **spec: Any) -> dict[str, Any]:
+    doc = job_doc(tmp / "model", tmp / "p.jsonl", tmp / "out", **spec)
+    doc["metadata"] = {"name": name}
+    return doc
+
+
+def _refused(c: Cluster, name: str) -> dict[str, Any]:
+    st = c.status(name)
+    failed = [x for x in st.get("conditions") or [] if x["type"] == "Failed" and x["status"] == "True"]
+    return failed[0] if st.get("phase") == "Failed" and failed else {}
+
+
+def _absent(read: Any, *args: str) -> bool:
+    try:
+        read(*args)
+    except ApiException as exc:
+        return exc.status == 404
+    return False
+
+
+def test_jobs_the_operator_cannot_run_are_refused_naming_the_field(cluster: Cluster, tmp_path: Path) -> None:
+    op = cluster.start_operator()
+    for name, spec, _ in REFUSED:
+        cluster.create_job(_doc(name, tmp_path, **spec))
+    for name, _, field in REFUSED:
+        wait_for(lambda n=name: bool(_refused(cluster, n)), f"{name} refused", 30, cluster.explain(name))
+        cond = _refused(cluster, name)
+        assert cond["reason"] == "InvalidSpec" and cond["message"].startswith(f"{field}:"), (name, cond)
+        events = cluster.events(name)
+        assert any(r == "InvalidSpec" and m.startswith(field) for r, m in events), (name, events)
+        assert _absent(cluster.core.read_namespaced_secret, f"{name}-token", NS), name
+        assert _absent(cluster.core.read_namespaced_service, name, NS), name
+        assert not cluster.pods(name), name
+    assert op.metric("rollout_operator_jobs_refused_total") == len(REFUSED)
+    assert op.metric("rollout_operator_pods_created_total") == 0
+
+
+def test_two_operators_with_peering_only_the_higher_priority_one_acts(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    peering = {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "elastic-rollout"}}
+    cluster.custom.create_namespaced_custom_object("kopf.dev", "v1", NS, "kopfpeerings", peering)
+    high = cluster.start_operator("high", peering="elastic-rollout", priority="100")
+    low = cluster.start_operator("low", peering="elastic-rollout", priority="10")
+    names = [f"peer-{i}" for i in range(3)]
+    for name in names:
+        cluster.create_job(_doc(name, tmp_path, parallelism={"profile": None}))
+    for name in names:
+        wait_for(lambda n=name: bool(_refused(cluster, n)), f"{name} refused", 60, cluster.explain(name))
+    assert high.metric("rollout_operator_jobs_refused_total") == len(names)
+    assert low.metric("rollout_operator_jobs_refused_total") == 0
+    assert low.metric("rollout_operator_tick_seconds_count") == 0  # paused: not even its timers run
