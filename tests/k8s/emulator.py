@@ -39,6 +39,8 @@ class Emulator(kmock.KubernetesEmulator):
 
     crds: list[dict[str, Any]] = attrs.field(factory=list)
     store: Store = attrs.field(factory=Store, init=False)
+    # every API request as (user agent, verb, group, resource[/subresource]), as RBAC would judge it
+    audit: list[tuple[str, str, str, str]] = attrs.field(factory=list, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -78,6 +80,7 @@ class Emulator(kmock.KubernetesEmulator):
                 route = self._route(path)
                 if route is None:
                     return _json(discovery.serve(self.store.resources.values(), path, raw.host))
+                self.audit.append(_audited(raw, route))
                 if raw.method == "GET" and raw.query.get("watch") in ("true", "1"):
                     return await self._watch(raw, route)
                 body = await _body(raw)
@@ -213,6 +216,20 @@ class Emulator(kmock.KubernetesEmulator):
 
 def _matches(q: Any, obj: dict[str, Any]) -> bool:
     return label_selector(q.get("labelSelector"))(obj) and field_selector(q.get("fieldSelector"))(obj)
+
+
+def _audited(raw: aiohttp.web.BaseRequest, r: Route) -> tuple[str, str, str, str]:
+    """The request as RBAC sees it: the verb (get, list, watch, create, update, patch, delete,
+    deletecollection) on group and resource (``pods``, ``rolloutjobs/status``)."""
+    if raw.method == "GET":
+        verb = "watch" if raw.query.get("watch") in ("true", "1") else ("get" if r.name else "list")
+    else:
+        verbs = {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}
+        verb = verbs.get(raw.method, raw.method.lower())
+        if verb == "delete" and r.name is None:
+            verb = "deletecollection"
+    resource = f"{r.res.plural}/{r.sub}" if r.sub else r.res.plural
+    return raw.headers.get("User-Agent", ""), verb, r.res.group, resource
 
 
 def _json(data: Any, status: int = 200) -> aiohttp.web.Response:

@@ -16,6 +16,7 @@ from rollout_operator.api import cluster as k
 
 log = logging.getLogger(__name__)
 Manifest = dict[str, Any]
+USER_AGENT = "elastic-rollout-operator"
 
 
 async def connect() -> client.ApiClient:
@@ -24,7 +25,9 @@ async def connect() -> client.ApiClient:
         config.load_incluster_config()
     except config.ConfigException:
         await config.load_kube_config()
-    return client.ApiClient()
+    api = client.ApiClient()
+    api.user_agent = USER_AGENT
+    return api
 
 
 class Kube:

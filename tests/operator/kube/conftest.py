@@ -18,11 +18,13 @@ import httpx
 import pytest
 from kubernetes import client
 from rollout_operator.api import cluster as k
+from rollout_operator.cluster import rbac
 from rollout_worker.server.process import free_port
 
 from tests.k8s.fixtures import emulator, k8s_api, kubelet  # noqa: F401  (fixtures)
 
 NS = "default"
+OPERATOR_AGENTS = ("kopf/", "elastic-rollout-operator")  # kopf's requests and the operator's own
 
 
 @dataclass
@@ -108,6 +110,10 @@ class Cluster:
         got: dict[str, Any] = self.custom.get_namespaced_custom_object(k.GROUP, k.VERSION, NS, k.PLURAL, name)
         return got
 
+    def jobs(self) -> list[dict[str, Any]]:
+        got = self.custom.list_namespaced_custom_object(k.GROUP, k.VERSION, NS, k.PLURAL)
+        return list(got["items"])
+
     def patch_job(self, name: str, body: dict[str, Any]) -> None:
         self.custom.patch_namespaced_custom_object(k.GROUP, k.VERSION, NS, k.PLURAL, name, body)
 
@@ -186,3 +192,8 @@ def cluster(emulator: Any, k8s_api: Any, kubelet: Any, tmp_path: Path) -> Iterat
     finally:
         for op in c.operators:
             op.stop()
+    # least privilege, as the operator used it: each of its requests is one the chart's RBAC grants
+    rules = rbac.NAMESPACED + rbac.CLUSTER + rbac.PEERING
+    used = {(g, r, v) for ua, v, g, r in emulator.emulator.audit if ua.startswith(OPERATOR_AGENTS)}
+    denied = sorted(x for x in used if not rbac.allows(rules, *x))
+    assert used and not denied, f"requests the operator's RBAC does not grant: {denied}"

@@ -97,7 +97,9 @@ def test_a_pod_failing_repeatedly_fails_the_job_after_the_backoff_limit(
 ) -> None:
     cluster.start_operator()
     missing = tmp_path / "no-such-model"
-    doc = e2e_doc(missing, prompts, tmp_path / "out", "broken", pods=1, backoffLimit=1)
+    doc = e2e_doc(
+        missing, prompts, tmp_path / "out", "broken", pods=1, backoffLimit=1, ttlSecondsAfterFinished=4
+    )
     doc["spec"]["parallelism"] = {"policy": "static", "initialLayout": "2x1"}
     cluster.create_job(doc)
     st = cluster.wait_phase("broken", "Failed", 120)
@@ -109,3 +111,5 @@ def test_a_pod_failing_repeatedly_fails_the_job_after_the_backoff_limit(
     assert reasons.count("PodFailed") == 1 and "Failed" in reasons, reasons
     with Session(db_engine.make_engine(cluster.db_url)) as session:
         assert runs.get_job(session, st["recordId"]).outcome == "failed"
+    gone = lambda: not any(j["metadata"]["name"] == "broken" for j in cluster.jobs())  # noqa: E731
+    wait_for(gone, "the job deleted after ttlSecondsAfterFinished", 30, why)
