@@ -78,3 +78,12 @@ def test_the_main_job_runs_as_written(tmp_path: Path) -> None:
     assert decisions and all(d.inputs is not None for d in decisions)
     assert all(d.predicted_gain_ms > d.predicted_cost_ms * 1.1 for d in decisions)  # the profile says it pays
     assert (tmp_path / "build/quickstart/timeline.png").stat().st_size > 10_000
+
+
+def test_the_readme_lists_every_operator_setting_with_its_default() -> None:
+    from rollout_operator.cluster.settings import describe
+
+    text = (ROOT / "README.md").read_text()
+    for name, default, _ in describe():
+        row = f"| `{name}` | {('`' + default + '`') if default else '-'} |"
+        assert row in text, f"README: no row for {name} (default {default!r})"

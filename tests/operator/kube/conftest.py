@@ -154,7 +154,7 @@ class Cluster:
 
     def kubelet_logs(self) -> str:
         out = []
-        for f in sorted((self.tmp / "pods").rglob("*.log")):
+        for f in sorted((self.tmp / "kubelet-logs").rglob("*.log")):
             out.append(f"--- {f.relative_to(self.tmp)}\n{f.read_text()[-1500:]}")
         return "\n".join(out)
 
@@ -183,7 +183,6 @@ def wait_for(
 @pytest.fixture
 def cluster(emulator: Any, k8s_api: Any, kubelet: Any, tmp_path: Path) -> Iterator[Cluster]:  # noqa: F811
     """The emulator with the kubelet, a database, and the operators this test starts (stopped after it)."""
-    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     c = Cluster(
         k8s_api, Path(os.environ["KUBECONFIG"]), f"sqlite:///{tmp_path / 'operator.db'}", tmp_path, kubelet
     )
