@@ -6,6 +6,9 @@ happened, and the database (PostgreSQL, as on a cluster) holds the job and its d
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -78,6 +81,17 @@ def test_a_job_runs_to_succeeded_and_the_planner_switches_honestly(
         if d["predictedGainMs"] > 0:
             assert d["predictedGainMs"] > d["predictedCostMs"] * 1.1, d
         assert d["toLayout"] == "1x2" and d["step"] is not None, d
+
+    # kubectl shows the operator's status in the CRD's printer columns
+    kubectl = Path(sys.executable).parent / "kubectl"
+    env = os.environ | {"KUBECACHEDIR": str(tmp_path / "kube-cache")}
+    got = subprocess.run(
+        [str(kubectl), "get", "rj", "e2e"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert got.returncode == 0, got.stderr
+    header, row = got.stdout.splitlines()
+    assert header.split() == ["NAME", "PHASE", "PROGRESS", "LAYOUT", "RECONFIGS", "AGE"]
+    assert row.split()[:5] == ["e2e", "Succeeded", f"{n}/{n}", st["layout"], str(st["reconfigurations"])], row
 
     # the Events
     reasons = [r for r, _ in cluster.events("e2e")]
