@@ -4,12 +4,13 @@ chart's Deployment sets them from values.yaml; ``rolloutctl operator --help`` li
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from rollout_worker.api.env_settings import describe as describe_settings
+from rollout_worker.api.env_settings import refuse_unknown
 from rollout_worker.api.errors import UserError
 
 ENV_PREFIX = "ROLLOUT_OPERATOR_"
@@ -60,10 +61,7 @@ class OperatorSettings(BaseSettings):
 def load_settings() -> OperatorSettings:
     """The settings from the environment; errors name the variable. An unknown ``ROLLOUT_OPERATOR_*``
     variable (a typo) is refused, not ignored."""
-    known = {ENV_PREFIX + f.upper() for f in OperatorSettings.model_fields}
-    for var in sorted(os.environ):
-        if var.upper().startswith(ENV_PREFIX) and var.upper() not in known:
-            raise UserError("unknown setting (see `rolloutctl operator --help`)", var)
+    refuse_unknown(ENV_PREFIX, OperatorSettings, "rolloutctl operator")
     try:
         return OperatorSettings()
     except ValidationError as exc:
@@ -74,9 +72,5 @@ def load_settings() -> OperatorSettings:
 
 
 def describe() -> list[tuple[str, str, str]]:
-    """(variable, default, description) of every setting, for ``--help`` and the chart's documentation."""
-    out = []
-    for name, info in OperatorSettings.model_fields.items():
-        default = "[]" if info.default_factory is not None else ("" if info.default is None else info.default)
-        out.append((ENV_PREFIX + name.upper(), str(default), info.description or ""))
-    return out
+    """(variable, default, description) of every setting, for ``--list-settings`` and the README."""
+    return describe_settings(ENV_PREFIX, OperatorSettings)

@@ -21,6 +21,8 @@ from rollout_operator.api.crd import PLURAL, SHORT, SPEC_RULES, build_crd
 from rollout_operator.api.crd_yaml import crd_yaml
 from rollout_operator.api.job import RolloutJob
 
+from tests.k8s.schema import draft7
+
 ROOT = Path(__file__).parents[3]
 SCHEMA = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -70,23 +72,7 @@ def test_the_schema_is_structural() -> None:
     }
 
 
-def _draft7(node: Any) -> Any:
-    """OpenAPI 3.0 -> JSON Schema draft 7, as the API server reads it: nullable, boolean exclusiveMinimum."""
-    if isinstance(node, list):
-        return [_draft7(x) for x in node]
-    if not isinstance(node, dict):
-        return node
-    out = {k: _draft7(v) for k, v in node.items() if not k.startswith("x-kubernetes") and k != "nullable"}
-    if out.get("exclusiveMinimum") is True:
-        out["exclusiveMinimum"] = out.pop("minimum")
-    if node.get("nullable") and "type" in out:
-        out["type"] = [out["type"], "null"]
-    if "properties" in out and not node.get("x-kubernetes-preserve-unknown-fields"):
-        out["additionalProperties"] = False  # unknown fields: pruned by the server, refused here
-    return out
-
-
-VALIDATOR = jsonschema.Draft7Validator(_draft7(SCHEMA))
+VALIDATOR = jsonschema.Draft7Validator(draft7(SCHEMA))
 
 
 def _errors(doc: dict[str, Any]) -> list[str]:

@@ -9,7 +9,6 @@ Lists (``stop``) are JSON in the environment: ``ROLLOUT_SIDECAR_STOP='["\\n\\n",
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,6 +23,8 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from rollout_worker.api.env_settings import describe as describe_settings
+from rollout_worker.api.env_settings import refuse_unknown
 from rollout_worker.api.errors import UserError
 
 ENV_PREFIX = "ROLLOUT_SIDECAR_"
@@ -171,10 +172,7 @@ def _first_error(exc: ValidationError, name: Any) -> UserError:
 def load_settings() -> SidecarSettings:
     """The settings from the environment; errors name the variable (``ROLLOUT_SIDECAR_POD_INDEX``). An
     unknown ``ROLLOUT_SIDECAR_*`` variable (a typo) is refused, not ignored."""
-    known = {env_name(f) for f in SidecarFields.model_fields}
-    for var in sorted(os.environ):
-        if var.upper().startswith(ENV_PREFIX) and var.upper() not in known:
-            raise UserError("unknown setting (see `rolloutctl sidecar --help`)", var)
+    refuse_unknown(ENV_PREFIX, SidecarFields, "rolloutctl sidecar")
     try:
         return SidecarSettings()
     except ValidationError as exc:
@@ -207,8 +205,4 @@ def settings_env(**fields: Any) -> dict[str, str]:
 
 def describe() -> list[tuple[str, str, str]]:
     """(variable, default, description) of every setting, for ``rolloutctl sidecar --help``."""
-    out = []
-    for name, info in SidecarFields.model_fields.items():
-        default = "[]" if info.default_factory is not None else ("" if info.default is None else info.default)
-        out.append((env_name(name), str(default), info.description or ""))
-    return out
+    return describe_settings(ENV_PREFIX, SidecarFields)
