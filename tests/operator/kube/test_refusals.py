@@ -62,6 +62,7 @@ def test_jobs_the_operator_cannot_run_are_refused_naming_the_field(cluster: Clus
         assert not cluster.pods(name), name
     assert op.metric("rollout_operator_jobs_refused_total") == len(REFUSED)
     assert op.metric("rollout_operator_pods_created_total") == 0
+    assert op.stop() == 0, op.tail()  # SIGTERM, as Kubernetes stops it: a clean exit
 
 
 def test_two_operators_with_peering_only_the_higher_priority_one_acts(
