@@ -38,9 +38,11 @@ imports: setup
 
 check: lint typecheck imports
 
-# The RolloutJob CRD, generated from the job spec's pydantic model (tests/operator/api/test_crd.py: no drift).
+# The RolloutJob CRD, generated from the job spec's pydantic model (tests/operator/api/test_crd.py: no drift),
+# and its copy in the Helm chart (tests/deploy/test_chart.py: the chart renders the same CRD).
 crds: setup
 	$(BIN)/rolloutctl crd --out crds/rolloutjob.yaml
+	cp crds/rolloutjob.yaml charts/elastic-rollout/files/crds/rolloutjob.yaml
 
 bench-engine: setup
 	$(BIN)/rolloutctl bench engine --preset tiny --ranks 2 --json build/bench-engine-tiny.json

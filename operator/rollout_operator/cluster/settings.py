@@ -52,7 +52,12 @@ class OperatorSettings(BaseSettings):
         description="kopf peering object: with several operator replicas, only the one with the highest "
         "priority acts (the chart sets it when replicas > 1). Unset: standalone.",
     )
-    priority: int = Field(0, description="This replica's peering priority (kopf picks the highest).")
+    priority: int | None = Field(
+        None,
+        description="This replica's peering priority (kopf pauses every operator below the highest). "
+        "Unset: a random one per process, so that of a Deployment's replicas exactly one acts; another "
+        "takes over about a minute after it stops.",
+    )
     metrics_port: int = Field(9090, ge=0, le=65535, description="Prometheus /metrics (0: off).")
     health_port: int = Field(8080, ge=0, le=65535, description="kopf's liveness endpoint /healthz (0: off).")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"

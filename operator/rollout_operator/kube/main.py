@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from typing import Any, cast
 
@@ -91,6 +92,14 @@ def registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     return reg
 
 
+def _priority(settings: OperatorSettings) -> int:
+    """Replicas of one Deployment share their settings: a priority drawn per process tells them apart
+    (kopf lets operators of equal priority all act)."""
+    if settings.priority is not None:
+        return settings.priority
+    return secrets.randbelow(2**30) + 1 if settings.peering is not None else 0
+
+
 async def run(settings: OperatorSettings, stop: asyncio.Event | None = None) -> None:
     """Run the operator until SIGTERM / SIGINT (or ``stop``)."""
     namespaces = list(settings.namespaces)
@@ -101,7 +110,7 @@ async def run(settings: OperatorSettings, stop: asyncio.Event | None = None) -> 
         namespaces=namespaces,
         peering_name=settings.peering,
         standalone=settings.peering is None,
-        priority=settings.priority,
+        priority=_priority(settings),
         liveness_endpoint=liveness,
         stop_flag=stop,
     )
