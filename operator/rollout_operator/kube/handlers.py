@@ -64,6 +64,7 @@ class Context:
     metrics: OperatorMetrics
     post: PostEvent  # kopf.event, or a stand-in
     jobs: dict[str, Job] = field(default_factory=dict)  # by the RolloutJob's uid
+    swept: set[str] = field(default_factory=set)  # finished jobs checked for stray pods since the start
 
 
 def _now() -> datetime:
@@ -249,10 +250,13 @@ async def _finish(ctx: Context, body: Body, status: RolloutJobStatus, outcome: s
 
 
 async def _after_end(ctx: Context, body: Body, status: RolloutJobStatus, now: datetime) -> None:
-    """A finished job: no pod stays (an earlier delete may have failed); deleted after its TTL."""
+    """A finished job: no pod stays (checked once per operator start: the pods are deleted before the
+    phase is written); deleted after its TTL."""
     ref = _ref(body)
-    for pod in await ctx.kube.pods(ref.namespace, ref.name):
-        await ctx.kube.delete_pod(ref.namespace, pod["metadata"]["name"])
+    if ref.uid not in ctx.swept:
+        for pod in await ctx.kube.pods(ref.namespace, ref.name):
+            await ctx.kube.delete_pod(ref.namespace, pod["metadata"]["name"])
+        ctx.swept.add(ref.uid)
     ttl = (body.get("spec") or {}).get("ttlSecondsAfterFinished")
     if ttl is not None and status.completion_time is not None:
         ended = datetime.fromisoformat(status.completion_time.replace("Z", "+00:00"))
@@ -264,6 +268,7 @@ async def _after_end(ctx: Context, body: Body, status: RolloutJobStatus, now: da
 async def on_delete(ctx: Context, body: Body) -> None:
     """Before the job goes (the finalizer): its end in the database; the pods go with it (owned)."""
     status = _status(body)
+    ctx.swept.discard(body["metadata"]["uid"])
     job = ctx.jobs.pop(body["metadata"]["uid"], None)
     if job is not None:
         await job.runtime.close()
