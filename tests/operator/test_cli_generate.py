@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -61,7 +62,14 @@ def test_generate_with_reconfigurations(tmp_path: Path, tiny64: Path) -> None:
         assert len(row["output_ids"]) == 6 + 3 * i
         assert row["finish_reason"] == {"type": "length", "length": 6 + 3 * i}
         assert isinstance(row["text"], str) and row["placements"][0]["layout"] == "4x1"
-    assert rows[-1]["layouts"] == ["4x1", "2x2", "1x4"], r.stderr  # failed once in CI under load: see why
+    # Which requests the switches carry depends on when each reached the ranks (over several steps, more
+    # under load), not on the prompt order: the longest prompt is not always among the last three running.
+    # Every request ran a prefix of the chain, and those running at the second switch ran all of it.
+    chain = ["4x1", "2x2", "1x4"]
+    assert all(row["layouts"] == chain[: len(row["layouts"])] for row in rows), r.stderr
+    moved = re.search(r"2x2 -> 1x4 \(recompute[^)]*; (\d+) running moved\)", r.stderr)
+    assert moved is not None and int(moved.group(1)) >= 1, r.stderr
+    assert sum(row["layouts"] == chain for row in rows) == int(moved.group(1)), r.stderr
     assert "reconfigured at step" in r.stderr and "4x1 -> 2x2 (migrate" in r.stderr
     assert "2x2 -> 1x4 (recompute" in r.stderr and "reshard" in r.stderr and "step p50" in r.stderr
     # reported live, before the summary line
