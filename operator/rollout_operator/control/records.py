@@ -4,12 +4,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+from rollout_profiler.planning.predictor import Prior
 from rollout_profiler.store import runs
 from rollout_worker.api.plan import ReconfigEvent
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from rollout_operator.control.tick import TickResult
+
+PRIOR_MIN_SAMPLES = 20  # fewer finished lengths of earlier jobs than this: no prior
+
+
+def prior_for_model(session: Session, shape_hash: str) -> Prior | None:
+    """The remaining-length prior from earlier jobs' finished lengths of this model shape (lengths the cap
+    stopped count as censored), or None when there are too few."""
+    earlier = runs.finished_lengths_for_model(session, shape_hash)
+    if len(earlier) < PRIOR_MIN_SAMPLES:
+        return None
+    lengths = np.array([s.length for s in earlier], dtype=float)
+    return Prior.from_samples(lengths, np.array([s.length if s.capped else np.inf for s in earlier]))
 
 
 @dataclass

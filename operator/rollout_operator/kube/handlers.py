@@ -36,7 +36,7 @@ from rollout_operator.cluster.reconcile import (
     set_condition,
 )
 from rollout_operator.cluster.settings import OperatorSettings
-from rollout_operator.control.records import DbRecorder
+from rollout_operator.control.records import DbRecorder, prior_for_model
 from rollout_operator.kube.client import Kube
 from rollout_operator.kube.metrics import OperatorMetrics
 from rollout_operator.kube.profiles import find_profile
@@ -51,7 +51,6 @@ PostEvent = Callable[[Body, Event], None]
 class Job:
     """A running job's in-memory part (rebuilt from the object after a restart)."""
 
-    spec: RolloutJobSpec
     plan: PodPlan
     runtime: JobRuntime
 
@@ -76,6 +75,10 @@ def _ref(body: Body) -> JobRef:
     return JobRef(meta["name"], meta["namespace"], meta["uid"], dict(meta.get("labels") or {}))
 
 
+def _generation(body: Body) -> int:
+    return int(body["metadata"].get("generation") or 1)
+
+
 def _status(body: Body) -> RolloutJobStatus:
     try:
         return RolloutJobStatus.model_validate(body.get("status") or {})
@@ -97,7 +100,7 @@ def _profile_and_plan(
 
 
 def _refuse(ctx: Context, body: Body, status: RolloutJobStatus, refusal: Refusal) -> RolloutJobStatus:
-    now, gen = _now(), int(body["metadata"].get("generation") or 1)
+    now, gen = _now(), _generation(body)
     status.phase, status.message = "Failed", f"invalid: {refusal}"
     status.observed_generation = gen
     set_condition(status, "Failed", True, "InvalidSpec", str(refusal), now, gen)
@@ -127,7 +130,7 @@ async def on_create(ctx: Context, body: Body) -> dict[str, Any]:
                 session, name=job.name, namespace=job.namespace, spec_hash=samples_hash(spec),
                 model_shape_hash=shape,
             )  # fmt: skip
-    now, gen = _now(), int(body["metadata"].get("generation") or 1)
+    now, gen = _now(), _generation(body)
     status.phase, status.start_time, status.observed_generation = "Pending", iso(now), gen
     status.output = spec.output.path if spec.mode == "job" else None
     status.layout_plan = f"{plan.layout} ({','.join(map(str, plan.candidates))})"
@@ -168,22 +171,15 @@ async def _job(ctx: Context, body: Body, spec: RolloutJobSpec, status: RolloutJo
         values[k.SECRET_SIDECAR_TOKEN], status, model, policy, prior, recorder,
         ctx.settings.sidecar_timeout_seconds,
     )  # fmt: skip
-    ctx.jobs[uid] = Job(spec, plan, runtime)
+    ctx.jobs[uid] = Job(plan, runtime)
     return ctx.jobs[uid]
 
 
 def _prior(ctx: Context, profile: Profile | None) -> Prior | None:
     if profile is None:
         return None
-    import numpy as np
-    from rollout_profiler.store import runs
-
     with Session(ctx.db) as session:
-        earlier = runs.finished_lengths_for_model(session, profile.model.shape_hash)
-    if len(earlier) < 20:
-        return None
-    lengths = np.array([s.length for s in earlier], dtype=float)
-    return Prior.from_samples(lengths, np.array([s.length if s.capped else np.inf for s in earlier]))
+        return prior_for_model(session, profile.model.shape_hash)
 
 
 async def on_tick(ctx: Context, body: Body) -> dict[str, Any] | None:
@@ -203,13 +199,12 @@ async def on_tick(ctx: Context, body: Body) -> dict[str, Any] | None:
     job = await _job(ctx, body, spec, status)
     if job is None:
         return None
-    job.spec = spec
     rt = job.runtime
     views = {v.index: v for v in map(pod_view, await ctx.kube.pods(ref.namespace, ref.name)) if v}
     progress = {} if spec.suspend else await rt.poll(views)
     ticks = await rt.plan(progress) if status.phase == "Running" and not spec.suspend else []
     obs = Observed(
-        ref.name, spec, status, int(body["metadata"].get("generation") or 1), now, views, progress,
+        ref.name, spec, status, _generation(body), now, views, progress,
         rt.unreachable_s(), ctx.settings.degraded_after_seconds, bool(rt.awaiting_switch),
     )  # fmt: skip
     acts = reconcile(obs)

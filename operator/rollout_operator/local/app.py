@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.planning.planner import PlannerPolicy
 from rollout_profiler.planning.predictor import Prior
@@ -168,8 +167,10 @@ class _Database:
         from rollout_profiler.store import runs
         from sqlalchemy.orm import Session
 
+        from rollout_operator.control.records import prior_for_model
+
         with Session(self.engine) as session, session.begin():
-            earlier = runs.finished_lengths_for_model(session, shape)
+            self.prior = prior_for_model(session, shape)
             self.job_id = runs.record_job(
                 session,
                 name=loaded.job.metadata.name,
@@ -177,10 +178,6 @@ class _Database:
                 spec_hash=samples_hash(loaded.job.spec),
                 model_shape_hash=shape,
             )
-        if len(earlier) >= 20:
-            lengths = np.array([s.length for s in earlier], dtype=float)
-            caps = np.array([s.length if s.capped else np.inf for s in earlier])
-            self.prior = Prior.from_samples(lengths, caps)
 
     def recorder(self) -> Any:
         from rollout_operator.control.records import DbRecorder
