@@ -131,6 +131,7 @@ CASES = {
     "bad-trigger": (["--ranks", "2", "--reconfigure", "2:2:teleport"], "method must be one of"),
     "bad-dtype": (["--dtype", "float8"], "--dtype: unknown dtype 'float8'"),
     "zero-timeout": (["--timeout", "0"], "--timeout: must be > 0 seconds, got 0.0"),
+    "bad-cuda-graphs": (["--cuda-graphs", "maybe"], "--cuda-graphs: must be on or off, got 'maybe'"),
     "kv-budget-below-a-request": (
         ["--kv-budget", "10"],
         "in.jsonl:1: prompt (26 tokens) + max_new_tokens (6) exceeds the KV budget of a replica (10 tokens)",
@@ -173,6 +174,19 @@ def test_bad_checkpoints(tmp_path: Path, tiny64: Path, kind: str, message: str) 
         arch="GPT2LMHeadModel" if kind == "arch" else None,
     )
     _fails_cleanly(tmp_path, model, _prompts(tmp_path / "in.jsonl"), ["--ranks", "2"], message)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--cuda-graphs", "sometimes"], "--cuda-graphs: must be one of on, off, both, got 'sometimes'"),
+        (["--steps", "60"], "--steps: must be 1..50"),
+        (["--preset", "huge"], "unknown preset 'huge'"),
+    ],
+)
+def test_bench_engine_refuses_bad_flags_before_starting(flags: list[str], message: str) -> None:
+    r = cli("bench", "engine", *flags)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_out_equal_to_prompts_is_refused(tmp_path: Path, tiny64: Path) -> None:

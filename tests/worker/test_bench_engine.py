@@ -14,7 +14,7 @@ pytestmark = pytest.mark.multiproc
 def test_engine_bench_minimal_grid(tmp_path: Path) -> None:
     lines: list[str] = []
     out = tmp_path / "bench.json"
-    report = run_engine_bench("tiny", 2, [1], [16], 2, 1, "float32", "cpu", tmp_path, out, lines.append)
+    report = run_engine_bench("tiny", 2, [1], [16], 2, 1, "float32", "cpu", out, lines.append)
     assert json.loads(out.read_text())["preset"] == "tiny"
     assert {p["layout"] for p in report["grid"]} == {"2x1", "1x2"}
     assert all(p["ms"] > 0 for p in report["grid"])

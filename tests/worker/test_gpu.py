@@ -1,10 +1,12 @@
 """The CUDA path (run on a machine with a GPU; reported as skipped, never as passed, without one):
-bfloat16 at TP 1, several ranks sharing one GPU over gloo (losslessly), and the server's tokens/s on small."""
+bfloat16 at TP 1, several ranks sharing one GPU over gloo (losslessly), CUDA-graph decode steps against
+eager ones, and the server's tokens/s on small."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,6 +17,103 @@ from rollout_worker.engine.launcher import run_task
 from rollout_worker.engine.measure import probe_logits
 
 from tests.worker.engine_util import requests, run, tokens
+
+
+def _tiny_on_cuda(dtype: torch.dtype, max_batch: int = 16) -> tuple[Any, Any]:
+    """A tiny TP=1 decoder with random weights on the GPU and a slab whose K/V hold random values."""
+    from rollout_worker.api.model_config import ModelConfig
+    from rollout_worker.engine.kvcache import KVSlab
+    from rollout_worker.engine.model import Decoder
+    from rollout_worker.engine.parallel import SINGLE
+    from rollout_worker.engine.presets import preset_config
+    from rollout_worker.engine.weights import random_shard
+
+    cfg = ModelConfig.from_dict(preset_config("tiny"), where="tiny")
+    dev = torch.device("cuda")
+    dec = Decoder(cfg, random_shard(cfg, 1, 0, dtype, dev), SINGLE)
+    slab = KVSlab(cfg.num_layers, max_batch, cfg.num_kv_heads, 2048, cfg.head_dim, dtype, dev)
+    slab.ensure(max_batch, 600)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for c in (*slab.k, *slab.v):
+        c.copy_(torch.randn(c.shape, generator=gen, device=dev, dtype=dtype))
+    return dec, slab
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graph_replay_is_the_eager_step_bit_for_bit(dtype: torch.dtype) -> None:
+    """A replayed graph computes exactly what the eager step computes on the same padded inputs; on the
+    unpadded batch (other GEMM shapes) the logits agree to rounding and every argmax is the same."""
+    from rollout_worker.engine.cudagraph import DecodeGraphs, pad_step
+
+    dec, slab = _tiny_on_cuda(dtype)
+    graphs = DecodeGraphs(16)
+    dev = torch.device("cuda")
+    for n in (1, 3, 8, 13, 16):
+        toks = [(7 * i + n) % 500 for i in range(n)]
+        pos = [(37 * i + 11 * n) % 590 for i in range(n)]
+        p = pad_step(toks, pos, graphs.buckets, slab.capacity)
+        padded = dec.step_logits(
+            torch.tensor(p.tokens, device=dev)[:, None],
+            torch.tensor(p.positions, device=dev)[:, None],
+            slab,
+            p.span,
+        )[:n].clone()
+        unpadded = dec.step_logits(
+            torch.tensor(toks, device=dev)[:, None], torch.tensor(pos, device=dev)[:, None], slab, p.span
+        ).clone()
+        replayed = graphs.decode(dec, slab, toks, pos).clone()
+        captured = graphs.captures
+        again = graphs.decode(dec, slab, toks, pos).clone()
+        assert graphs.captures == captured  # the second call replays without capturing
+        assert torch.equal(replayed, padded), (n, (replayed - padded).abs().max().item())
+        assert torch.equal(again, replayed)
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+        assert (replayed.float() - unpadded.float()).abs().max().item() < tol * unpadded.float().abs().max()
+        assert torch.equal(replayed.argmax(-1), unpadded.argmax(-1))
+    assert graphs.captures == len(graphs) >= 4  # one capture per (bucket, key span), never twice
+
+
+def test_graphs_are_dropped_when_the_slab_or_weights_change() -> None:
+    """A grown (reallocated) slab or a new decoder invalidates every graph: the next step recaptures and
+    still equals the eager step on the new memory."""
+    from rollout_worker.engine.cudagraph import DecodeGraphs, key_span
+    from rollout_worker.engine.model import Decoder
+    from rollout_worker.engine.weights import random_shard
+
+    dec, slab = _tiny_on_cuda(torch.float32)
+    graphs = DecodeGraphs(16)
+    toks, pos = [1, 2, 3, 4], [5, 50, 500, 10]
+    graphs.decode(dec, slab, toks, pos)
+    assert len(graphs) == 1
+    old_k = slab.k[0]
+    slab.ensure(16, 1500)  # grows the capacity: new tensors, old contents copied
+    assert slab.k[0] is not old_k
+    got = graphs.decode(dec, slab, toks, pos)
+    assert graphs.captures == 2 and len(graphs) == 1
+    dev = torch.device("cuda")
+    eager = dec.step_logits(
+        torch.tensor(toks, device=dev)[:, None],
+        torch.tensor(pos, device=dev)[:, None],
+        slab,
+        key_span(500, slab.capacity),
+    )
+    assert torch.equal(got, eager)
+    new = Decoder(dec.cfg, random_shard(dec.cfg, 1, 1, dec.dtype, dev), dec.ps)
+    graphs.decode(new, slab, toks, pos)
+    assert graphs.captures == 3 and len(graphs) == 1
+
+
+def test_generation_with_graphs_equals_eager_generation(tiny64: Path) -> None:
+    """A whole batch generated with CUDA graphs (TP=1) gives the tokens eager generation gives (float64)."""
+    graphs = run_batch(
+        EngineConfig.load(str(tiny64), 1, device="cuda", dtype="float64", cuda_graphs=True), requests(24)
+    )
+    eager = run_batch(
+        EngineConfig.load(str(tiny64), 1, device="cuda", dtype="float64", cuda_graphs=False), requests(24)
+    )
+    assert tokens(graphs) == tokens(eager)
+    assert sum(len(t) for t in tokens(graphs).values()) > 24
+
 
 pytestmark = [
     pytest.mark.gpu,

@@ -43,6 +43,13 @@ def int_list(text: str, flag: str) -> list[int]:
     return sorted(set(vals))
 
 
+def on_off(text: str, flag: str) -> bool:
+    """``on`` / ``off`` -> True / False; errors name the flag."""
+    if text not in ("on", "off"):
+        raise UserError(f"must be on or off, got {text!r}", flag)
+    return text == "on"
+
+
 # Engine fields -> the flags that set them, so library errors (which name fields) read as flags here.
 FLAG_OF_FIELD = {
     "ranks": "--ranks",
@@ -55,6 +62,7 @@ FLAG_OF_FIELD = {
     "max_prefill_tokens": "--max-prefill-tokens",
     "context_length": "--context-length",
     "collective_timeout_s": "--timeout",
+    "cuda_graphs": "--cuda-graphs",
     "model": "--model",
     "prompts": "--prompts",
     "reconfigure": "--reconfigure",

@@ -9,7 +9,12 @@ from typing import Annotated, Any
 import typer
 from rollout_worker.api.errors import UserError
 
-from rollout_operator.cli.args import bench_group, int_list, needs_engine
+from rollout_operator.cli.args import bench_group, int_list, needs_engine, on_off
+
+CUDA_GRAPHS_HELP = (
+    "cuda: replay decode steps from CUDA graphs (TP=1 replicas), on | off (eager). Experimental: not yet run "
+    "on a GPU."
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -59,13 +64,25 @@ def generate_cmd(
     kv_budget: Annotated[int | None, typer.Option(help="Max reserved KV tokens per replica.")] = None,
     log_every: Annotated[float, typer.Option(help="Print progress every N seconds.")] = 2.0,
     timeout: Annotated[float, typer.Option(help="Timeout of every collective, seconds.")] = 120.0,
+    cuda_graphs: Annotated[str, typer.Option(help=CUDA_GRAPHS_HELP)] = "off",
 ) -> None:
     """Generate with G ranks, optionally changing the TP layout while requests run."""
     from rollout_worker.api.plan import Trigger
     from rollout_worker.engine.batch import Interrupted, run_batch
     from rollout_worker.engine.tokenizer import TextCodec
 
-    cfg = engine_config(model, ranks, layout, candidates, dtype, device, max_batch, kv_budget, timeout)
+    cfg = engine_config(
+        model,
+        ranks,
+        layout,
+        candidates,
+        dtype,
+        device,
+        max_batch,
+        kv_budget,
+        timeout,
+        cuda_graphs=on_off(cuda_graphs, "--cuda-graphs"),
+    )
     triggers = [Trigger.from_text(t, ranks, "reconfigure") for t in reconfigure or []]
     for i, trig in enumerate(triggers):
         if trig.layout not in cfg.candidates:
@@ -107,6 +124,7 @@ def engine_config(
     kv_budget: int | None,
     timeout: float,
     context_length: int = 0,
+    cuda_graphs: bool = False,
 ) -> Any:
     """A validated EngineConfig from flags (errors name the flags, see ``args.as_flags``)."""
     from rollout_worker.api.layout import Layout, parse_candidates
@@ -127,6 +145,7 @@ def engine_config(
         kv_budget_tokens=kv_budget,
         collective_timeout_s=timeout,
         context_length=context_length,
+        cuda_graphs=cuda_graphs,
     )
 
 
@@ -222,21 +241,34 @@ def _print_summary(res: Any, out: Path) -> None:
 
 def bench_engine_cmd(
     preset: Annotated[
-        str, typer.Option(help="Model preset to benchmark (made under --work if missing).")
+        str, typer.Option(help="Model preset (its shape, seeded random weights made on the device).")
     ] = "tiny",
     ranks: Annotated[int, typer.Option(help="Ranks G.")] = 2,
     batch: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,4,16",
     context: Annotated[str, typer.Option(help="Comma-separated context lengths.")] = "64,256",
-    steps: Annotated[int, typer.Option(help="Timed decode steps per grid point.")] = 10,
+    steps: Annotated[int, typer.Option(help="Timed decode steps per grid point (at most 50).")] = 10,
     runs: Annotated[int, typer.Option(help="Repetitions of the whole grid.")] = 3,
-    dtype: Annotated[str, typer.Option(help="float32 | float64 | bfloat16")] = "float32",
+    dtype: Annotated[str, typer.Option(help="float32 | float64 | bfloat16 | float16")] = "float32",
     device: Annotated[str, typer.Option(help="cpu | cuda")] = "cpu",
-    work: Annotated[Path, typer.Option(help="Where checkpoints are cached.")] = Path("build/models"),
+    cuda_graphs: Annotated[
+        str, typer.Option(help="on | off | both (each point eagerly and from graphs, side by side).")
+    ] = "off",
+    breakdown: Annotated[
+        bool, typer.Option(help="CUDA: profile each point's step (kernels, launches, idle time).")
+    ] = False,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON here.")] = None,
 ) -> None:
     """Per-step latency by layout x batch x context, and reconfiguration phases with bytes moved."""
-    from rollout_worker.engine.bench import run_engine_bench
+    from rollout_worker.engine.bench import GRAPH_MODES, run_engine_bench
+    from rollout_worker.engine.presets import preset_config
 
+    preset_config(preset)  # an unknown preset is refused before any rank starts
+    if cuda_graphs not in GRAPH_MODES:
+        raise UserError(f"must be one of {', '.join(GRAPH_MODES)}, got {cuda_graphs!r}", "--cuda-graphs")
+    if not 1 <= steps <= 50:
+        raise UserError(f"must be 1..50 (each point has 64 tokens of headroom), got {steps}", "--steps")
+    if runs < 1:
+        raise UserError(f"must be >= 1, got {runs}", "--runs")
     run_engine_bench(
         preset=preset,
         ranks=ranks,
@@ -246,9 +278,10 @@ def bench_engine_cmd(
         runs=runs,
         dtype=dtype,
         device=device,
-        work=work,
         json_out=json_out,
         echo=typer.echo,
+        cuda_graphs=cuda_graphs,
+        breakdown=breakdown,
     )
 
 

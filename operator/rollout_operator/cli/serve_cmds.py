@@ -11,7 +11,8 @@ from typing import Annotated, Any
 import typer
 from rollout_worker.api.errors import UserError
 
-from rollout_operator.cli.args import bench_group, needs_engine
+from rollout_operator.cli.args import bench_group, needs_engine, on_off
+from rollout_operator.cli.engine_cmds import CUDA_GRAPHS_HELP
 
 
 def register(app: typer.Typer) -> None:
@@ -46,6 +47,7 @@ def serve_cmd(
     kv_budget: Annotated[int | None, typer.Option(help="Max reserved KV tokens per replica.")] = None,
     context_length: Annotated[int, typer.Option(help="Max prompt + output tokens (0: the model's).")] = 0,
     timeout: Annotated[float, typer.Option(help="Timeout of every collective, seconds.")] = 120.0,
+    cuda_graphs: Annotated[str, typer.Option(help=CUDA_GRAPHS_HELP)] = "off",
     drain_seconds: Annotated[
         float, typer.Option(help="On SIGTERM, let requests finish this long first.")
     ] = 0.0,
@@ -67,7 +69,17 @@ def serve_cmd(
 
     key = _api_key(api_key_file)
     cfg = engine_config(
-        model, ranks, layout, candidates, dtype, device, max_batch, kv_budget, timeout, context_length
+        model,
+        ranks,
+        layout,
+        candidates,
+        dtype,
+        device,
+        max_batch,
+        kv_budget,
+        timeout,
+        context_length,
+        cuda_graphs=on_off(cuda_graphs, "--cuda-graphs"),
     )
     cost_model = _cost_model(costs)
     if cost_model is not None:
@@ -90,6 +102,7 @@ def serve_cmd(
         kv_budget=kv_budget,
         context_length=cfg.context_length,
         timeout=timeout,
+        cuda_graphs=cfg.cuda_graphs,
         drain_seconds=drain_seconds,
         access_log=access_log,
     )

@@ -17,10 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from rollout_worker.api.layout import Layout
+from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.engine.checkpoint import make_model
 from rollout_worker.engine.config import EngineConfig
 from rollout_worker.engine.launcher import run_task
 from rollout_worker.engine.measure import measure_grid, measure_reconfig
+from rollout_worker.engine.presets import preset_config
+
+GRAPH_MODES = ("on", "off", "both")
 
 
 def ensure_model(preset: str, work: Path, dtype: str = "float32", seed: int = 0) -> Path:
@@ -30,8 +34,24 @@ def ensure_model(preset: str, work: Path, dtype: str = "float32", seed: int = 0)
     return path
 
 
-def engine_config(model_dir: Path, ranks: int, dtype: str, device: str) -> EngineConfig:
-    return EngineConfig.load(str(model_dir), ranks, dtype=dtype, device=device, collective_timeout_s=300)
+def shape_config(
+    preset: str, ranks: int, dtype: str, device: str, max_batch: int = 64, cuda_graphs: bool = False
+) -> EngineConfig:
+    """An engine of a preset's shape with seeded random weights made on the device: a step's latency
+    depends on the shape only, and no checkpoint is written (Llama-3.1-8B's would be 32 GB in float32)."""
+    model = ModelConfig.from_dict(preset_config(preset), where=f"preset {preset}")
+    return EngineConfig(
+        model_dir=f"<random {preset}>",
+        model=model,
+        world=ranks,
+        layout=Layout(ranks, 1),
+        dtype=dtype,
+        device=device,
+        max_batch=max_batch,
+        collective_timeout_s=300,
+        random_weights=True,
+        cuda_graphs=cuda_graphs,
+    )
 
 
 def reconfig_pairs(cands: tuple[Layout, ...]) -> list[tuple[str, str]]:
@@ -53,17 +73,24 @@ def run_engine_bench(
     runs: int,
     dtype: str,
     device: str,
-    work: Path,
     json_out: Path | None,
     echo: Callable[[str], Any],
+    cuda_graphs: str = "off",
+    breakdown: bool = False,
 ) -> dict[str, Any]:
-    model_dir = ensure_model(preset, work, "float32")
-    cfg = engine_config(model_dir, ranks, dtype, device)
+    """The grid and the reconfiguration phases, ``runs`` times. ``cuda_graphs`` "both" measures every point
+    eagerly and from graphs in the same run (alternating, fresh rank processes each) and reports the ratio."""
+    if cuda_graphs not in GRAPH_MODES:
+        raise ValueError(f"cuda_graphs must be one of {GRAPH_MODES}, got {cuda_graphs!r}")
+    modes = {"on": [True], "off": [False], "both": [False, True]}[cuda_graphs]
+    cfgs = {g: shape_config(preset, ranks, dtype, device, max(64, *batches), g) for g in modes}
+    cfg = cfgs[modes[0]]
     grid_args = {
         "layouts": [str(x) for x in cfg.candidates],
         "batches": batches,
         "contexts": contexts,
         "steps": steps,
+        "breakdown": breakdown,
     }
     rec_args = {
         "pairs": reconfig_pairs(cfg.candidates),
@@ -71,18 +98,26 @@ def run_engine_bench(
         "batch": min(4, max(batches)),
         "context": max(contexts),
     }
-    grid_runs, rec_runs = [], []
+    grid_runs: dict[bool, list[list[dict[str, Any]]]] = {g: [] for g in modes}
+    rec_runs, skipped = [], []
     for i in range(runs):
         t0 = time.perf_counter()
-        grid_runs.append(run_task(cfg, measure_grid, grid_args)[0]["points"])
-        rec_runs.append(run_task(cfg, measure_reconfig, rec_args)[0]["events"])
+        for g in modes:
+            res = run_task(cfgs[g], measure_grid, grid_args)[0]
+            grid_runs[g].append(res["points"])
+            skipped = res["skipped"]
+        if rec_args["pairs"]:
+            rec_runs.append(run_task(cfg, measure_reconfig, rec_args)[0]["events"])
         echo(f"run {i + 1}/{runs}: {time.perf_counter() - t0:.1f} s")
-    grid = _merge_grid(grid_runs)
+    grids = {g: _merge_grid(r) for g, r in grid_runs.items()}
+    grid = grids[modes[-1]]
     report: dict[str, Any] = {
         "preset": preset,
         "ranks": ranks,
         "dtype": dtype,
         "device": device,
+        "device_name": _device_name(device),
+        "cuda_graphs": cuda_graphs,
         "runs": runs,
         "steps": steps,
         "host": {
@@ -91,9 +126,13 @@ def run_engine_bench(
             "python": platform.python_version(),
         },
         "grid": grid,
+        "skipped": skipped,
         "reconfig": _merge_reconfig(rec_runs),
         "tp_ratios": _ratios(grid),
     }
+    if cuda_graphs == "both":
+        report["grid_eager"] = grids[False]
+        report["graph_ratios"] = _graph_ratios(grids[False], grids[True])
     _print(report, echo)
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
@@ -102,11 +141,44 @@ def run_engine_bench(
     return report
 
 
+def _device_name(device: str) -> str:
+    if device == "cuda":
+        import torch
+
+        return str(torch.cuda.get_device_name()) if torch.cuda.is_available() else "cuda (none visible)"
+    return platform.processor() or platform.machine()
+
+
+def _graph_ratios(eager: list[dict[str, Any]], graphs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Eager over graph step time at each point both measured (median over runs of each)."""
+    key = ("layout", "batch", "context", "active")
+    by = {tuple(p[k] for k in key): p for p in eager}
+    out = []
+    for p in graphs:
+        e = by.get(tuple(p[k] for k in key))
+        if e is not None:
+            out.append(
+                {
+                    **{k: p[k] for k in key},
+                    "eager_ms": e["ms"],
+                    "graphs_ms": p["ms"],
+                    "speedup": e["ms"] / p["ms"],
+                    "eager_breakdown": e.get("breakdown"),
+                    "graphs_breakdown": p.get("breakdown"),
+                }
+            )
+    return out
+
+
 def _merge_grid(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     acc: dict[tuple[Any, ...], list[float]] = defaultdict(list)
+    breakdowns: dict[tuple[Any, ...], dict[str, float]] = {}
     for pts in runs:
         for p in pts:
-            acc[(p["layout"], p["replicas"], p["tp"], p["batch"], p["context"], p["active"])].append(p["ms"])
+            k = (p["layout"], p["replicas"], p["tp"], p["batch"], p["context"], p["active"])
+            acc[k].append(p["ms"])
+            if "breakdown" in p:
+                breakdowns[k] = p["breakdown"]  # the last run's
     return [
         {
             "layout": k[0],
@@ -119,6 +191,7 @@ def _merge_grid(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
             "ms_min": min(v),
             "ms_max": max(v),
             "runs": v,
+            **({"breakdown": breakdowns[k]} if k in breakdowns else {}),
         }
         for k, v in acc.items()
     ]
@@ -182,6 +255,10 @@ def _print(report: dict[str, Any], echo: Callable[[str], Any]) -> None:
             f"{p['layout']:>7} {p['active']:>6} {p['batch']:>5} {p['context']:>7} {p['ms']:>9.2f} "
             f"{p['ms_min']:>8.2f} {p['ms_max']:>8.2f}"
         )
+    for s in report["skipped"]:
+        echo(f"{s['layout']:>7} {'':>6} {s['batch']:>5} {s['context']:>7}  skipped: {s['why']}")
+    if report.get("graph_ratios"):
+        _print_graphs(report["graph_ratios"], echo)
     echo("\nTP speed-up over one lone TP=1 replica (same batch, context):")
     for r in report["tp_ratios"]:
         echo(
@@ -201,4 +278,21 @@ def _print(report: dict[str, Any], echo: Callable[[str], Any]) -> None:
             f"{r['kv_bytes_moved'] / 1e6:>7.2f} "
             f"{r['weight_bytes_received'] / 1e6:>7.2f} {ph['sync_ms']:>7.2f} {ph['reshard_ms']:>8.2f} "
             f"{kv:>8.2f} {ph['total_ms']:>8.2f}"
+        )
+
+
+def _print_graphs(rows: list[dict[str, Any]], echo: Callable[[str], Any]) -> None:
+    echo("\neager vs CUDA graphs (median step ms; where the step's time goes, from the last run's profile):")
+    echo(
+        f"{'layout':>7} {'active':>6} {'batch':>5} {'context':>7} {'eager':>8} {'graphs':>8} {'speedup':>7}"
+        f" | {'eager: kernels':>14} {'idle':>6} {'launches':>8} | {'graphs: kernels':>15} {'idle':>6}"
+    )
+    for r in rows:
+        eb, gb = r.get("eager_breakdown") or {}, r.get("graphs_breakdown") or {}
+        echo(
+            f"{r['layout']:>7} {r['active']:>6} {r['batch']:>5} {r['context']:>7} {r['eager_ms']:>8.2f}"
+            f" {r['graphs_ms']:>8.2f}"
+            f" {r['speedup']:>6.2f}x | {eb.get('gpu_kernels_ms', float('nan')):>14.2f}"
+            f" {eb.get('gpu_idle_ms', float('nan')):>6.2f} {eb.get('launches_per_step', float('nan')):>8.0f}"
+            f" | {gb.get('gpu_kernels_ms', float('nan')):>15.2f} {gb.get('gpu_idle_ms', float('nan')):>6.2f}"
         )

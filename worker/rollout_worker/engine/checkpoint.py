@@ -44,14 +44,16 @@ def parse_dtype(name: str, what: str = "dtype") -> torch.dtype:
 def random_tensor(
     name: str, shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype
 ) -> torch.Tensor:
+    """A seeded random tensor (on ``gen``'s device) scaled as an initialised layer's."""
+    dev = gen.device
     if name.endswith("norm.weight"):
-        t = 1.0 + 0.1 * torch.randn(shape, generator=gen, dtype=torch.float32)
+        t = 1.0 + 0.1 * torch.randn(shape, generator=gen, dtype=torch.float32, device=dev)
     elif name.endswith(".bias"):
-        t = 0.1 * torch.randn(shape, generator=gen, dtype=torch.float32)
+        t = 0.1 * torch.randn(shape, generator=gen, dtype=torch.float32, device=dev)
     else:
         fan_in = shape[-1] if len(shape) > 1 else 1
         std = 1.0 if "embed_tokens" in name else 1.0 / math.sqrt(fan_in)
-        t = std * torch.randn(shape, generator=gen, dtype=torch.float32)
+        t = std * torch.randn(shape, generator=gen, dtype=torch.float32, device=dev)
     return t.to(dtype)
 
 

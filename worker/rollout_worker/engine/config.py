@@ -31,6 +31,9 @@ class EngineConfig:
     collective_timeout_s: float = 120.0
     costs: CostModel = DEFAULT_COSTS  # priors of the switch-cost model; measured rates replace them
     random_weights: bool = False  # seeded random shards of the right shapes (profiling a shape)
+    # Replay decode steps from CUDA graphs (CUDA, TP=1 replicas; else eager). Off by default until it has
+    # run on a GPU: no GPU was lent to the session that wrote it (bench/cuda.sh runs its tests and table).
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         m = self.model

@@ -153,10 +153,10 @@ class RankLoop:
         try:
             if isinstance(cmd, m.ReleaseMemory):
                 if "kv_cache" in cmd.tags:
-                    st.replica.slab.release()
+                    st.replica.release_kv()
                 if "weights" in cmd.tags:
                     st.weights = {}
-                    st.replica.decoder.release()
+                    st.replica.release_weights()
             elif "weights" in cmd.tags and not st.weights:
                 st.weights = load_weights(st.cfg, st.weights_path, st.layout, st.rank, st.device)
                 st.replica.decoder = Decoder(st.model, st.weights, st.pstate(st.layout))

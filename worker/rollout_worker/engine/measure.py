@@ -36,7 +36,9 @@ def _switch(st: RankState, target: Layout) -> RankState:
 
 
 def _fake_running(st: RankState, batch: int, context: int, tag: str, seed: int) -> None:
-    """``batch`` running requests on this rank's replica with ``context`` cached tokens of random K/V."""
+    """``batch`` running requests on this rank's replica with ``context`` cached tokens of random K/V
+    (made on the device). The slab is sized for this point alone, so a large grid does not keep the
+    largest batch's slots and the longest context's tokens at once."""
     rep = st.replica
     rep.running.clear()
     d = st.replica_index
@@ -51,10 +53,33 @@ def _fake_running(st: RankState, batch: int, context: int, tag: str, seed: int) 
             ignore_eos=True,
         )
         rep.running.append(Sequence(spec=spec, output=[rng.randrange(vocab)]))
+    if rep.slab.slots < batch or rep.slab.capacity < context + _HEADROOM:
+        rep.release_kv()
+        if st.device.type == "cuda":
+            torch.cuda.empty_cache()
     rep.slab.ensure(batch, context + _HEADROOM)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=st.device).manual_seed(seed)
     for cache in (*rep.slab.k, *rep.slab.v):
-        cache[:batch, :, :context].copy_(torch.randn(cache[:batch, :, :context].shape, generator=gen))
+        view = cache[:batch, :, :context]
+        view.copy_(torch.randn(view.shape, generator=gen, device=st.device, dtype=view.dtype))
+
+
+def kv_fits(st: RankState, batch: int, context: int) -> bool:
+    """Whether ``batch`` x ``context`` tokens of KV (as the slab would allocate them) fit in the device's
+    free memory with a 10% margin. Always true on CPU (the caller keeps the grid small there)."""
+    if st.device.type != "cuda":
+        return True
+    rep = st.replica
+    if rep.slab.slots >= batch and rep.slab.capacity >= context + _HEADROOM:
+        return True
+    m = st.model
+    per_token = 2 * m.num_layers * m.kv_heads_per_rank(st.layout.tp) * m.head_dim
+    per_token *= torch.empty((), dtype=st.dtype).element_size()
+    slots, tokens = -(-batch // 8) * 8, -(-(context + _HEADROOM) // 256) * 256
+    rep.release_kv()
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(st.device)
+    return slots * tokens * per_token < 0.9 * free
 
 
 def trimmed_mean(xs: list[float], cut: float = 0.2) -> float:
@@ -82,39 +107,80 @@ def _timed_steps(st: RankState, steps: int, warmup: int, active: bool) -> list[f
     return out
 
 
+def step_breakdown(st: RankState, steps: int) -> dict[str, float]:
+    """Where a CUDA decode step's time goes (torch profiler over ``steps`` steps, after the timed ones):
+    wall time, GPU kernel time, kernel launches (graph replays count as launches), host time inside the
+    CUDA runtime's launch calls, and the rest of the host's time (Python, sampling, synchronisation)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            st.replica.decode()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3 / steps
+    kernel_us = launch_us = 0.0
+    kernels = launches = 0
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            kernel_us += ev.device_time
+            kernels += 1
+        elif ev.name in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cudaGraphLaunch"):
+            launch_us += ev.cpu_time_total
+            launches += 1
+    gpu = kernel_us / 1e3 / steps
+    return {
+        "wall_ms": wall,
+        "gpu_kernels_ms": gpu,
+        "gpu_idle_ms": max(wall - gpu, 0.0),
+        "kernels_per_step": kernels / steps,
+        "launches_per_step": launches / steps,
+        "launch_api_ms": launch_us / 1e3 / steps,
+    }
+
+
 def measure_grid(st: RankState, args: dict[str, Any]) -> dict[str, Any]:
     """Median decode-step ms per (layout, batch, context), all replicas busy; for layouts with several
-    replicas also with only replica 0 busy ("one"), which is the latency of a lone replica."""
+    replicas also with only replica 0 busy ("one"), which is the latency of a lone replica. Points whose
+    KV cache does not fit the device are listed under ``skipped``. With ``breakdown`` (CUDA), each point
+    also says where its step's time goes (:func:`step_breakdown`)."""
     layouts = [Layout.parse(x) for x in args["layouts"]]
     steps, warmup = int(args["steps"]), int(args.get("warmup", 2))
-    points = []
+    breakdown = bool(args.get("breakdown")) and st.device.type == "cuda"
+    points: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
     for lay in layouts:
         st = _switch(st, lay)
         for batch in args["batches"]:
             if batch > st.cfg.max_batch:
                 continue
             for ctx in args["contexts"]:
+                if not kv_fits(st, batch, ctx):
+                    skipped.append({"layout": str(lay), "batch": batch, "context": ctx, "why": "KV > memory"})
+                    continue
                 modes = ["all", "one"] if lay.replicas > 1 else ["all"]
                 for mode in modes:
                     _fake_running(st, batch, ctx, f"g{lay}{batch}x{ctx}", seed=batch * 7 + ctx)
                     active = mode == "all" or lay.replica_of(st.rank) == 0
                     ms = _timed_steps(st, steps, warmup, active)
-                    points.append(
-                        {
-                            "layout": str(lay),
-                            "replicas": lay.replicas,
-                            "tp": lay.tp,
-                            "batch": batch,
-                            "context": ctx,
-                            "active": mode,
-                            "ms": trimmed_mean(ms),
-                            "ms_median": statistics.median(ms),
-                            "ms_min": min(ms),
-                            "ms_max": max(ms),
-                        }
-                    )
+                    point = {
+                        "layout": str(lay),
+                        "replicas": lay.replicas,
+                        "tp": lay.tp,
+                        "batch": batch,
+                        "context": ctx,
+                        "active": mode,
+                        "ms": trimmed_mean(ms),
+                        "ms_median": statistics.median(ms),
+                        "ms_min": min(ms),
+                        "ms_max": max(ms),
+                    }
+                    if breakdown and active:
+                        point["breakdown"] = step_breakdown(st, min(steps, 10))
+                    points.append(point)
         st.replica.running.clear()
-    return {"points": points}
+    return {"points": points, "skipped": skipped}
 
 
 def measure_reconfig(st: RankState, args: dict[str, Any]) -> dict[str, Any]:

@@ -121,21 +121,35 @@ class Decoder:
         x = self.hidden(tokens, positions, slab, slot0)
         return self.logits(x[torch.arange(x.shape[0], device=x.device), last])
 
+    def step_logits(
+        self, tokens: torch.Tensor, positions: torch.Tensor, slab: KVSlab, keys: int
+    ) -> torch.Tensor:
+        """One decode step: logits [B, vocab] of tokens [B, 1] at positions [B, 1] (row b in slot b),
+        attending over the slab's first ``keys`` tokens. No host synchronisation: a CUDA graph captures it."""
+        return self.logits(self.hidden(tokens, positions, slab, 0, keys)[:, 0])
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [N, vocab] of hidden states [N, hidden] (one all-gather under TP)."""
         return self.ps.all_gather_cat(F.linear(self.rms(x, self.norm), self.lm_head), dim=-1)
 
     def hidden(
-        self, tokens: torch.Tensor, positions: torch.Tensor, slab: KVSlab, slot0: int = 0
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slab: KVSlab,
+        slot0: int = 0,
+        keys: int | None = None,
     ) -> torch.Tensor:
         """Final hidden states [B, S, hidden]; K/V of row b go to slab slot ``slot0 + b``.
 
         tokens, positions: [B, S] (right-padded rows; padding is written past the row's length and is
         never attended to by its real tokens). The slab must already hold the slots and positions.
+        ``keys``: how many of the slab's tokens to attend over (masked by position); default the largest
+        position + 1 (read from the device: pass it to avoid the synchronisation).
         """
         bsz, seq = tokens.shape
         cos, sin = self.rope(positions)
-        max_len = int(positions.max().item()) + 1
+        max_len = int(positions.max().item()) + 1 if keys is None else keys
         key_pos = torch.arange(max_len, device=tokens.device)
         mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, S, L]: keys a query sees
         rows = torch.arange(slot0, slot0 + bsz, device=tokens.device)[:, None].expand(bsz, seq)
@@ -152,14 +166,35 @@ class Decoder:
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
             slab.k[i][rows, :, positions] = k
             slab.v[i][rows, :, positions] = v
-            keys = slab.k[i][slot0 : slot0 + bsz, :, :max_len]  # [B, KVh, L, hd]
-            vals = slab.v[i][slot0 : slot0 + bsz, :, :max_len]
-            attn = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys, vals, attn_mask=mask, scale=scale, enable_gqa=True
-            )  # [B, H, S, hd]: each head on its own, so TP (which splits heads) changes nothing
-            attn = attn.transpose(1, 2).reshape(bsz, seq, self.heads * hd)
+            k_all = slab.k[i][slot0 : slot0 + bsz, :, :max_len]  # [B, KVh, L, hd]
+            v_all = slab.v[i][slot0 : slot0 + bsz, :, :max_len]
+            attn = self._attend(q, k_all, v_all, mask, scale)
             x = x + self.ps.all_reduce(F.linear(attn, lw.wo))
             h = self.rms(x, lw.ln2)
             mlp = F.linear(F.silu(F.linear(h, lw.w_gate)) * F.linear(h, lw.w_up), lw.w_down)
             x = x + self.ps.all_reduce(mlp)
         return x
+
+    def _attend(
+        self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Attention of q [B, S, H, hd] over keys/vals [B, KVh, L, hd] under mask [B, 1, S, L]: [B, S, H*hd].
+
+        Each head is computed on its own, so TP (which splits heads) changes nothing. On CUDA a decode
+        step (S = 1) groups the query heads of each KV head into one matrix product over the cache: SDPA
+        with a mask falls back to its math kernel there, which first copies K and V once per query head
+        (``enable_gqa``), multiplying the step's cache reads by H / KVh.
+        """
+        bsz, seq = q.shape[0], q.shape[1]
+        if seq == 1 and q.device.type == "cuda":
+            kvh = keys.shape[1]
+            group = self.heads // kvh
+            qg = q.view(bsz, kvh, group, -1)  # heads h = kv * group + g: [B, KVh, G, hd]
+            scores = torch.matmul(qg * scale, keys.transpose(-1, -2))  # [B, KVh, G, L]
+            scores = scores.masked_fill(~mask, float("-inf"))  # mask [B, 1, 1, L] broadcasts
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(vals.dtype)
+            return torch.matmul(probs, vals).reshape(bsz, 1, self.heads * q.shape[-1])
+        attn = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, vals, attn_mask=mask, scale=scale, enable_gqa=True
+        )  # [B, H, S, hd]
+        return attn.transpose(1, 2).reshape(bsz, seq, self.heads * q.shape[-1])

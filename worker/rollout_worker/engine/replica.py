@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rollout_worker.engine.cudagraph import DecodeGraphs, key_span
 from rollout_worker.engine.kvcache import KVSlab
 from rollout_worker.engine.messages import Finish, PromptLogprobs
 from rollout_worker.engine.model import Decoder
@@ -37,11 +38,43 @@ class StepOutput:
 
 
 class Replica:
-    def __init__(self, decoder: Decoder, slab: KVSlab, limits: Limits, eos_ids: tuple[int, ...]) -> None:
-        self.decoder, self.slab, self.limits, self.eos_ids = decoder, slab, limits, eos_ids
+    def __init__(
+        self,
+        decoder: Decoder,
+        slab: KVSlab,
+        limits: Limits,
+        eos_ids: tuple[int, ...],
+        graphs: DecodeGraphs | None = None,
+    ) -> None:
+        self.slab, self.limits, self.eos_ids = slab, limits, eos_ids
+        self.graphs = graphs  # decode steps replayed from CUDA graphs (None: eager)
+        self._decoder = decoder
         self.running: list[Sequence] = []  # running[i] occupies slab slot i
         self.waiting: deque[Sequence] = deque()
         self.prefill_tokens_per_ms: float | None = None  # last measured prefill throughput
+
+    @property
+    def decoder(self) -> Decoder:
+        return self._decoder
+
+    @decoder.setter
+    def decoder(self, decoder: Decoder) -> None:
+        """New weights (a weight load): graphs captured over the old ones are dropped."""
+        self._decoder = decoder
+        if self.graphs is not None:
+            self.graphs.clear()
+
+    def release_kv(self) -> None:
+        """Free the KV cache's memory (and the graphs that address it)."""
+        if self.graphs is not None:
+            self.graphs.clear()
+        self.slab.release()
+
+    def release_weights(self) -> None:
+        """Drop the decoder's references to the weights (and the graphs that address them)."""
+        if self.graphs is not None:
+            self.graphs.clear()
+        self._decoder.release()
 
     @property
     def unfinished(self) -> int:
@@ -169,16 +202,29 @@ class Replica:
         return out
 
     def decode(self) -> StepOutput:
-        dev = self.decoder.embed.device
-        self.slab.ensure(len(self.running), max(s.kv_len for s in self.running) + 1)
-        tokens = torch.tensor([[s.output[-1]] for s in self.running], device=dev)
-        positions = torch.tensor([[s.kv_len] for s in self.running], device=dev)
-        last = torch.zeros(len(self.running), dtype=torch.long, device=dev)
-        logits = self.decoder.forward(tokens, positions, self.slab, last)
-        out = StepOutput("decode")
         seqs = list(self.running)
+        tokens, positions = [s.output[-1] for s in seqs], [s.kv_len for s in seqs]
+        if self.graphs is not None:
+            logits = self.graphs.decode(self.decoder, self.slab, tokens, positions)
+        else:
+            logits = self.decode_logits(tokens, positions)
+        out = StepOutput("decode")
         self._append(seqs, sample(logits, seqs, self.eos_ids), out)
         return out
+
+    def decode_logits(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One eager decode step over slots 0..B-1. On CUDA it attends over the same key span a graph
+        would (a multiple of 256 tokens), so eager and replayed steps compute the same function."""
+        dev = self.decoder.embed.device
+        top = max(positions)
+        self.slab.ensure(len(tokens), top + 1)
+        keys = key_span(top, self.slab.capacity) if dev.type == "cuda" else top + 1
+        return self.decoder.step_logits(
+            torch.tensor(tokens, device=dev)[:, None],
+            torch.tensor(positions, device=dev)[:, None],
+            self.slab,
+            keys,
+        )
 
     def _append(self, seqs: list[Sequence], draws: list[Draw], out: StepOutput) -> None:
         """Record each sampled token; finish by length first, then by EOS / stop token (as SGLang)."""

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -17,12 +18,15 @@ from rollout_worker.api.layout import Layout
 from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.engine.checkpoint import CheckpointReader, parse_dtype
 from rollout_worker.engine.config import EngineConfig
+from rollout_worker.engine.cudagraph import DecodeGraphs, graphs_supported
 from rollout_worker.engine.kvcache import KVSlab
 from rollout_worker.engine.messages import Faults
 from rollout_worker.engine.model import Decoder
 from rollout_worker.engine.parallel import ParallelState
 from rollout_worker.engine.replica import Limits, Replica
 from rollout_worker.engine.weights import Weights, load_shard, random_shard
+
+log = logging.getLogger(__name__)
 
 Groups = dict[Layout, list[Any]]  # layout -> process group of each replica (None for TP 1)
 
@@ -138,7 +142,15 @@ def make_replica(
         device,
     )
     limits = Limits(cfg.max_batch, cfg.kv_budget_tokens, cfg.max_prefill_tokens)
-    return Replica(decoder, slab, limits, m.eos_token_ids)
+    graphs = None
+    if cfg.cuda_graphs:
+        why = graphs_supported(decoder)
+        if why:
+            if device.type == "cuda":
+                log.info("rank %d, layout %s: decode steps run eagerly: %s", rank, lay, why)
+        else:
+            graphs = DecodeGraphs(cfg.max_batch)
+    return Replica(decoder, slab, limits, m.eos_token_ids, graphs)
 
 
 def load_weights(cfg: EngineConfig, path: str, lay: Layout, rank: int, device: torch.device) -> Weights:

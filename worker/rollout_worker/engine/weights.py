@@ -27,13 +27,13 @@ def load_shard(
 
 def random_shard(cfg: ModelConfig, tp: int, shard: int, dtype: torch.dtype, device: torch.device) -> Weights:
     """Seeded random tensors of this shard's shapes, made on the device (latency depends on shape only)."""
-    gen = torch.Generator().manual_seed(shard)
+    gen = torch.Generator(device=device).manual_seed(shard)
     out: Weights = {}
     for name, shape in tensor_shapes(cfg):
         rng = shard_range(name, cfg, tp, shard)
         if rng is not None:
             shape = tuple(rng.size if d == rng.dim else n for d, n in enumerate(shape))
-        out[name] = random_tensor(name, shape, gen, dtype).to(device)
+        out[name] = random_tensor(name, shape, gen, dtype)
     _tie(out, cfg, tp, shard)
     return out
 

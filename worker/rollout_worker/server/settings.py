@@ -30,6 +30,9 @@ class ServerSettings(BaseSettings):
     kv_budget: int | None = Field(None, ge=2, description="Reserved KV tokens per replica.")
     context_length: int = Field(0, ge=0, description="0 = the model's max_position_embeddings.")
     timeout: float = Field(120.0, gt=0, description="Timeout of every collective, seconds.")
+    cuda_graphs: bool = Field(
+        False, description="cuda: replay decode steps from CUDA graphs (TP=1 replicas; experimental)."
+    )
     max_body_bytes: int = Field(16 << 20, ge=1024, description="Larger request bodies get 413.")
     drain_seconds: float = Field(
         0.0, ge=0, description="On SIGTERM, let requests finish for this long before aborting the rest."

@@ -94,6 +94,8 @@ def _server_info(state: ServerState) -> dict[str, Any]:
         "context_length": cfg.context_length,
         "max_running_requests": cfg.max_batch * layout.replicas,
         "kv_budget_tokens_per_replica": cfg.kv_budget_tokens,
+        "disable_cuda_graph": not (cfg.cuda_graphs and cfg.device == "cuda"),
+        "cuda_graph_max_bs": cfg.max_batch if cfg.cuda_graphs and cfg.device == "cuda" else None,
         "host": s.host,
         "port": s.port,
         "weight_version": eng.weight_version if eng else "default",
