@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_worker.api.costs import KV_METHODS, CostModel
+from rollout_worker.api.engine_settings import DTYPE_BYTES, DTYPES
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.model_config import ModelConfig
 
@@ -186,7 +187,7 @@ class Profile:
 
     @property
     def dtype_bytes(self) -> int:
-        return {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+        return DTYPE_BYTES[self.dtype]
 
     def kv_tokens(self, tp: int) -> int | None:
         """KV tokens one TP-``tp`` replica holds, or None when the profile does not say (unlimited)."""
@@ -265,7 +266,7 @@ class Profile:
     def validate(self, where: str = "profile") -> None:
         if self.method not in METHODS:
             raise UserError(f"{where}: method must be one of {METHODS}, got {self.method!r}")
-        if self.dtype not in ("float64", "float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPES:
             raise UserError(f"{where}: unknown dtype {self.dtype!r}")
         if not self.step_latency:
             raise UserError(f"{where}: step_latency is empty")

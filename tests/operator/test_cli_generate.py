@@ -129,11 +129,18 @@ CASES = {
         "--reconfigure[0]: 2x2 is not among the candidate layouts",
     ),
     "bad-trigger": (["--ranks", "2", "--reconfigure", "2:2:teleport"], "method must be one of"),
-    "bad-dtype": (["--dtype", "float8"], "--dtype: unknown dtype 'float8'"),
-    "zero-timeout": (["--timeout", "0"], "--timeout: must be > 0 seconds, got 0.0"),
-    "bad-cuda-graphs": (["--cuda-graphs", "maybe"], "--cuda-graphs: must be on or off, got 'maybe'"),
+    "bad-dtype": (["--dtype", "float8"], "Invalid value for '--dtype': Value error, 'float8' is not one of"),
+    "zero-timeout": (
+        ["--collective-timeout-seconds", "0"],
+        "--collective-timeout-seconds: Input should be greater than 0",
+    ),
+    "zero-max-batch": (["--max-batch", "0"], "--max-batch: Input should be greater than or equal to 1"),
+    "zero-max-prefill": (
+        ["--max-prefill-tokens", "0"],
+        "--max-prefill-tokens: Input should be greater than or equal to 1",
+    ),
     "kv-budget-below-a-request": (
-        ["--kv-budget", "10"],
+        ["--kv-budget-tokens", "10"],
         "in.jsonl:1: prompt (26 tokens) + max_new_tokens (6) exceeds the KV budget of a replica (10 tokens)",
     ),
 }

@@ -32,7 +32,7 @@ def requests(n: int = 16, seed: int = 0, vocab: int = 512) -> list[RequestSpec]:
 
 def config(model: Path, world: int, layout: str, **kw: Any) -> EngineConfig:
     kw.setdefault("dtype", "float64")
-    kw.setdefault("collective_timeout_s", 60.0)
+    kw.setdefault("collective_timeout_seconds", 60.0)
     return EngineConfig.load(str(model), world, Layout.parse(layout), **kw)
 
 

@@ -46,7 +46,7 @@ def _crash(st: Any, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_rank_crash_is_reported_and_no_orphans(tiny64: Path) -> None:
-    cfg = config(tiny64, 4, "4x1", collective_timeout_s=30.0)
+    cfg = config(tiny64, 4, "4x1", collective_timeout_seconds=30.0)
     with pytest.raises(EngineError, match="rank 2 failed: RuntimeError: boom on purpose"):
         run_task(cfg, _crash, {"rank": 2})
     assert [p for p in mp.active_children() if p.name.startswith("rank")] == []

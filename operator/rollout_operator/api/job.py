@@ -7,7 +7,8 @@ kind: RolloutJob
 metadata: {name: quickstart}
 spec:
   model: {path: build/models/wide, dtype: float32}
-  engine: {maxBatch: 64, kvBudgetTokens: null, device: cpu}
+  engine: {device: cpu, maxBatch: 64, kvBudgetTokens: null, maxPrefillTokens: 8192, contextLength: 0,
+           collectiveTimeoutSeconds: 120, cudaGraphs: false}
   pods: 1
   gpusPerPod: 2
   mode: job
@@ -36,6 +37,7 @@ from pydantic import (
     model_validator,
 )
 from pydantic.alias_generators import to_camel
+from rollout_worker.api.engine_settings import Dtype, EngineSettings
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.layout import Layout
 
@@ -63,18 +65,17 @@ class _Spec(BaseModel):
 
 class ModelSpec(_Spec):
     path: str = Field(min_length=1, description="Checkpoint directory (Hugging Face layout).")
-    dtype: Literal["float32", "float64", "bfloat16", "float16"] = "float32"
+    dtype: Dtype = "float32"
     preset: str | None = Field(
         None, description="Make a random-weight checkpoint of this preset at `path` when it is missing."
     )
 
 
-class EngineSpec(_Spec):
-    max_batch: int = Field(64, ge=1, le=4096, description="Running requests per replica.")
-    kv_budget_tokens: int | None = Field(
-        None, ge=2, description="Reserved KV tokens per replica (null: none)."
-    )
-    device: Literal["cpu", "cuda"] = "cpu"
+class EngineSpec(EngineSettings):
+    """``spec.engine``: the engine's settings (``rollout_worker.api.engine_settings``, their one home),
+    named in camelCase; the CRD's schema of this section is generated from that model."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
 
 
 class PromptsSpec(_Spec):

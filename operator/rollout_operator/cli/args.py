@@ -8,7 +8,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import typer
+from rollout_worker.api.engine_settings import FIELDS, flag_of
 from rollout_worker.api.errors import UserError
+from rollout_worker.server.settings import ServerSettings
 
 F = TypeVar("F", bound=Callable[..., Any])
 ENGINE_EXTRA = "pip install 'elastic-rollout[engine]'"
@@ -43,26 +45,13 @@ def int_list(text: str, flag: str) -> list[int]:
     return sorted(set(vals))
 
 
-def on_off(text: str, flag: str) -> bool:
-    """``on`` / ``off`` -> True / False; errors name the flag."""
-    if text not in ("on", "off"):
-        raise UserError(f"must be on or off, got {text!r}", flag)
-    return text == "on"
-
-
-# Engine fields -> the flags that set them, so library errors (which name fields) read as flags here.
+# Fields of the engine's structure and of the CLI's own inputs -> their flags, so library errors (which
+# name fields) read as flags here. Engine and server settings map by rule (``engine_settings.flag_of``).
 FLAG_OF_FIELD = {
     "ranks": "--ranks",
     "layout": "--layout",
     "candidates": "--candidates",
     "dtype": "--dtype",
-    "device": "--device",
-    "max_batch": "--max-batch",
-    "kv_budget_tokens": "--kv-budget",
-    "max_prefill_tokens": "--max-prefill-tokens",
-    "context_length": "--context-length",
-    "collective_timeout_s": "--timeout",
-    "cuda_graphs": "--cuda-graphs",
     "model": "--model",
     "prompts": "--prompts",
     "reconfigure": "--reconfigure",
@@ -75,7 +64,12 @@ def as_flags(exc: UserError) -> UserError:
         return exc
     base, sep, rest = exc.field.partition("[")
     flag = FLAG_OF_FIELD.get(base)
+    if flag is None and base in SETTINGS_FIELDS:
+        flag = flag_of(base)
     return exc.with_field(flag + sep + rest) if flag else exc
+
+
+SETTINGS_FIELDS = frozenset(FIELDS) | frozenset(ServerSettings.model_fields)
 
 
 def bench_group(app: typer.Typer) -> typer.Typer:

@@ -7,14 +7,11 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rollout_worker.api.engine_settings import Dtype
 from rollout_worker.api.errors import UserError
 
-from rollout_operator.cli.args import bench_group, int_list, needs_engine, on_off
-
-CUDA_GRAPHS_HELP = (
-    "cuda: replay decode steps from CUDA graphs (TP=1 replicas), on | off (eager). Experimental: not yet run "
-    "on a GPU."
-)
+from rollout_operator.cli.args import bench_group, int_list, needs_engine
+from rollout_operator.cli.engine_opts import structural_options, with_engine_settings
 
 
 def register(app: typer.Typer) -> None:
@@ -29,9 +26,7 @@ def make_model_cmd(
     preset: Annotated[str, typer.Option(help="tiny | small | wide | medium | llama-3.1-8b | qwen3-14b")],
     out: Annotated[Path, typer.Option(help="Directory to create (must not exist or be empty).")],
     seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
-    dtype: Annotated[
-        str, typer.Option(help="Checkpoint dtype: float32 | bfloat16 | float64 | float16.")
-    ] = "float32",
+    dtype: Annotated[Dtype, typer.Option(help="Checkpoint dtype.")] = "float32",
 ) -> None:
     """Write a seeded random checkpoint in Hugging Face layout plus a byte-level tokenizer.json."""
     from rollout_worker.engine.checkpoint import make_model
@@ -43,56 +38,36 @@ def make_model_cmd(
     )
 
 
+@structural_options(envvar=False)
+@with_engine_settings(envvar=False)
 def generate_cmd(
-    model: Annotated[
-        Path, typer.Option(help="Checkpoint directory (config.json, safetensors, tokenizer.json).")
-    ],
     prompts: Annotated[Path, typer.Option(help="Input JSONL: id, prompt|input_ids, max_new_tokens, ...")],
     out: Annotated[Path, typer.Option(help="Output JSONL (written atomically at the end).")],
-    ranks: Annotated[int, typer.Option(help="Number of rank processes G.")] = 1,
-    layout: Annotated[str | None, typer.Option(help="Initial layout DxT with D*T = G (default Gx1).")] = None,
+    structure: dict[str, Any],
+    engine: Any,
     reconfigure: Annotated[
         list[str] | None,
         typer.Option(help="RUNNING:TP:METHOD, e.g. 12:4:migrate (method migrate|recompute|auto)."),
     ] = None,
-    candidates: Annotated[
-        str | None, typer.Option(help="Candidate layouts, e.g. 4x1,2x2,1x4 (default: all).")
-    ] = None,
-    dtype: Annotated[str, typer.Option(help="float32 | float64 | bfloat16 | float16")] = "float32",
-    device: Annotated[str, typer.Option(help="cpu | cuda")] = "cpu",
-    max_batch: Annotated[int, typer.Option(help="Max running requests per replica.")] = 64,
-    kv_budget: Annotated[int | None, typer.Option(help="Max reserved KV tokens per replica.")] = None,
     log_every: Annotated[float, typer.Option(help="Print progress every N seconds.")] = 2.0,
-    timeout: Annotated[float, typer.Option(help="Timeout of every collective, seconds.")] = 120.0,
-    cuda_graphs: Annotated[str, typer.Option(help=CUDA_GRAPHS_HELP)] = "off",
 ) -> None:
     """Generate with G ranks, optionally changing the TP layout while requests run."""
     from rollout_worker.api.plan import Trigger
     from rollout_worker.engine.batch import Interrupted, run_batch
     from rollout_worker.engine.tokenizer import TextCodec
 
-    cfg = engine_config(
-        model,
-        ranks,
-        layout,
-        candidates,
-        dtype,
-        device,
-        max_batch,
-        kv_budget,
-        timeout,
-        cuda_graphs=on_off(cuda_graphs, "--cuda-graphs"),
-    )
+    cfg = engine_config(structure, engine)
+    ranks, dtype = cfg.world, cfg.dtype
     triggers = [Trigger.from_text(t, ranks, "reconfigure") for t in reconfigure or []]
     for i, trig in enumerate(triggers):
         if trig.layout not in cfg.candidates:
             raise UserError(f"{trig.layout} is not among the candidate layouts", f"reconfigure[{i}]")
     _check_output(out, prompts)
-    codec = TextCodec.load(model)
+    codec = TextCodec.load(Path(cfg.model_dir))
     specs = _read_prompts(prompts, cfg, codec)
     typer.echo(
         f"generate: {len(specs)} requests, {ranks} ranks, layout {cfg.layout}, "
-        f"candidates {', '.join(map(str, cfg.candidates))}, {dtype} on {device}",
+        f"candidates {', '.join(map(str, cfg.candidates))}, {dtype} on {cfg.engine.device}",
         err=True,
     )
     try:
@@ -113,39 +88,19 @@ def generate_cmd(
     _print_summary(res, out)
 
 
-def engine_config(
-    model: Path,
-    ranks: int,
-    layout: str | None,
-    candidates: str | None,
-    dtype: str,
-    device: str,
-    max_batch: int,
-    kv_budget: int | None,
-    timeout: float,
-    context_length: int = 0,
-    cuda_graphs: bool = False,
-) -> Any:
-    """A validated EngineConfig from flags (errors name the flags, see ``args.as_flags``)."""
+def engine_config(structure: dict[str, Any], engine: Any) -> Any:
+    """A validated EngineConfig from an engine command's structural options and settings (errors name
+    fields, which the CLI shows as their flags)."""
     from rollout_worker.api.layout import Layout, parse_candidates
     from rollout_worker.engine.config import EngineConfig
 
+    ranks, layout, candidates = structure["ranks"], structure["layout"], structure["candidates"]
     if ranks < 1:
         raise UserError(f"must be >= 1, got {ranks}", "ranks")
     lay = Layout.parse(layout, "layout") if layout else Layout(ranks, 1)
     cands = tuple(parse_candidates(candidates, ranks)) if candidates else ()
     return EngineConfig.load(
-        str(model),
-        ranks,
-        lay,
-        candidates=cands,
-        dtype=dtype,
-        device=device,
-        max_batch=max_batch,
-        kv_budget_tokens=kv_budget,
-        collective_timeout_s=timeout,
-        context_length=context_length,
-        cuda_graphs=cuda_graphs,
+        str(structure["model"]), ranks, lay, candidates=cands, dtype=structure["dtype"], engine=engine
     )
 
 
@@ -157,7 +112,8 @@ def _read_prompts(prompts: Path, cfg: Any, codec: Any) -> list[Any]:
             raise UserError(f"no tokenizer.json in {cfg.model_dir}; use input_ids instead of prompt", "model")
         return list(codec.encode(text))
 
-    return read_requests(prompts, encode, cfg.model.vocab_size, cfg.context_length, cfg.kv_budget_tokens)
+    eng = cfg.engine
+    return read_requests(prompts, encode, cfg.model.vocab_size, eng.context_length, eng.kv_budget_tokens)
 
 
 def _check_output(out: Path, prompts: Path) -> None:
@@ -248,7 +204,7 @@ def bench_engine_cmd(
     context: Annotated[str, typer.Option(help="Comma-separated context lengths.")] = "64,256",
     steps: Annotated[int, typer.Option(help="Timed decode steps per grid point (at most 50).")] = 10,
     runs: Annotated[int, typer.Option(help="Repetitions of the whole grid.")] = 3,
-    dtype: Annotated[str, typer.Option(help="float32 | float64 | bfloat16 | float16")] = "float32",
+    dtype: Annotated[Dtype, typer.Option(help="The weights' dtype.")] = "float32",
     device: Annotated[str, typer.Option(help="cpu | cuda")] = "cpu",
     cuda_graphs: Annotated[
         str, typer.Option(help="on | off | both (each point eagerly and from graphs, side by side).")

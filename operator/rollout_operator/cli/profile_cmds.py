@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rollout_worker.api.engine_settings import Dtype
 
 from rollout_operator.cli.db_cmds import DbOption
 
@@ -32,7 +33,7 @@ def profile(
     batch: Annotated[str, typer.Option(help="Batch sizes per replica.")] = "1,2,4,8,16",
     context: Annotated[str, typer.Option(help="Context lengths.")] = "32,64,128,256",
     steps: Annotated[int, typer.Option(help="Timed decode steps per grid point (trimmed mean).")] = 40,
-    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float64")] = "float32",
+    dtype: Annotated[Dtype, typer.Option(help="The weights' dtype.")] = "float32",
     device: Annotated[str, typer.Option(help="cpu | cuda")] = "cpu",
     shard_equivalent: Annotated[
         bool,

@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from pydantic import ValidationError
 from rollout_worker.api.errors import UserError
+from rollout_worker.server.settings import ServerSettings
 
-from rollout_operator.cli.args import bench_group, needs_engine, on_off
-from rollout_operator.cli.engine_cmds import CUDA_GRAPHS_HELP
+from rollout_operator.cli.args import bench_group, needs_engine
+from rollout_operator.cli.engine_opts import structural_options, with_engine_settings, with_model_options
 
 
 def register(app: typer.Typer) -> None:
@@ -20,38 +22,16 @@ def register(app: typer.Typer) -> None:
     bench_group(app).command("serve")(needs_engine(bench_serve_cmd))
 
 
+@structural_options(envvar=True)
+@with_engine_settings(envvar=True)
+@with_model_options(ServerSettings, "server", envvar=True, exclude=("model", "api_key"))
 def serve_cmd(
-    model: Annotated[
-        Path, typer.Option(help="Checkpoint directory (config.json, safetensors, tokenizer.json).")
-    ],
-    ranks: Annotated[int, typer.Option(help="Rank processes G.")] = 1,
-    layout: Annotated[str | None, typer.Option(help="Initial layout DxT with D*T = G (default Gx1).")] = None,
-    candidates: Annotated[
-        str | None, typer.Option(help="Layouts it may switch to, e.g. 4x1,2x2 (default: all).")
-    ] = None,
-    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port.")] = 30000,
+    structure: dict[str, Any],
+    engine: Any,
+    server: dict[str, Any],
     api_key_file: Annotated[
         Path | None, typer.Option(help="File holding the API key (or set ROLLOUT_API_KEY).")
     ] = None,
-    weights_root: Annotated[
-        Path | None,
-        typer.Option(help="update_weights_from_disk only loads below here (default: --model's parent)."),
-    ] = None,
-    served_model_name: Annotated[
-        str | None, typer.Option(help="Name in /v1/models (default: --model).")
-    ] = None,
-    dtype: Annotated[str, typer.Option(help="float32 | float64 | bfloat16 | float16")] = "float32",
-    device: Annotated[str, typer.Option(help="cpu | cuda")] = "cpu",
-    max_batch: Annotated[int, typer.Option(help="Max running requests per replica.")] = 64,
-    kv_budget: Annotated[int | None, typer.Option(help="Max reserved KV tokens per replica.")] = None,
-    context_length: Annotated[int, typer.Option(help="Max prompt + output tokens (0: the model's).")] = 0,
-    timeout: Annotated[float, typer.Option(help="Timeout of every collective, seconds.")] = 120.0,
-    cuda_graphs: Annotated[str, typer.Option(help=CUDA_GRAPHS_HELP)] = "off",
-    drain_seconds: Annotated[
-        float, typer.Option(help="On SIGTERM, let requests finish this long first.")
-    ] = 0.0,
-    access_log: Annotated[bool, typer.Option(help="Log one line per HTTP request.")] = False,
     costs: Annotated[
         Path | None,
         typer.Option(
@@ -61,51 +41,25 @@ def serve_cmd(
         ),
     ] = None,
 ) -> None:
-    """Serve the engine over HTTP until SIGTERM / Ctrl-C; exits non-zero if a rank dies."""
+    """Serve the engine over HTTP until SIGTERM / Ctrl-C; exits non-zero if a rank dies. Every flag can
+    also come from the environment as ROLLOUT_SERVE_<NAME> (e.g. ROLLOUT_SERVE_MAX_BATCH=32)."""
     from rollout_worker.server.run import serve
-    from rollout_worker.server.settings import ServerSettings
 
     from rollout_operator.cli.engine_cmds import engine_config
 
     key = _api_key(api_key_file)
-    cfg = engine_config(
-        model,
-        ranks,
-        layout,
-        candidates,
-        dtype,
-        device,
-        max_batch,
-        kv_budget,
-        timeout,
-        context_length,
-        cuda_graphs=on_off(cuda_graphs, "--cuda-graphs"),
-    )
+    cfg = engine_config(structure, engine)
     cost_model = _cost_model(costs)
     if cost_model is not None:
         cfg = replace(cfg, costs=cost_model)
-    if weights_root is not None and not weights_root.is_dir():
-        raise UserError(f"{weights_root} is not a directory", "--weights-root")
-    settings = ServerSettings(
-        model=model,
-        ranks=ranks,
-        layout=str(cfg.layout),
-        candidates=",".join(map(str, cfg.candidates)),
-        host=host,
-        port=port,
-        api_key=key,
-        weights_root=weights_root,
-        served_model_name=served_model_name,
-        dtype=dtype,
-        device=device,
-        max_batch=max_batch,
-        kv_budget=kv_budget,
-        context_length=cfg.context_length,
-        timeout=timeout,
-        cuda_graphs=cfg.cuda_graphs,
-        drain_seconds=drain_seconds,
-        access_log=access_log,
-    )
+    root = server["weights_root"]
+    if root is not None and not root.is_dir():
+        raise UserError(f"{root} is not a directory", "weights_root")
+    try:
+        settings = ServerSettings(model=structure["model"], api_key=key, **server)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise UserError(err["msg"], ".".join(map(str, err["loc"]))) from None
     code = serve(settings, cfg)
     sys.exit(code)
 

@@ -6,22 +6,20 @@ from __future__ import annotations
 
 from typing import Any
 
+from rollout_worker.api.engine_settings import settings_args
 from rollout_worker.api.layout import Layout
 
 from rollout_operator.api.job import RolloutJobSpec
 
 
 def engine_args(spec: RolloutJobSpec, layout: Layout, candidates: list[Layout]) -> list[str]:
-    """``rolloutctl serve``'s arguments for the job's model, ranks, layouts and engine settings."""
-    eng = spec.engine
-    args = [
+    """``rolloutctl serve``'s arguments for the job's model, ranks, layouts and engine settings (every
+    setting, derived from the settings model)."""
+    return [
         "--model", spec.model.path, "--ranks", str(spec.gpus_per_pod), "--layout", str(layout),
         "--candidates", ",".join(map(str, candidates)), "--dtype", spec.model.dtype,
-        "--device", eng.device, "--max-batch", str(eng.max_batch),
+        *settings_args(spec.engine),
     ]  # fmt: skip
-    if eng.kv_budget_tokens is not None:
-        args += ["--kv-budget", str(eng.kv_budget_tokens)]
-    return args
 
 
 def sidecar_fields(spec: RolloutJobSpec, index: int) -> dict[str, Any]:

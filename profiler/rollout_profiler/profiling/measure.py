@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_worker import __version__
+from rollout_worker.api.engine_settings import DTYPE_BYTES, EngineSettings
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.model_config import ModelConfig
@@ -58,8 +59,7 @@ def _engine(
         layout=layouts[0],
         candidates=tuple(layouts),
         dtype=dtype,
-        device=device,
-        collective_timeout_s=600.0,
+        engine=EngineSettings(device=device, collective_timeout_seconds=600.0),
         random_weights=random_weights,
     )
 
@@ -251,7 +251,7 @@ def profile_shard_equivalent(
     echo: Echo,
 ) -> Profile:
     cfg = ModelConfig.load(model_dir)
-    elem = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    elem = DTYPE_BYTES[dtype]
     points: list[StepPoint] = []
     prefill_rates: list[float] = []
     for tp in sorted(set(tp_sizes)):

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rollout_worker.api.engine_settings import parse_settings
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.engine.checkpoint import make_model
@@ -46,11 +47,15 @@ def shape_config(
         world=ranks,
         layout=Layout(ranks, 1),
         dtype=dtype,
-        device=device,
-        max_batch=max_batch,
-        collective_timeout_s=300,
+        engine=parse_settings(
+            {
+                "device": device,
+                "max_batch": max_batch,
+                "collective_timeout_seconds": 300,
+                "cuda_graphs": cuda_graphs,
+            }
+        ),
         random_weights=True,
-        cuda_graphs=cuda_graphs,
     )
 
 

@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from rollout_worker.api.engine_settings import DTYPES
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.api.prompts import RANDOM_MODEL_TOKENIZER_CONFIG
@@ -26,19 +27,14 @@ from rollout_worker.engine.presets import preset_config
 from rollout_worker.engine.sharding import ShardRange
 from rollout_worker.engine.tokenizer import byte_level_tokenizer
 
-DTYPES = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}  # the names are torch's own
 SHARD_BYTES = 2 * 1024**3  # split checkpoints larger than this into model-0000i-of-0000n files
 
 
 def parse_dtype(name: str, what: str = "dtype") -> torch.dtype:
-    if name not in DTYPES:
+    if name not in TORCH_DTYPES:
         raise UserError(f"unknown dtype {name!r}; choose from {', '.join(DTYPES)}", what)
-    return DTYPES[name]
+    return TORCH_DTYPES[name]
 
 
 def random_tensor(

@@ -1,5 +1,6 @@
-"""The engine's one configuration, validated when it is built. CLI flags and server settings map onto it;
-its errors name the field (``layout``, ``max_batch``), and callers map fields to their own names."""
+"""The engine's configuration, validated when it is built: the model on its ranks, and the engine's settings
+(:class:`rollout_worker.api.engine_settings.EngineSettings`, validated there). Errors name the field
+(``layout``, ``max_batch``); callers map fields to their own names."""
 
 from __future__ import annotations
 
@@ -7,33 +8,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout_worker.api.costs import DEFAULT_COSTS, CostModel
+from rollout_worker.api.engine_settings import DEFAULTS, DTYPES, EngineSettings, parse_settings
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.model_config import ModelConfig
 
-DTYPES = ("float64", "float32", "bfloat16", "float16")
-DEVICES = ("cpu", "cuda")
-
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
+    """What the ranks run: the model and its shape on ``world`` ranks (layouts, dtype) and the engine's
+    tunables (``engine``, the one :class:`EngineSettings` every surface derives from)."""
+
     model_dir: str
     model: ModelConfig
     world: int  # rank processes G
     layout: Layout  # initial layout
     candidates: tuple[Layout, ...] = ()  # () = every layout the model can run on ``world`` ranks
     dtype: str = "float32"
-    device: str = "cpu"
-    max_batch: int = 64  # running requests per replica
-    kv_budget_tokens: int | None = None  # reserved (prompt + max_new) tokens per replica
-    max_prefill_tokens: int = 8192  # tokens prefilled in one step (at least one request)
-    context_length: int = 0  # 0 = the model's max_position_embeddings
-    collective_timeout_s: float = 120.0
+    engine: EngineSettings = DEFAULTS
     costs: CostModel = DEFAULT_COSTS  # priors of the switch-cost model; measured rates replace them
     random_weights: bool = False  # seeded random shards of the right shapes (profiling a shape)
-    # Replay decode steps from CUDA graphs (CUDA, TP=1 replicas; else eager). Off by default until it has
-    # run on a GPU: no GPU was lent to the session that wrote it (bench/cuda.sh runs its tests and table).
-    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         m = self.model
@@ -62,30 +56,42 @@ class EngineConfig:
             )
         if self.dtype not in DTYPES:
             raise UserError(f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}", "dtype")
-        if self.device not in DEVICES:
-            raise UserError(f"must be cpu or cuda, got {self.device!r}", "device")
-        if self.max_batch < 1:
-            raise UserError(f"must be >= 1, got {self.max_batch}", "max_batch")
-        if self.max_prefill_tokens < 1:
-            raise UserError(f"must be >= 1, got {self.max_prefill_tokens}", "max_prefill_tokens")
-        if not self.collective_timeout_s > 0:
-            raise UserError(f"must be > 0 seconds, got {self.collective_timeout_s}", "collective_timeout_s")
-        if self.context_length < 0:
-            raise UserError(f"must be >= 0 (0: the model's), got {self.context_length}", "context_length")
-        if self.context_length == 0:
-            object.__setattr__(self, "context_length", m.max_position_embeddings)
-        elif self.context_length > m.max_position_embeddings:
+        ctx = self.engine.context_length
+        if ctx == 0:
+            resolved = self.engine.model_copy(update={"context_length": m.max_position_embeddings})
+            object.__setattr__(self, "engine", resolved)
+        elif ctx > m.max_position_embeddings:
             raise UserError(
-                f"{self.context_length} exceeds max_position_embeddings={m.max_position_embeddings}",
-                "context_length",
+                f"{ctx} exceeds max_position_embeddings={m.max_position_embeddings}", "context_length"
             )
-        if self.kv_budget_tokens is not None and self.kv_budget_tokens < 2:
-            raise UserError(f"must be >= 2 tokens, got {self.kv_budget_tokens}", "kv_budget_tokens")
 
     @classmethod
-    def load(cls, model_dir: str, world: int, layout: Layout | None = None, **kw: Any) -> EngineConfig:
-        """Read the model's config.json and build a validated config (layout defaults to G x 1)."""
+    def load(
+        cls,
+        model_dir: str,
+        world: int,
+        layout: Layout | None = None,
+        *,
+        candidates: tuple[Layout, ...] = (),
+        dtype: str = "float32",
+        engine: EngineSettings | None = None,
+        costs: CostModel = DEFAULT_COSTS,
+        **settings: Any,
+    ) -> EngineConfig:
+        """Read the model's config.json and build a validated config (layout defaults to G x 1). Engine
+        settings come as ``engine`` or as keywords of :class:`EngineSettings` (``max_batch=8``)."""
         model = ModelConfig.load(model_dir)
+        if engine is None:
+            engine = parse_settings(settings)
+        elif settings:
+            engine = parse_settings({**engine.model_dump(), **settings})
         return cls(
-            model_dir=str(model_dir), model=model, world=world, layout=layout or Layout(world, 1), **kw
+            model_dir=str(model_dir),
+            model=model,
+            world=world,
+            layout=layout or Layout(world, 1),
+            candidates=candidates,
+            dtype=dtype,
+            engine=engine,
+            costs=costs,
         )

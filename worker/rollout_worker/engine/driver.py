@@ -151,7 +151,7 @@ class Engine:
         bad = [t for t in spec.stop_token_ids if not 0 <= t < vocab]
         if bad:
             raise UserError(f"token id {bad[0]} out of range [0, {vocab})", "sampling_params.stop_token_ids")
-        check_fits(spec, cfg.context_length, cfg.kv_budget_tokens)
+        check_fits(spec, cfg.engine.context_length, cfg.engine.kv_budget_tokens)
 
     def submit(self, spec: RequestSpec, stop: tuple[str, ...] = ()) -> None:
         """Accept a request (validated against the model and limits); progress goes to the listener."""
@@ -366,7 +366,7 @@ class Engine:
 
     def _await(self, ticket: int, timeout_s: float | None) -> list[Any]:
         t = self._tickets[ticket]
-        limit = timeout_s if timeout_s is not None else 4 * self.cfg.collective_timeout_s + 60
+        limit = timeout_s if timeout_s is not None else 4 * self.cfg.engine.collective_timeout_seconds + 60
         if not t.done.wait(limit):
             raise EngineError(f"no answer from the ranks after {limit:.0f} s")
         with self._lock:

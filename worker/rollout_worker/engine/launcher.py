@@ -68,7 +68,7 @@ class RankProcesses:
         task_args: dict[str, Any] | None = None,
     ) -> None:
         self.cfg = cfg
-        ctx = _context(cfg.device)
+        ctx = _context(cfg.engine.device)
         self._reader, writer = ctx.Pipe(duplex=False)
         lock = ctx.Lock()
         self.inboxes = [ctx.Queue() for _ in range(cfg.world)]

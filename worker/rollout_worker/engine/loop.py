@@ -264,7 +264,7 @@ def rank_main(
             init_method=init_method,
             rank=rank,
             world_size=cfg.world,
-            timeout=timedelta(seconds=cfg.collective_timeout_s),
+            timeout=timedelta(seconds=cfg.engine.collective_timeout_seconds),
         )
         st = build_state(rank, cfg, faults)
         if task is not None:

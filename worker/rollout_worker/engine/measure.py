@@ -153,7 +153,7 @@ def measure_grid(st: RankState, args: dict[str, Any]) -> dict[str, Any]:
     for lay in layouts:
         st = _switch(st, lay)
         for batch in args["batches"]:
-            if batch > st.cfg.max_batch:
+            if batch > st.cfg.engine.max_batch:
                 continue
             for ctx in args["contexts"]:
                 if not kv_fits(st, batch, ctx):

@@ -71,7 +71,7 @@ def reconfigure(
 
     t = time.perf_counter()
     reqs, outputs = _unfinished(snaps)
-    placements = place(reqs, target.replicas, st.cfg.max_batch, st.cfg.kv_budget_tokens)
+    placements = place(reqs, target.replicas, st.cfg.engine.max_batch, st.cfg.engine.kv_budget_tokens)
     transfers = kv_migration_plan(st.model, old, target, placements)
     elem = torch.empty((), dtype=st.dtype).element_size()
     moved = migrate_bytes(transfers, st.model, elem)

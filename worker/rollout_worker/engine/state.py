@@ -91,7 +91,7 @@ class RankState:
 
 def device_for(rank: int, cfg: EngineConfig) -> tuple[torch.device, str, bool]:
     """(device, backend, stage collectives through CPU). Several ranks may share one GPU over gloo."""
-    if cfg.device == "cpu":
+    if cfg.engine.device == "cpu":
         return torch.device("cpu"), "gloo", False
     n = torch.cuda.device_count()
     if n == 0:
@@ -105,7 +105,7 @@ def device_for(rank: int, cfg: EngineConfig) -> tuple[torch.device, str, bool]:
 
 def create_groups(cfg: EngineConfig, backend: str) -> Groups:
     """Every candidate layout's TP groups, created once, by every rank, in one fixed order."""
-    timeout = timedelta(seconds=cfg.collective_timeout_s)
+    timeout = timedelta(seconds=cfg.engine.collective_timeout_seconds)
     groups: Groups = {}
     for lay in sorted(cfg.candidates, key=lambda x: x.tp):
         if lay.tp == 1:
@@ -134,22 +134,22 @@ def make_replica(
     decoder = Decoder(m, weights, parallel_state(rank, lay, groups, stage_cpu))
     slab = KVSlab(
         m.num_layers,
-        cfg.max_batch,
+        cfg.engine.max_batch,
         m.kv_heads_per_rank(lay.tp),
-        cfg.context_length + 1,
+        cfg.engine.context_length + 1,
         m.head_dim,
         parse_dtype(cfg.dtype),
         device,
     )
-    limits = Limits(cfg.max_batch, cfg.kv_budget_tokens, cfg.max_prefill_tokens)
+    limits = Limits(cfg.engine.max_batch, cfg.engine.kv_budget_tokens, cfg.engine.max_prefill_tokens)
     graphs = None
-    if cfg.cuda_graphs:
+    if cfg.engine.cuda_graphs:
         why = graphs_supported(decoder)
         if why:
             if device.type == "cuda":
                 log.info("rank %d, layout %s: decode steps run eagerly: %s", rank, lay, why)
         else:
-            graphs = DecodeGraphs(cfg.max_batch)
+            graphs = DecodeGraphs(cfg.engine.max_batch)
     return Replica(decoder, slab, limits, m.eos_token_ids, graphs)
 
 

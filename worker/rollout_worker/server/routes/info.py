@@ -77,6 +77,7 @@ async def get_model_info(request: Request) -> dict[str, Any]:
 def _server_info(state: ServerState) -> dict[str, Any]:
     s, cfg, eng = state.settings, state.cfg, state.engine
     layout = eng.layout if eng else cfg.layout
+    graphs = cfg.engine.cuda_graphs and cfg.engine.device == "cuda"
     return {
         "model_path": str(s.model),
         "tokenizer_path": str(s.model),
@@ -90,12 +91,12 @@ def _server_info(state: ServerState) -> dict[str, Any]:
         "candidate_layouts": [str(x) for x in cfg.candidates],
         "ranks": cfg.world,
         "dtype": cfg.dtype,
-        "device": cfg.device,
-        "context_length": cfg.context_length,
-        "max_running_requests": cfg.max_batch * layout.replicas,
-        "kv_budget_tokens_per_replica": cfg.kv_budget_tokens,
-        "disable_cuda_graph": not (cfg.cuda_graphs and cfg.device == "cuda"),
-        "cuda_graph_max_bs": cfg.max_batch if cfg.cuda_graphs and cfg.device == "cuda" else None,
+        "device": cfg.engine.device,
+        "context_length": cfg.engine.context_length,
+        "max_running_requests": cfg.engine.max_batch * layout.replicas,
+        "kv_budget_tokens_per_replica": cfg.engine.kv_budget_tokens,
+        "disable_cuda_graph": not graphs,
+        "cuda_graph_max_bs": cfg.engine.max_batch if graphs else None,
         "host": s.host,
         "port": s.port,
         "weight_version": eng.weight_version if eng else "default",

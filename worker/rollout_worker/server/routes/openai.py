@@ -106,7 +106,7 @@ def _models(state: ServerState) -> dict[str, Any]:
                 "created": int(time.time()),
                 "owned_by": "elastic-rollout",
                 "root": state.model_name,
-                "max_model_len": state.cfg.context_length,
+                "max_model_len": state.cfg.engine.context_length,
             }
         ],
     }
