@@ -1,40 +1,29 @@
 """What the operator checks before it makes anything for a RolloutJob, beyond the CRD's schema, and what it
 decides for the pods: pure functions of the object and the profile. A refusal names the field.
 
-On a cluster the operator never reads the model or the prompts (they are on the pods' volumes), so:
-- the layouts come from ``parallelism.candidates``, else from the profile's model shape (heads and
-  vocabulary), else (a static job with no profile) only the starting layout;
-- ``initialLayout: auto`` starts at the smallest TP among the candidates (throughput first: the planner
-  consolidates the long tail later);
-- an adaptive job needs a profile (``parallelism.profile``), found by the operator (``profiles``).
+On a cluster the operator never reads the model or the prompts (they are on the pods' volumes), so the
+job's plan (:func:`rollout_operator.control.jobplan.plan_job`, the one ``rolloutctl run`` makes too) takes
+the model's heads and vocabulary from the profile, and the expected requests from ``prompts.limit``; an
+adaptive job needs a profile (``parallelism.profile``), found by ``control.profiles``.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 from pydantic import ValidationError
 from rollout_profiler.profile import Profile
-from rollout_worker.api.layout import Layout, candidate_layouts, tp_problem
 
 from rollout_operator.api.job import RolloutJobSpec
 from rollout_operator.api.manifest import dotted, field_errors
 from rollout_operator.cluster.manifests import PodPlan
+from rollout_operator.control.jobplan import JobPlan, Refusal, plan_job, requests_per_pod
+
+__all__ = ["Refusal", "check_cluster_fields", "parse_spec", "plan_pods"]
 
 MAX_NAME = 63  # a pod's hostname is a DNS label
 RESERVED_ENV_PREFIXES = ("ROLLOUT_",)
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """Why a job cannot run, at which field (``spec.parallelism.profile``)."""
-
-    field: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.field}: {self.message}"
 
 
 def parse_spec(raw: dict[str, Any]) -> RolloutJobSpec | Refusal:
@@ -69,27 +58,11 @@ def check_cluster_fields(name: str, spec: RolloutJobSpec) -> Refusal | None:
     return None
 
 
-def _candidates(spec: RolloutJobSpec, profile: Profile | None) -> list[Layout] | Refusal:
-    g = spec.gpus_per_pod
-    given = spec.candidate_layouts()
-    if profile is None:
-        if given is not None:
-            return given
-        init = spec.parallelism.initial_layout
-        return [Layout(g, 1) if init == "auto" else Layout.parse(init)]
-    m = profile.model
-    if given is None:
-        return candidate_layouts(g, m.num_heads, m.num_kv_heads, m.vocab_size)
-    for i, lay in enumerate(given):
-        why = tp_problem(lay.tp, m.num_heads, m.num_kv_heads, m.vocab_size)
-        if why:
-            return Refusal(f"spec.parallelism.candidates[{i}]", why)
-    return given
-
-
-def plan_pods(spec: RolloutJobSpec, profile: Profile | None, listen: Any = "all") -> PodPlan | Refusal:
-    """The pods' starting layout, candidates and cost model. ``profile``: the job's (None when it names
-    none, allowed only for a static job)."""
+def plan_pods(
+    spec: RolloutJobSpec, profile: Profile | None, listen: Any = "all"
+) -> tuple[PodPlan, JobPlan] | Refusal:
+    """The pods' starting layout, candidates and cost model, and the job's plan. ``profile``: the job's
+    (None when it names none, allowed only for a static job)."""
     par = spec.parallelism
     if profile is None and par.policy == "adaptive":
         return Refusal(
@@ -103,16 +76,8 @@ def plan_pods(spec: RolloutJobSpec, profile: Profile | None, listen: Any = "all"
             f"profile {profile.name} was measured on {profile.device_count} devices, the job has "
             f"gpusPerPod {spec.gpus_per_pod}",
         )
-    cands = _candidates(spec, profile)
-    if isinstance(cands, Refusal):
-        return cands
-    if not cands:
-        return Refusal("spec.gpusPerPod", "no layout of this many ranks fits the profile's model")
-    cands = sorted(set(cands), key=lambda x: x.tp)
-    init = par.initial_layout
-    layout = cands[0] if init == "auto" else Layout.parse(init)
-    if layout not in cands:
-        among = ", ".join(map(str, cands))
-        return Refusal("spec.parallelism.initialLayout", f"{layout} is not among {among}")
+    plan = plan_job(spec, profile, None, requests_per_pod(spec, None))
+    if isinstance(plan, Refusal):
+        return plan
     costs = None if profile is None else {key: float(v) for key, v in asdict(profile.costs).items()}
-    return PodPlan(layout, tuple(cands), costs, listen)
+    return PodPlan(plan.layout, plan.candidates, costs, listen), plan

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import httpx
 from rollout_profiler.planning.latency import LatencyModel
@@ -48,10 +47,9 @@ class PlannerLoop:
         policy: PlannerPolicy,
         prior: Prior | None = None,
         recorder: Recorder | None = None,
-        interval_s: float = 0.25,
     ) -> None:
         self.links, self.model, self.policy, self.prior = links, model, policy, prior
-        self.recorder, self.interval_s = recorder, interval_s
+        self.recorder = recorder
         self.memory = {link.name: PodMemory() for link in links}
         self.pending: dict[str, list[int | None]] = {link.name: [] for link in links}
         self.failures: dict[str, int] = {link.name: 0 for link in links}
@@ -91,14 +89,3 @@ class PlannerLoop:
     async def run_once(self) -> list[Outcome]:
         got = await asyncio.gather(*(self.tick_pod(link) for link in self.links))
         return [o for o in got if o is not None]
-
-    async def run(
-        self, done: Callable[[], bool], on_tick: Callable[[list[Outcome]], Any] | None = None
-    ) -> None:
-        """Tick until ``done()``; a final tick records the switches that ran since the last one."""
-        while not done():
-            outcomes = await self.run_once()
-            if on_tick is not None:
-                on_tick(outcomes)
-            await asyncio.sleep(self.interval_s)
-        await self.run_once()

@@ -13,8 +13,6 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pydantic import ValidationError
-from rollout_profiler.planning.latency import LatencyModel
-from rollout_profiler.planning.planner import PlannerPolicy
 from rollout_profiler.planning.predictor import Prior
 from rollout_profiler.profile import Profile
 from sqlalchemy import Engine
@@ -36,10 +34,11 @@ from rollout_operator.cluster.reconcile import (
     set_condition,
 )
 from rollout_operator.cluster.settings import OperatorSettings
+from rollout_operator.control.jobplan import JobPlan
+from rollout_operator.control.profiles import find_profile
 from rollout_operator.control.records import DbRecorder, prior_for_model
 from rollout_operator.kube.client import Kube
 from rollout_operator.kube.metrics import OperatorMetrics
-from rollout_operator.kube.profiles import find_profile
 from rollout_operator.kube.runtime import JobRuntime
 
 log = logging.getLogger(__name__)
@@ -89,11 +88,12 @@ def _status(body: Body) -> RolloutJobStatus:
 
 def _profile_and_plan(
     ctx: Context, name: str, spec: RolloutJobSpec
-) -> tuple[Profile | None, PodPlan | Refusal]:
+) -> tuple[Profile | None, tuple[PodPlan, JobPlan] | Refusal]:
     refusal = check_cluster_fields(name, spec)
     if refusal is not None:
         return None, refusal
-    profile = find_profile(spec.parallelism.profile, ctx.settings.profiles_dir, ctx.db)
+    with Session(ctx.db) as session:
+        profile = find_profile(spec, session, ctx.settings.profiles_dir)
     if isinstance(profile, Refusal):
         return None, profile
     return profile, plan_pods(spec, profile, ctx.settings.pod_listen)
@@ -116,9 +116,10 @@ async def on_create(ctx: Context, body: Body) -> dict[str, Any]:
     spec = parse_spec(body.get("spec") or {})
     if isinstance(spec, Refusal):
         return _dump(_refuse(ctx, body, status, spec))
-    profile, plan = _profile_and_plan(ctx, job.name, spec)
-    if isinstance(plan, Refusal):
-        return _dump(_refuse(ctx, body, status, plan))
+    profile, planned = _profile_and_plan(ctx, job.name, spec)
+    if isinstance(planned, Refusal):
+        return _dump(_refuse(ctx, body, status, planned))
+    plan = planned[0]
     await ctx.kube.create(build_secret(job, secrets.token_urlsafe(24), secrets.token_urlsafe(24)))
     await ctx.kube.create(build_service(job))
     if status.record_id is None:
@@ -149,26 +150,19 @@ async def _job(ctx: Context, body: Body, spec: RolloutJobSpec, status: RolloutJo
     if uid in ctx.jobs:
         return ctx.jobs[uid]
     ref = _ref(body)
-    profile, plan = _profile_and_plan(ctx, ref.name, spec)
-    if isinstance(plan, Refusal):
-        log.warning("%s: %s", ref.name, plan)
+    profile, planned = _profile_and_plan(ctx, ref.name, spec)
+    if isinstance(planned, Refusal):
+        log.warning("%s: %s", ref.name, planned)
         return None
+    plan, job_plan = planned
     values = await ctx.kube.secret(ref.namespace, k.secret_name(ref.name))
     if values is None:
         log.warning("%s: its secret %s is missing", ref.name, k.secret_name(ref.name))
         return None
-    par = spec.parallelism
-    policy = PlannerPolicy(
-        candidates=plan.candidates if par.policy == "adaptive" else (plan.layout,),
-        margin=par.margin,
-        cooldown_s=par.cooldown_seconds,
-        method=par.method,
-    )
-    model = LatencyModel(profile) if profile is not None else None
     prior = _prior(ctx, profile)
     recorder = DbRecorder(ctx.db, status.record_id)
     runtime = JobRuntime.start(
-        values[k.SECRET_SIDECAR_TOKEN], status, model, policy, prior, recorder,
+        values[k.SECRET_SIDECAR_TOKEN], status, job_plan.latency, job_plan.policy, prior, recorder,
         ctx.settings.sidecar_timeout_seconds,
     )  # fmt: skip
     ctx.jobs[uid] = Job(plan, runtime)

@@ -12,27 +12,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollout_profiler.planning.latency import LatencyModel
-from rollout_profiler.planning.planner import PlannerPolicy
 from rollout_profiler.planning.predictor import Prior
 from rollout_profiler.profile import ModelShape, Profile
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.sidecar import Progress
 
-from rollout_operator.api.job import samples_hash
+from rollout_operator.api.job import RolloutJobSpec, samples_hash
 from rollout_operator.api.manifest import LoadedJob
+from rollout_operator.control.jobplan import (
+    JobPlan,
+    ModelDims,
+    Refusal,
+    candidates_of,
+    plan_job,
+    requests_per_pod,
+)
+from rollout_operator.control.profiles import find_profile
 from rollout_operator.local import result as res
 from rollout_operator.local.result import RunResult
 from rollout_operator.local.runner import Interrupted, Planning, PodRun, run_pods
 from rollout_operator.local.setup import (
-    candidate_layouts,
     check_model,
-    initial_layout,
+    checked,
     load_job_prompts,
     make_model_if_missing,
     measure_profile,
-    profile_file,
-    stored_profile,
 )
 
 
@@ -54,25 +58,24 @@ class Prepared:
     loaded: LoadedJob
     policy: str
     prompts: int
-    candidates: list[Layout]
-    latency: LatencyModel | None
-    layout: Layout
+    plan: JobPlan
     runs: list[tuple[str, Path]]  # (policy, output directory), in order
     db: _Database
+
+    @property
+    def layout(self) -> Layout:
+        return self.plan.layout
+
+    @property
+    def candidates(self) -> list[Layout]:
+        return list(self.plan.candidates)
 
 
 def planning(prep: Prepared, policy: str) -> Planning | None:
     """The planner's side of a run of ``policy`` (None for a static run): the job's planner settings."""
-    if policy != "adaptive" or prep.latency is None:
+    if policy != "adaptive" or prep.plan.latency is None:
         return None
-    par = prep.loaded.job.spec.parallelism
-    pol = PlannerPolicy(
-        candidates=tuple(prep.candidates),
-        margin=par.margin,
-        cooldown_s=par.cooldown_seconds,
-        method=par.method,
-    )
-    return Planning(prep.latency, pol, prep.db.prior, prep.db.recorder())
+    return Planning(prep.plan.latency, prep.plan.policy, prep.db.prior, prep.db.recorder())
 
 
 def prepare(loaded: LoadedJob, opts: RunOptions, echo: Echo, model_bytes: Bytes | None = None) -> Prepared:
@@ -82,8 +85,10 @@ def prepare(loaded: LoadedJob, opts: RunOptions, echo: Echo, model_bytes: Bytes 
     policy = opts.policy or spec.parallelism.policy
     prompts = load_job_prompts(loaded)
     model_cfg = check_model(loaded)
-    candidates = candidate_layouts(loaded, model_cfg)
-    profile = profile_file(loaded, model_cfg)
+    dims = ModelDims(model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.vocab_size)
+    candidates = checked(loaded, candidates_of(spec, dims))
+    shape = ModelShape.of(Path(spec.model.path).name, model_cfg).shape_hash
+    profile = checked(loaded, find_profile(spec, None, shape_hash=shape))  # a file: checked before set-up
     out = Path(opts.output or spec.output.path)
     runs = [(policy, out / policy if opts.compare_static else out)]
     if opts.compare_static:
@@ -95,17 +100,15 @@ def prepare(loaded: LoadedJob, opts: RunOptions, echo: Echo, model_bytes: Bytes 
         echo(f"made the {spec.model.preset} model at {spec.model.path} (random weights)")
     db = _Database.open(opts.db_url)
     if profile is None:
-        profile = db.profile(loaded, model_cfg)
+        profile = checked(loaded, db.profile(spec, shape))
     if profile is None and policy == "adaptive":
-        profile = measure_profile(loaded, Path(spec.model.path), candidates, echo)
+        profile = measure_profile(loaded, Path(spec.model.path), sorted(candidates, key=lambda x: x.tp), echo)
         echo(f"stored profile {profile.name} ({db.store(profile)})")
-    latency = LatencyModel(profile) if profile is not None else None
-    layout = initial_layout(loaded, candidates, latency, len(prompts))
-    shape = ModelShape.of(Path(spec.model.path).name, model_cfg).shape_hash
+    plan = checked(loaded, plan_job(spec, profile, dims, requests_per_pod(spec, len(prompts)), policy))
     db.start(loaded, shape)
     for _, d in runs:
         res.claim(d, spec, loaded.job.metadata.name)
-    return Prepared(loaded, policy, len(prompts), candidates, latency, layout, runs, db)
+    return Prepared(loaded, policy, len(prompts), plan, runs, db)
 
 
 def execute(prep: Prepared, echo: Echo, on_progress: OnProgress) -> list[RunResult]:
@@ -150,11 +153,11 @@ class _Database:
         migrate.upgrade(resolved)
         return cls(db_engine.make_engine(resolved))
 
-    def profile(self, loaded: LoadedJob, model: Any) -> Profile | None:
+    def profile(self, spec: RolloutJobSpec, shape: str) -> Profile | Refusal | None:
         from sqlalchemy.orm import Session
 
         with Session(self.engine) as session:
-            return stored_profile(loaded, model, session)
+            return find_profile(spec, session, shape_hash=shape)
 
     def store(self, prof: Profile) -> str:
         from rollout_profiler.store import repo

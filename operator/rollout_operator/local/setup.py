@@ -1,23 +1,23 @@
-"""Before a local run starts any process: the model (made from its preset on first use), the candidate
-layouts, the profile, the prompts and the initial layout. Each error names the manifest's field and line."""
+"""Before a local run starts any process: the prompts, the model (made from its preset on first use) and
+a profile measured on first use. The job's plan (layouts, policy) and its profile lookup are the ones the
+operator uses (``control.jobplan``, ``control.profiles``). Each error names the manifest's field and line."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-import numpy as np
-from rollout_profiler.planning.latency import LatencyModel
-from rollout_profiler.planning.planner import PlannerPolicy, PodSnapshot, ReplicaState, choose_start
-from rollout_profiler.planning.predictor import fit
-from rollout_profiler.profile import ModelShape, Profile
+from rollout_profiler.profile import Profile
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.api.prompts import RANDOM_MODEL_TOKENIZER_CONFIG, ChatTemplate, Prompt, load_prompts
 
 from rollout_operator.api.manifest import LoadedJob
+from rollout_operator.control.jobplan import Refusal
+
+T = TypeVar("T")
 
 # what a profile measured on first use covers (as `rolloutctl profile`'s defaults, fewer steps)
 PROFILE_BATCHES, PROFILE_CONTEXTS, PROFILE_STEPS = (1, 2, 4, 8, 16), (32, 64, 128, 256), 20
@@ -72,54 +72,15 @@ def make_model_if_missing(loaded: LoadedJob, progress: Callable[[int, int], Any]
     return True
 
 
-def candidate_layouts(loaded: LoadedJob, model: ModelConfig) -> list[Layout]:
-    """The job's candidates (each checked against the model), or every layout the model can run."""
-    spec = loaded.job.spec
-    given = spec.parallelism.candidates
-    if given is None:
-        return model.candidate_layouts(spec.gpus_per_pod)
-    out = []
-    for i, c in enumerate(given):
-        lay = Layout.parse(c)
-        why = model.tp_problem(lay.tp)
-        if why:
-            raise loaded.error(("spec", "parallelism", "candidates", i), why)
-        out.append(lay)
-    return sorted(set(out), key=lambda x: x.tp)
-
-
-def profile_file(loaded: LoadedJob, model: ModelConfig) -> Profile | None:
-    """The profile the job names as a JSON file (checked against the model), or None."""
-    spec, where = loaded.job.spec, ("spec", "parallelism", "profile")
-    name = spec.parallelism.profile
-    if name is None or not (name.endswith(".json") or Path(name).exists()):
-        return None
-    if not Path(name).is_file():
-        raise loaded.error(where, f"profile file not found: {name}")
-    try:
-        prof = Profile.from_json(name)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise loaded.error(where, f"{name} is not a profile ({exc})") from None
-    return _same_shape(loaded, model, prof)
-
-
-def stored_profile(loaded: LoadedJob, model: ModelConfig, session: Any) -> Profile | None:
-    """The profile the job names in the database, else the newest stored one for this model shape,
-    device, rank count and dtype; None when there is none."""
-    from rollout_profiler.store import repo
-
-    spec = loaded.job.spec
-    name = spec.parallelism.profile
-    if name is None:
-        shape = ModelShape.of(Path(spec.model.path).name, model)
-        found = repo.find_profile(
-            session, shape.shape_hash, spec.engine.device, spec.gpus_per_pod, spec.model.dtype
-        )
-        return found
-    ids = [p.id for p in repo.list_profiles(session) if p.name == name]
-    if not ids:
-        raise loaded.error(("spec", "parallelism", "profile"), f"no profile named {name!r} in the database")
-    return _same_shape(loaded, model, repo.load_profile(session, max(ids)))
+def checked(loaded: LoadedJob, got: T | Refusal) -> T:
+    """``got``, or the refusal as an error at the manifest's line (``spec.parallelism.candidates[1]``)."""
+    if not isinstance(got, Refusal):
+        return got
+    path: list[str | int] = []
+    for part in got.field.split("."):
+        name, *indices = part.replace("]", "").split("[")
+        path += [name, *(int(i) for i in indices)]
+    raise loaded.error(tuple(path), got.message)
 
 
 def measure_profile(
@@ -137,35 +98,3 @@ def measure_profile(
     )  # fmt: skip
     prof.provenance["command"] = f"rolloutctl run {loaded.file} (profiled on first use)"
     return prof
-
-
-def _same_shape(loaded: LoadedJob, model: ModelConfig, prof: Profile) -> Profile:
-    spec = loaded.job.spec
-    if prof.model.shape_hash != ModelShape.of(Path(spec.model.path).name, model).shape_hash:
-        raise loaded.error(
-            ("spec", "parallelism", "profile"),
-            f"profile {prof.name} is of another model shape than {spec.model.path}",
-        )
-    return prof
-
-
-def initial_layout(
-    loaded: LoadedJob, candidates: list[Layout], model: LatencyModel | None, prompts: int
-) -> Layout:
-    init = loaded.job.spec.parallelism.initial_layout
-    if init != "auto":
-        lay = Layout.parse(init)
-        if lay not in candidates:
-            raise loaded.error(("spec", "parallelism", "initialLayout"), f"{lay} is not among {candidates}")
-        return lay
-    if model is None:
-        return candidates[0]
-    sp = loaded.job.spec
-    n = prompts * sp.samples_per_prompt // sp.pods
-    waiting = ReplicaState(np.zeros(0), np.zeros(0), np.zeros(0), n)
-    snap = PodSnapshot(
-        candidates[0], (waiting,), (True,) * sp.gpus_per_pod, 0, 0.0, 128, sp.sampling.max_new_tokens
-    )
-    pol = PlannerPolicy(candidates=tuple(candidates), margin=sp.parallelism.margin)
-    pred = fit(np.zeros(0), np.zeros(0), np.zeros(0))
-    return choose_start(model, snap, pol, pred)

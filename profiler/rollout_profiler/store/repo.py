@@ -199,6 +199,13 @@ def find_profile_id(
     return session.scalars(query).first()
 
 
+def find_profile_named(session: Session, name: str) -> Profile | None:
+    """The newest stored profile of this name, or None (one query)."""
+    query = select(ProfileRow.id).where(ProfileRow.name == name).order_by(ProfileRow.id.desc()).limit(1)
+    found = session.scalars(query).first()
+    return None if found is None else load_profile(session, found)
+
+
 def find_profile(
     session: Session, shape_hash: str, device_kind: str, device_count: int, dtype: str
 ) -> Profile | None:

@@ -76,18 +76,22 @@ def test_checks_beyond_the_schema_name_the_field(
             got, PROFILE if got.parallelism.profile else None
         )
     if field is None:
-        assert isinstance(got, PodPlan), got
+        assert isinstance(got, tuple) and isinstance(got[0], PodPlan), got
     else:
         assert isinstance(got, Refusal) and got.field == field, got
 
 
-def test_the_plan_takes_the_profiles_layouts_and_starts_at_the_smallest_tp() -> None:
-    plan = plan_pods(parsed(), PROFILE)
-    assert isinstance(plan, PodPlan)
-    assert plan.candidates == (Layout(2, 1), Layout(1, 2)) and plan.layout == Layout(2, 1)
+def test_the_plan_takes_the_profiles_layouts_and_the_planners_start() -> None:
+    got = plan_pods(parsed(), PROFILE)
+    assert isinstance(got, tuple)
+    plan, job = got
+    assert plan.candidates == (Layout(2, 1), Layout(1, 2)) and plan.layout == job.layout
+    assert job.policy.candidates == plan.candidates
     assert plan.costs is not None and plan.costs["reshard_grow_ms"] == PROFILE.costs.reshard_grow_ms
     static = plan_pods(parsed(parallelism={"policy": "static", "profile": None}), None)
-    assert isinstance(static, PodPlan) and static.candidates == (Layout(2, 1),) and static.costs is None
+    assert isinstance(static, tuple)
+    assert static[0].candidates == (Layout(2, 1),) and static[0].costs is None
+    assert static[1].policy.candidates == (Layout(2, 1),)
 
 
 def _env(container: dict[str, Any]) -> dict[str, Any]:
@@ -96,9 +100,9 @@ def _env(container: dict[str, Any]) -> dict[str, Any]:
 
 def test_a_pod_runs_the_engine_and_the_sidecar_with_the_jobs_settings() -> None:
     s = parsed(engine={"device": "cuda"}, pod={"image": "reg/er:1"})
-    plan = plan_pods(s, PROFILE, "pod-ip")
-    assert isinstance(plan, PodPlan)
-    pod = build_pod(JOB, s, 1, plan)
+    got = plan_pods(s, PROFILE, "pod-ip")
+    assert isinstance(got, tuple)
+    pod = build_pod(JOB, s, 1, got[0])
     meta, body = pod["metadata"], pod["spec"]
     assert meta["name"] == "rl-1" and meta["namespace"] == "team-a"
     assert meta["ownerReferences"] == [JOB.owner()] and JOB.owner()["controller"] is True
@@ -132,9 +136,9 @@ def test_a_pod_runs_the_engine_and_the_sidecar_with_the_jobs_settings() -> None:
 
 def test_a_cpu_job_asks_for_no_gpu_and_a_queue_less_job_no_kueue_labels() -> None:
     s = parsed()
-    plan = plan_pods(s, PROFILE)
-    assert isinstance(plan, PodPlan)
-    pod = build_pod(JobRef("rl", "ns", "u", {}), s, 0, plan)
+    got = plan_pods(s, PROFILE)
+    assert isinstance(got, tuple)
+    pod = build_pod(JobRef("rl", "ns", "u", {}), s, 0, got[0])
     assert "nvidia.com/gpu" not in str(pod["spec"]["containers"][0]["resources"])
     assert k.KUEUE_QUEUE not in pod["metadata"]["labels"] and "annotations" not in pod["metadata"]
 
@@ -154,15 +158,21 @@ CLUSTER_EXAMPLES = sorted((Path(__file__).parents[3] / "examples" / "cluster").g
 @pytest.mark.parametrize("path", CLUSTER_EXAMPLES, ids=[p.name for p in CLUSTER_EXAMPLES])
 def test_the_cluster_examples_pass_every_check_with_the_shipped_profiles(path: Path, tmp_path: Path) -> None:
     from rollout_operator.api.manifest import load_job
-    from rollout_operator.kube.profiles import find_profile
+    from rollout_operator.control.profiles import find_profile
+    from rollout_profiler.store import migrate
     from rollout_profiler.store.engine import make_engine
+    from sqlalchemy.orm import Session
 
     job = load_job(path).job
     profiles = Path(__file__).parents[3] / "profiles"
-    prof = find_profile(job.spec.parallelism.profile, profiles, make_engine(f"sqlite:///{tmp_path / 'db'}"))
+    url = f"sqlite:///{tmp_path / 'db'}"
+    migrate.upgrade(url)
+    with Session(make_engine(url)) as session:
+        prof = find_profile(job.spec, session, profiles)
     assert isinstance(prof, Profile), prof
     assert check_cluster_fields(job.metadata.name, job.spec) is None
-    plan = plan_pods(job.spec, prof)
-    assert isinstance(plan, PodPlan), plan
+    got = plan_pods(job.spec, prof)
+    assert isinstance(got, tuple), got
+    plan = got[0]
     pod = build_pod(JobRef(job.metadata.name, "ns", "u", job.metadata.labels), job.spec, 0, plan)
     assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == str(job.spec.gpus_per_pod)

@@ -133,13 +133,18 @@ def test_loop_switches_honestly_and_records_it(tiny32: Path, tmp_path: Path) -> 
 
     threads = [threading.Thread(target=post, args=(b,)) for b in bodies]
     link = EngineLink("pod-0", server.url)
-    loop = PlannerLoop(
-        [link], LatencyModel(Profile.from_json(PROFILE)), POLICY, None, DbRecorder(db, job), 0.05
-    )
+    loop = PlannerLoop([link], LatencyModel(Profile.from_json(PROFILE)), POLICY, None, DbRecorder(db, job))
+
+    async def drive() -> None:  # as the runner and the operator do: a tick, then the next one
+        while any(t.is_alive() for t in threads):
+            await loop.run_once()
+            await asyncio.sleep(0.05)
+        await loop.run_once()  # records the switches that ran since the last tick
+
     try:
         for t in threads:
             t.start()
-        asyncio.run(loop.run(lambda: all(not t.is_alive() for t in threads)))
+        asyncio.run(drive())
     finally:
         server.stop()
     with Session(db) as session:
