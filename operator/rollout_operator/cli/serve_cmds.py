@@ -64,39 +64,22 @@ def serve_cmd(
     sys.exit(code)
 
 
-COSTS_ENV = "ROLLOUT_COSTS_JSON"  # the cost model inline (what the operator's pods get; no file to mount)
-
-
 def _cost_model(path: Path | None) -> Any:
-    """The switch-cost model from ``--costs`` (a file), else from ``$ROLLOUT_COSTS_JSON``, else None."""
+    """The switch-cost model from ``--costs`` (a file), else from ``$ROLLOUT_COSTS_JSON`` (how a pod's
+    engine gets it, locally and on a cluster), else None."""
+    from rollout_worker.api.costs import COSTS_ENV, parse_costs
+
     if path is not None:
         try:
-            return _parse_costs(path.read_text(), str(path), "--costs")
+            text = path.read_text()
         except OSError as exc:
             raise UserError(f"cannot read {path}: {exc.strerror}", "--costs") from None
-    text = os.environ.get(COSTS_ENV)
-    return _parse_costs(text, COSTS_ENV, COSTS_ENV) if text else None
-
-
-def _parse_costs(text: str, source: str, name: str) -> Any:
-    import json
-
-    from rollout_worker.api.costs import CostModel
-
-    try:
-        doc = json.loads(text)
-    except ValueError as exc:
-        raise UserError(f"{source} is not JSON: {exc}", name) from None
-    body = doc.get("costs", doc) if isinstance(doc, dict) else doc
-    if not isinstance(body, dict):
-        raise UserError(f"{source}: expected an object of cost rates", name)
-    for key, value in body.items():
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-            raise UserError(f"{source}: costs.{key} must be a number >= 0, got {value!r}", name)
-    try:
-        return CostModel(**body)
-    except TypeError as exc:
-        raise UserError(f"{source}: not a cost model ({exc})", name) from None
+        try:
+            return parse_costs(text, str(path))
+        except UserError as exc:
+            raise exc.with_field("--costs") from None
+    inline = os.environ.get(COSTS_ENV)
+    return parse_costs(inline, COSTS_ENV) if inline else None
 
 
 def _api_key(path: Path | None) -> str | None:

@@ -3,7 +3,7 @@ a DecisionRecord (the last few kept; the database keeps all) and an Event. Pure.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime
 
 from rollout_worker.api.plan import ReconfigEvent
@@ -11,6 +11,7 @@ from rollout_worker.api.plan import ReconfigEvent
 from rollout_operator.api.status import LAST_DECISIONS, DecisionRecord, RolloutJobStatus
 from rollout_operator.cluster.reconcile import Event, iso
 from rollout_operator.control.loop import Outcome
+from rollout_operator.control.switches import unasked_switch
 
 
 @dataclass(frozen=True)
@@ -61,18 +62,11 @@ def apply_ticks(st: RolloutJobStatus, ticks: list[PodTick], now: datetime) -> li
                     st.last_decisions[j] = d.model_copy(update=upd)
                     break
             else:  # a later trigger of a pushed chain, or a switch the operator did not ask for
+                facts = asdict(unasked_switch(ev))
+                del facts["running_requests"]
                 st.last_decisions.append(
                     DecisionRecord(
-                        time=iso(now),
-                        pod=o.pod,
-                        from_layout=str(ev.src),
-                        to_layout=str(ev.dst),
-                        method=ev.method,
-                        reason=ev.reason,
-                        predicted_gain_ms=0.0,
-                        predicted_cost_ms=ev.predicted_ms,
-                        actual_cost_ms=ev.actual_ms,
-                        step=ev.step,
+                        time=iso(now), pod=o.pod, actual_cost_ms=ev.actual_ms, step=ev.step, **facts
                     )
                 )
         if o.pushed:

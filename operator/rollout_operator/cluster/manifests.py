@@ -9,16 +9,16 @@ the engine."""
 from __future__ import annotations
 
 import base64
-import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from rollout_worker.api.costs import CostModel
 from rollout_worker.api.layout import Layout
 from rollout_worker.sidecar.settings import env_name, settings_env
 
 from rollout_operator.api import cluster as k
 from rollout_operator.api.job import API_VERSION, KIND, RolloutJobSpec
-from rollout_operator.control.podspec import engine_args, sidecar_fields
+from rollout_operator.control.podspec import engine_args, engine_env, sidecar_fields
 
 Manifest = dict[str, Any]
 
@@ -58,7 +58,7 @@ class PodPlan:
 
     layout: Layout
     candidates: tuple[Layout, ...]
-    costs: dict[str, float] | None = None
+    costs: CostModel | None = None  # the profile's, for the engine (None: its built-in priors)
     listen: Literal["all", "pod-ip"] = "all"
 
 
@@ -123,8 +123,7 @@ def engine_container(job: JobRef, spec: RolloutJobSpec, index: int, plan: PodPla
     ]  # fmt: skip
     env = _common_env(job, index, plan.listen)
     env.append(_secret_env(job.name, "ROLLOUT_API_KEY", k.SECRET_ENGINE_KEY))
-    if plan.costs is not None:
-        env.append({"name": "ROLLOUT_COSTS_JSON", "value": json.dumps(plan.costs, sort_keys=True)})
+    env += [{"name": n, "value": v} for n, v in engine_env(plan.costs).items()]
     pod = spec.pod
     resources: Manifest = {kind: dict(v) for kind, v in pod.resources.items() if isinstance(v, dict)}
     gpus = str(spec.gpus_per_pod)

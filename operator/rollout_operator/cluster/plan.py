@@ -9,7 +9,6 @@ adaptive job needs a profile (``parallelism.profile``), found by ``control.profi
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
 from pydantic import ValidationError
@@ -79,5 +78,5 @@ def plan_pods(
     plan = plan_job(spec, profile, None, requests_per_pod(spec, None))
     if isinstance(plan, Refusal):
         return plan
-    costs = None if profile is None else {key: float(v) for key, v in asdict(profile.costs).items()}
+    costs = None if profile is None else profile.costs
     return PodPlan(plan.layout, plan.candidates, costs, listen), plan

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rollout_worker.api.costs import COSTS_ENV, CostModel, costs_json
 from rollout_worker.api.engine_settings import settings_args
 from rollout_worker.api.layout import Layout
 
@@ -20,6 +21,12 @@ def engine_args(spec: RolloutJobSpec, layout: Layout, candidates: list[Layout]) 
         "--candidates", ",".join(map(str, candidates)), "--dtype", spec.model.dtype,
         *settings_args(spec.engine),
     ]  # fmt: skip
+
+
+def engine_env(costs: CostModel | None) -> dict[str, str]:
+    """The engine's environment beyond its arguments: the planner's switch-cost model, so the engine
+    prices a switch (and picks its KV method) as the planner does."""
+    return {} if costs is None else {COSTS_ENV: costs_json(costs)}
 
 
 def sidecar_fields(spec: RolloutJobSpec, index: int) -> dict[str, Any]:

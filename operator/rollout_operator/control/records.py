@@ -1,8 +1,10 @@
-"""Decisions and finished lengths into the database (SQLite by default, PostgreSQL in clusters)."""
+"""A job's rows in the database (SQLite by default, PostgreSQL in clusters), for `rolloutctl run` and the
+operator alike: the job from its start to its end, its decisions, its finished lengths; and the prior
+earlier jobs' lengths give the next."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 from rollout_profiler.planning.predictor import Prior
@@ -11,6 +13,8 @@ from rollout_worker.api.plan import ReconfigEvent
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
+from rollout_operator.api.job import RolloutJobSpec, samples_hash
+from rollout_operator.control.switches import unasked_switch
 from rollout_operator.control.tick import TickResult
 
 PRIOR_MIN_SAMPLES = 20  # fewer finished lengths of earlier jobs than this: no prior
@@ -24,6 +28,29 @@ def prior_for_model(session: Session, shape_hash: str) -> Prior | None:
         return None
     lengths = np.array([s.length for s in earlier], dtype=float)
     return Prior.from_samples(lengths, np.array([s.length if s.capped else np.inf for s in earlier]))
+
+
+def start_job(db: Engine, name: str, namespace: str, spec: RolloutJobSpec, shape_hash: str) -> int:
+    """The job's row (its samples' hash says which outputs it makes); returns its id."""
+    with Session(db) as session, session.begin():
+        return runs.record_job(
+            session, name=name, namespace=namespace, spec_hash=samples_hash(spec), model_shape_hash=shape_hash
+        )
+
+
+def end_job(
+    db: Engine,
+    job_id: int,
+    outcome: str,
+    seconds: float | None = None,
+    lengths: list[int] | None = None,
+    capped: list[bool] | None = None,
+) -> None:
+    """The job's end (succeeded, failed, interrupted, deleted) and the lengths it finished, at once."""
+    with Session(db) as session, session.begin():
+        if lengths:
+            runs.add_finished_lengths(session, job_id, lengths, capped or [False] * len(lengths))
+        runs.finish_job(session, job_id, outcome=outcome, generation_seconds=seconds)
 
 
 @dataclass
@@ -56,18 +83,9 @@ class DbRecorder:
     def switched(self, pod: str, decision_id: int | None, event: ReconfigEvent) -> None:
         with Session(self.db) as session, session.begin():
             if decision_id is None:  # a later trigger of a chain, or a switch nobody here asked for
+                facts = asdict(unasked_switch(event))
                 decision_id = runs.record_decision(
-                    session,
-                    job_id=self.job_id,
-                    pod=pod,
-                    running_requests=event.requests_running + event.requests_waiting,
-                    from_layout=event.src,
-                    to_layout=event.dst,
-                    method=event.method,
-                    predicted_gain_ms=0.0,
-                    predicted_cost_ms=event.predicted_ms,
-                    outcome="pushed",
-                    reason=event.reason,
+                    session, job_id=self.job_id, pod=pod, outcome="pushed", **facts
                 )
             runs.finish_decision(
                 session, decision_id, outcome=event.outcome, actual_cost_ms=event.actual_ms, step=event.step

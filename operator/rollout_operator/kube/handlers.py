@@ -19,7 +19,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from rollout_operator.api import cluster as k
-from rollout_operator.api.job import RolloutJobSpec, samples_hash
+from rollout_operator.api.job import RolloutJobSpec
 from rollout_operator.api.status import RolloutJobStatus
 from rollout_operator.cluster.decisions import apply_ticks
 from rollout_operator.cluster.manifests import JobRef, PodPlan, build_pod, build_secret, build_service
@@ -36,7 +36,7 @@ from rollout_operator.cluster.reconcile import (
 from rollout_operator.cluster.settings import OperatorSettings
 from rollout_operator.control.jobplan import JobPlan
 from rollout_operator.control.profiles import find_profile
-from rollout_operator.control.records import DbRecorder, prior_for_model
+from rollout_operator.control.records import DbRecorder, end_job, prior_for_model, start_job
 from rollout_operator.kube.client import Kube
 from rollout_operator.kube.metrics import OperatorMetrics
 from rollout_operator.kube.runtime import JobRuntime
@@ -124,13 +124,7 @@ async def on_create(ctx: Context, body: Body) -> dict[str, Any]:
     await ctx.kube.create(build_service(job))
     if status.record_id is None:
         shape = profile.model.shape_hash if profile is not None else ""
-        with Session(ctx.db) as session, session.begin():
-            from rollout_profiler.store import runs
-
-            status.record_id = runs.record_job(
-                session, name=job.name, namespace=job.namespace, spec_hash=samples_hash(spec),
-                model_shape_hash=shape,
-            )  # fmt: skip
+        status.record_id = start_job(ctx.db, job.name, job.namespace, spec, shape)
     now, gen = _now(), _generation(body)
     status.phase, status.start_time, status.observed_generation = "Pending", iso(now), gen
     status.output = spec.output.path if spec.mode == "job" else None
@@ -227,14 +221,7 @@ async def _finish(ctx: Context, body: Body, status: RolloutJobStatus, outcome: s
     if job is not None:
         await job.runtime.close()
     if status.record_id is not None:
-        from rollout_profiler.store import runs
-
-        with Session(ctx.db) as session, session.begin():
-            if lengths:
-                runs.add_finished_lengths(session, status.record_id, lengths, capped)
-            runs.finish_job(
-                session, status.record_id, outcome=outcome, generation_seconds=status.generation_seconds
-            )
+        end_job(ctx.db, status.record_id, outcome, status.generation_seconds, lengths, capped)
     ctx.metrics.finished.labels(outcome).inc()
 
 
@@ -262,8 +249,5 @@ async def on_delete(ctx: Context, body: Body) -> None:
     if job is not None:
         await job.runtime.close()
     if status.record_id is not None and status.phase not in FINISHED:
-        from rollout_profiler.store import runs
-
-        with Session(ctx.db) as session, session.begin():
-            runs.finish_job(session, status.record_id, outcome="deleted")
+        end_job(ctx.db, status.record_id, "deleted")
     log.info("%s: deleted", body["metadata"]["name"])

@@ -17,7 +17,7 @@ from rollout_profiler.profile import ModelShape, Profile
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.sidecar import Progress
 
-from rollout_operator.api.job import RolloutJobSpec, samples_hash
+from rollout_operator.api.job import RolloutJobSpec
 from rollout_operator.api.manifest import LoadedJob
 from rollout_operator.control.jobplan import (
     JobPlan,
@@ -167,20 +167,13 @@ class _Database:
             return f"id {repo.save_profile(session, prof)}"
 
     def start(self, loaded: LoadedJob, shape: str) -> None:
-        from rollout_profiler.store import runs
         from sqlalchemy.orm import Session
 
-        from rollout_operator.control.records import prior_for_model
+        from rollout_operator.control.records import prior_for_model, start_job
 
-        with Session(self.engine) as session, session.begin():
+        with Session(self.engine) as session:
             self.prior = prior_for_model(session, shape)
-            self.job_id = runs.record_job(
-                session,
-                name=loaded.job.metadata.name,
-                namespace="local",
-                spec_hash=samples_hash(loaded.job.spec),
-                model_shape_hash=shape,
-            )
+        self.job_id = start_job(self.engine, loaded.job.metadata.name, "local", loaded.job.spec, shape)
 
     def recorder(self) -> Any:
         from rollout_operator.control.records import DbRecorder
@@ -188,8 +181,7 @@ class _Database:
         return DbRecorder(self.engine, self.job_id)
 
     def finish(self, r: RunResult | None, outcome: str) -> None:
-        from rollout_profiler.store import runs
-        from sqlalchemy.orm import Session
+        from rollout_operator.control.records import end_job
 
         assert self.job_id is not None
         lengths, capped = [], []
@@ -199,11 +191,7 @@ class _Database:
                     s = json.loads(line)
                     lengths.append(int(s["completion_tokens"]))
                     capped.append((s.get("finish_reason") or {}).get("type") == "length")
-        with Session(self.engine) as session, session.begin():
-            if lengths:
-                runs.add_finished_lengths(session, self.job_id, lengths, capped)
-            seconds = r.seconds if r is not None else None
-            runs.finish_job(session, self.job_id, outcome=outcome, generation_seconds=seconds)
+        end_job(self.engine, self.job_id, outcome, r.seconds if r is not None else None, lengths, capped)
 
 
 def outputs_equal(a: Path, b: Path) -> tuple[bool, str]:

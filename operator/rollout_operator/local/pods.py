@@ -6,11 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rollout_worker.api.costs import CostModel
 from rollout_worker.api.layout import Layout
 from rollout_worker.sidecar.settings import settings_env
 
 from rollout_operator.api.job import RolloutJobSpec
-from rollout_operator.control.podspec import engine_args, sidecar_fields
+from rollout_operator.control.podspec import engine_args, engine_env, sidecar_fields
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class PodProcesses:
     admin_port: int
     engine_args: list[str]
     sidecar_env: dict[str, str] = field(default_factory=dict)
+    engine_env: dict[str, str] = field(default_factory=dict)
 
     @property
     def engine_url(self) -> str:
@@ -44,17 +46,15 @@ def build_pods(
     ports: list[int],
     out_dir: Path,
     secrets: Path,
-    costs: Path | None = None,
+    costs: CostModel | None = None,
 ) -> list[PodProcesses]:
     """One engine + sidecar per pod; ``ports`` holds 3 free ports per pod (engine, sidecar API, admin);
-    ``costs``: the planner's switch-cost model (a JSON file) for the engines, so both price a switch alike."""
+    ``costs``: the planner's switch-cost model for the engines (as on a cluster: ``engine_env``)."""
     pods = []
     engine_key, token = secrets / "engine-key", secrets / "sidecar-token"
     for i in range(spec.pods):
         ep, api, admin = ports[3 * i : 3 * i + 3]
         args = [*engine_args(spec, layout, candidates), "--port", str(ep), "--api-key-file", str(engine_key)]
-        if costs is not None:
-            args += ["--costs", str(costs)]
         fields = sidecar_fields(spec, i) | {"output_dir": out_dir if spec.mode == "job" else None}
         env = settings_env(
             **fields,
@@ -66,5 +66,5 @@ def build_pods(
             admin_port=admin,
             exit_with_parent=True,
         )
-        pods.append(PodProcesses(i, f"{job_name}-{i}", ep, api, admin, args, env))
+        pods.append(PodProcesses(i, f"{job_name}-{i}", ep, api, admin, args, env, engine_env(costs)))
     return pods

@@ -60,7 +60,7 @@ class LocalPods:
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for pod in self.pods:
-            self._spawn(f"{pod.name}-engine", ["serve", *pod.engine_args])
+            self._spawn(f"{pod.name}-engine", ["serve", *pod.engine_args], pod.engine_env)
             self._spawn(f"{pod.name}-sidecar", ["sidecar"], pod.sidecar_env)
 
     def dead(self) -> list[Child]:

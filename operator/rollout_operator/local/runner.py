@@ -12,7 +12,7 @@ import secrets
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -123,10 +123,8 @@ async def run_pods(
         1 for f in run.out_dir.glob("pod-*.jsonl") for line in f.read_bytes().splitlines() if line.strip()
     )
     ports = [free_port() for _ in range(3 * spec.pods)]
-    costs = None
-    if run.planning is not None:  # the engines price a switch with the planner's (the profile's) costs
-        costs = run.out_dir / "costs.json"
-        costs.write_text(json.dumps(asdict(run.planning.model.profile.costs), indent=1) + "\n")
+    # the engines price a switch with the planner's (the profile's) costs
+    costs = run.planning.model.profile.costs if run.planning is not None else None
     pods = build_pods(
         run.loaded.job.metadata.name, spec, run.layout, run.candidates, ports, run.out_dir, secrets_dir, costs
     )

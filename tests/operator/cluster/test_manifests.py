@@ -87,7 +87,7 @@ def test_the_plan_takes_the_profiles_layouts_and_the_planners_start() -> None:
     plan, job = got
     assert plan.candidates == (Layout(2, 1), Layout(1, 2)) and plan.layout == job.layout
     assert job.policy.candidates == plan.candidates
-    assert plan.costs is not None and plan.costs["reshard_grow_ms"] == PROFILE.costs.reshard_grow_ms
+    assert plan.costs is not None and plan.costs == PROFILE.costs
     static = plan_pods(parsed(parallelism={"policy": "static", "profile": None}), None)
     assert isinstance(static, tuple)
     assert static[0].candidates == (Layout(2, 1),) and static[0].costs is None

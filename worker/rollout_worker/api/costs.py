@@ -18,8 +18,11 @@ elementwise, on numpy arrays (the planner evaluates many token counts at once).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import json
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
+
+from rollout_worker.api.errors import UserError
 
 KVMethod = Literal["migrate", "recompute"]
 Method = Literal["auto", "migrate", "recompute"]
@@ -110,3 +113,30 @@ def estimated_moved_bytes(
     """
     ts, td = min(src_tp, num_kv_heads), min(dst_tp, num_kv_heads)
     return tokens * kv_bytes_per_token * (1.0 - min(ts, td) / max(ts, td))
+
+
+COSTS_ENV = "ROLLOUT_COSTS_JSON"  # how a pod's engine gets its cost model (the same JSON, inline)
+
+
+def costs_json(costs: CostModel) -> str:
+    """The cost model as ``ROLLOUT_COSTS_JSON`` carries it."""
+    return json.dumps(asdict(costs), sort_keys=True)
+
+
+def parse_costs(text: str, source: str) -> CostModel:
+    """A cost model from JSON: the rates alone, or a profile (its ``costs``). Errors name ``source`` (the
+    file or variable it came from)."""
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise UserError(f"{source} is not JSON: {exc}", source) from None
+    body = doc.get("costs", doc) if isinstance(doc, dict) else doc
+    if not isinstance(body, dict):
+        raise UserError(f"{source}: expected an object of cost rates", source)
+    for key, value in body.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise UserError(f"{source}: costs.{key} must be a number >= 0, got {value!r}", source)
+    try:
+        return CostModel(**body)
+    except TypeError as exc:
+        raise UserError(f"{source}: not a cost model ({exc})", source) from None
