@@ -9,6 +9,7 @@ from rollout_worker.api.plan import Plan, ReconfigEvent, Trigger
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import SamplingParams
 from rollout_worker.engine.book import Book
+from rollout_worker.engine.finish import Finish, FinishAbort, FinishLength, FinishStop
 from rollout_worker.engine.messages import StepReport, Switched, TokenOut
 
 
@@ -17,7 +18,7 @@ def spec(rid: str, max_new: int = 10, min_new: int = 0) -> RequestSpec:
 
 
 def report(
-    replica: int, tokens: list[tuple[str, int]] = (), finished: list[tuple[str, dict]] = (), **kw: object
+    replica: int, tokens: list[tuple[str, int]] = (), finished: list[tuple[str, Finish]] = (), **kw: object
 ) -> StepReport:  # type: ignore[assignment]
     return StepReport(
         replica,
@@ -50,14 +51,14 @@ def test_tokens_finishes_and_since_step_exactly_once() -> None:
     book.on_step(report(0, [("a", 5)], admitted=("a",)), 1.0)
     s1 = book.snapshot(0, 1.0, [True, True], False, False, "v")
     assert s1.replicas[0].running[0].generated == 1 and s1.finished.lengths == []
-    out = book.on_step(report(1, [("b", 7)], [("b", {"type": "length", "length": 1})]), 2.0)
-    assert [u.finish for u in out.updates if u.finish] == [{"type": "length", "length": 1}]
+    out = book.on_step(report(1, [("b", 7)], [("b", FinishLength(1))]), 2.0)
+    assert [u.finish for u in out.updates if u.finish] == [FinishLength(1)]
     s2 = book.snapshot(s1.step, 2.0, [True, True], False, False, "v")
     assert s2.finished.lengths == [1] and s2.finished.capped == [False]
     assert book.snapshot(s2.step, 2.0, [True, True], False, False, "v").finished.lengths == []  # once only
     # a finish the driver decides itself (abort of a queued request) advances the clock as well
     book.add(spec("c"), (), 3.0)
-    book.finalize("c", {"type": "abort", "message": "x"}, 3.0, in_report=False)
+    book.finalize("c", FinishAbort("x"), 3.0, in_report=False)
     assert book.snapshot(s2.step, 3.0, [True, True], False, False, "v").finished.lengths == [0]
 
 
@@ -68,7 +69,7 @@ def test_stop_string_finishes_at_the_matching_token() -> None:
     out = book.on_step(report(0, [("a", 2)]), 1.0)  # "C"
     assert not out.aborts
     out = book.on_step(report(0, [("a", 3)]), 2.0)  # "CD", but min_new_tokens=2 is reached only now
-    assert out.aborts == [(0, "a", {"type": "stop", "matched": "CD"})]
+    assert out.aborts == [(0, "a", FinishStop("CD"))]
     assert "a" not in book.reqs
     late = book.on_step(report(0, [("a", 4)]), 3.0)  # the rank had not heard yet: ignored
     assert late.updates == []
@@ -95,7 +96,7 @@ def test_trigger_fires_once_lowest_reached_first() -> None:
     book.set_plan(Plan(based_on_layout=Layout(4, 1), triggers=trigs))
     assert book.fire() is None  # 10 unfinished
     for i in range(7):  # 3 left: both thresholds passed at once -> one switch, straight to 1x4
-        book.finalize(f"r{i}", {"type": "length", "length": 10}, 1.0)
+        book.finalize(f"r{i}", FinishLength(10), 1.0)
     fired = book.fire()
     assert fired is not None and fired.layout == Layout(1, 4) and book.plan is None
     assert book.fire() is None

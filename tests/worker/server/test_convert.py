@@ -10,6 +10,7 @@ from rollout_worker.api.errors import UserError
 from rollout_worker.api.sampling import default_seed
 from rollout_worker.api.sglang import GenerateRequest
 from rollout_worker.engine.book import Update
+from rollout_worker.engine.finish import FinishStop
 from rollout_worker.engine.messages import TokenOut
 from rollout_worker.engine.tokenizer import TextCodec
 from rollout_worker.server.convert import Output, to_jobs
@@ -71,7 +72,7 @@ def test_output_text_trims_the_match(tiny64: Path) -> None:
     out = Output(job, codec)
     out.add(Update(job.spec.id, tokens=tuple(TokenOut(job.spec.id, t) for t in ids)))
     assert out.text == "abcXYdef"
-    out.add(Update(job.spec.id, finish={"type": "stop", "matched": "XY"}))
+    out.add(Update(job.spec.id, finish=FinishStop("XY")))
     assert out.text == "abc" and out.render()["output_ids"] == ids
     (keep,) = to_jobs(req(input_ids=[1], sampling_params={"stop_token_ids": [ids[-1]]}), codec)
     out = Output(keep, codec)
@@ -79,7 +80,7 @@ def test_output_text_trims_the_match(tiny64: Path) -> None:
         Update(
             keep.spec.id,
             tokens=tuple(TokenOut(keep.spec.id, t) for t in ids),
-            finish={"type": "stop", "matched": ids[-1]},
+            finish=FinishStop(ids[-1]),
         )
     )
     assert out.text == "abcXYde"  # the matched stop token is not in the text

@@ -20,6 +20,8 @@ from rollout_worker.engine.book import Update
 from rollout_worker.engine.checkpoint_index import CheckpointIndex
 from rollout_worker.engine.config import EngineConfig
 from rollout_worker.engine.driver import Engine, Observer
+from rollout_worker.engine.finish import Finish, finish_json
+from rollout_worker.engine.lifecycle import Health
 from rollout_worker.engine.messages import Faults, StepReport
 
 
@@ -27,7 +29,7 @@ from rollout_worker.engine.messages import Faults, StepReport
 class _Out:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
-    finish: dict[str, Any] | None = None
+    finish: Finish | None = None
     placements: tuple[dict[str, Any], ...] = ()
 
 
@@ -88,7 +90,7 @@ def _row(spec: RequestSpec, out: _Out) -> dict[str, Any]:
     row: dict[str, Any] = {
         "id": spec.id,
         "output_ids": out.output_ids,
-        "finish_reason": out.finish,
+        "finish_reason": finish_json(out.finish),
         "prompt_tokens": len(spec.prompt_ids),
         "completion_tokens": len(out.output_ids),
         "placements": list(out.placements),
@@ -143,8 +145,9 @@ def run_batch(
                 on_progress(engine.state(), col.finished())
                 last = time.monotonic()
         gen_s = time.perf_counter() - t_gen
-        if engine.health == "failed":
-            raise EngineError(engine.failure or "engine failed")
+        status = engine.status
+        if status.health is Health.FAILED:
+            raise EngineError(status.failure or "engine failed")
         steps, events = engine.state().step, engine.reconfigurations()
     except KeyboardInterrupt:
         done = [_row(s, col.outs[s.id]) for s in specs if col.outs[s.id].finish is not None]

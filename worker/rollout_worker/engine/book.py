@@ -29,7 +29,8 @@ from rollout_worker.api.state import (
     RunningRequest,
     WaitingRequest,
 )
-from rollout_worker.engine.messages import Finish, PromptLogprobs, StepReport, Switched, TokenOut
+from rollout_worker.engine.finish import Finish, FinishAbort, FinishLength, FinishStop
+from rollout_worker.engine.messages import PromptLogprobs, StepReport, Switched, TokenOut
 
 Decode = Callable[[list[int]], str]
 FINISHED_KEPT = 8192  # finished lengths kept for the planner (the most recent ones)
@@ -164,7 +165,7 @@ class Book:
         out.updates.append(Update(tok.rid, tokens=(tok,)))
         matched = self._stop_matched(t)
         if matched is not None and t.replica is not None:
-            finish = {"type": "stop", "matched": matched}
+            finish = FinishStop(matched)
             out.aborts.append((t.replica, tok.rid, finish))
             out.updates.append(self.finalize(tok.rid, finish, now))
 
@@ -185,9 +186,9 @@ class Book:
         if t.status == "queued":
             self.queued.remove(rid)
         n = len(t.output)
-        self.finished.append((self.step, n, finish.get("type") == "length" and n >= t.spec.max_new_tokens))
+        self.finished.append((self.step, n, isinstance(finish, FinishLength) and n >= t.spec.max_new_tokens))
         self.finished_total += 1
-        if finish.get("type") == "abort":
+        if isinstance(finish, FinishAbort):
             self.aborted += 1
         ttft = None if t.first_token_at is None else t.first_token_at - t.arrived
         return Update(rid, finish=finish, placements=tuple(t.placements), latency=(ttft, now - t.arrived))

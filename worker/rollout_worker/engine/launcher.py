@@ -119,6 +119,15 @@ class RankProcesses:
     def dead(self) -> list[int]:
         return [r for r, p in enumerate(self.procs) if p.exitcode is not None]
 
+    def dead_besides(self, rank: int, within_s: float) -> list[int]:
+        """Ranks other than ``rank`` that have exited, waiting up to ``within_s`` for one to exit. A rank's
+        death fails its peers' collectives at once, but its exit is known (its sentinel ready, its exit code
+        set) only once reaped, so a peer's report of the failure can arrive first."""
+        others = {p.sentinel: p for r, p in enumerate(self.procs) if r != rank and p.pid is not None}
+        for sentinel in wait(list(others), within_s) if others else []:
+            others[sentinel].join(within_s)  # it has exited: this returns once it is reaped
+        return [r for r in self.dead() if r != rank]
+
     def stop(self, grace_s: float = 10.0) -> None:
         """Ask politely (Shutdown), then terminate, then kill: nothing outlives this call."""
         self.stopping = True

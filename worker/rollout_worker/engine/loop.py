@@ -32,6 +32,7 @@ import torch.distributed as dist
 from rollout_worker.api.errors import UserError
 from rollout_worker.engine import messages as m
 from rollout_worker.engine.config import EngineConfig
+from rollout_worker.engine.finish import PAUSE_ABORT, Finish
 from rollout_worker.engine.messages import Faults
 from rollout_worker.engine.model import Decoder
 from rollout_worker.engine.reconfig import reconfigure
@@ -55,7 +56,7 @@ class RankLoop:
     def __init__(self, st: RankState, inbox: Any, outbox: Outbox) -> None:
         self.st, self.inbox, self.outbox = st, inbox, outbox
         self.stopping = False
-        self.pending: list[tuple[str, m.Finish]] = []  # finished by a command, reported at the next report
+        self.pending: list[tuple[str, Finish]] = []  # finished by a command, reported at the next report
         self.retracted: list[str] = []
         self.step_ms: list[float] = []
 
@@ -107,7 +108,7 @@ class RankLoop:
         elif isinstance(cmd, m.Pause):
             st.paused = True
             if cmd.mode == "abort":
-                self.pending += rep.abort(None, {"type": "abort", "message": "aborted by pause_generation"})
+                self.pending += rep.abort(None, PAUSE_ABORT)
             elif cmd.mode == "retract":
                 self.retracted += rep.retract()
         elif isinstance(cmd, m.Resume):

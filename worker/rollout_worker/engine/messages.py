@@ -18,8 +18,8 @@ from rollout_worker.api.errors import ReconfigurationFailed
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.plan import ReconfigEvent
 from rollout_worker.api.requests import RequestSpec
+from rollout_worker.engine.finish import Finish
 
-Finish = dict[str, Any]  # SGLang's finish_reason: {"type": "stop"|"length"|"abort", ...}
 TopLogprobs = tuple[tuple[float, int], ...]  # (logprob, token id), best first
 PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("weights", "kv_cache")

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 from rollout_worker.engine.cudagraph import DecodeGraphs, key_span
+from rollout_worker.engine.finish import Finish, FinishLength, FinishStop
 from rollout_worker.engine.kvcache import KVSlab
-from rollout_worker.engine.messages import Finish, PromptLogprobs
+from rollout_worker.engine.messages import PromptLogprobs
 from rollout_worker.engine.model import Decoder
 from rollout_worker.engine.sampling import Draw, prompt_logprobs, sample
 from rollout_worker.engine.sequence import Sequence
@@ -168,7 +169,7 @@ class Replica:
             draws = sample(logits[[i for i, _ in sampled]], [s for _, s in sampled], self.eos_ids)
             self._append([s for _, s in sampled], draws, out)
         for seq in only_prefill:
-            self._finish(seq, {"type": "length", "length": 0}, out)
+            self._finish(seq, FinishLength(0), out)
         return out
 
     def _prompt_logprobs(
@@ -228,15 +229,15 @@ class Replica:
 
     def _append(self, seqs: list[Sequence], draws: list[Draw], out: StepOutput) -> None:
         """Record each sampled token; finish by length first, then by EOS / stop token (as SGLang)."""
-        done = []
+        done: list[tuple[Sequence, Finish]] = []
         for seq, d in zip(seqs, draws, strict=True):
             seq.output.append(d.token)
             out.draws.append((seq, d))
             spec = seq.spec
             if len(seq.output) >= spec.max_new_tokens:
-                done.append((seq, {"type": "length", "length": spec.max_new_tokens}))
+                done.append((seq, FinishLength(spec.max_new_tokens)))
             elif not spec.ignore_eos and (d.token in self.eos_ids or d.token in spec.stop_token_ids):
-                done.append((seq, {"type": "stop", "matched": d.token}))
+                done.append((seq, FinishStop(d.token)))
         for seq, finish in done:
             self._finish(seq, finish, out)
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from rollout_worker.api.requests import RequestSpec
+from rollout_worker.engine.finish import Finish
 
 
 @dataclass(slots=True, eq=False)
@@ -14,7 +14,7 @@ class Sequence:
 
     spec: RequestSpec
     output: list[int] = field(default_factory=list)
-    finish: dict[str, Any] | None = None
+    finish: Finish | None = None
 
     @property
     def kv_len(self) -> int:

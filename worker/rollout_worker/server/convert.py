@@ -18,6 +18,7 @@ from rollout_worker.api.sampling import SamplingParams, default_seed, derived_se
 from rollout_worker.api.sglang import GenerateRequest
 from rollout_worker.api.sglang import SamplingParams as SglSampling
 from rollout_worker.engine.book import Update
+from rollout_worker.engine.finish import Finish, finish_json, matched_stop
 from rollout_worker.engine.messages import TopLogprobs
 from rollout_worker.engine.tokenizer import IncrementalText, TextCodec
 
@@ -108,7 +109,7 @@ class Output:
     logprobs: list[float | None] = field(default_factory=list)
     tops: list[TopLogprobs | None] = field(default_factory=list)
     prompt: Any = None
-    finish: dict[str, Any] | None = None
+    finish: Finish | None = None
     started: float = field(default_factory=time.perf_counter)
     latency: float | None = None
     layouts: list[str] = field(default_factory=list)
@@ -140,7 +141,7 @@ class Output:
 
     def _final_text(self) -> str:
         assert self._text is not None and self.finish is not None
-        matched = self.finish.get("matched")
+        matched = matched_stop(self.finish)
         if self.job.no_stop_trim or matched is None:
             return self._text.final()
         if isinstance(matched, str):
@@ -154,7 +155,7 @@ class Output:
         spec = self.job.spec
         meta: dict[str, Any] = {
             "id": spec.id,
-            "finish_reason": self.finish,
+            "finish_reason": finish_json(self.finish),
             "prompt_tokens": len(spec.prompt_ids),
             "completion_tokens": len(self.ids),
             "cached_tokens": 0,

@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 from rollout_worker.api.plan import ReconfigEvent
 from rollout_worker.engine.book import Outcome, Update
 from rollout_worker.engine.driver import Engine, Observer
+from rollout_worker.engine.finish import FinishAbort
 
 _LAT = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _ITL = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
@@ -36,19 +37,17 @@ class _Gauges(Collector):
             g.add_metric(values, value)
             return g
 
-        load = eng.load()
-        used, cap = eng.kv_usage()
-        yield gauge("sglang:num_running_reqs", "Running requests", sum(r["running"] for r in load))
-        yield gauge(
-            "sglang:num_queue_reqs", "Waiting requests", sum(r["waiting"] for r in load) + eng.queued()
-        )
+        snap = eng.snapshot()
+        used, cap = snap.kv_used, snap.kv_allocated
+        yield gauge("sglang:num_running_reqs", "Running requests", snap.running)
+        yield gauge("sglang:num_queue_reqs", "Waiting requests", snap.waiting)
         yield gauge("sglang:num_used_tokens", "KV tokens held by running requests", used)
         yield gauge(
             "sglang:token_usage", "Fraction of allocated KV token slots in use", used / cap if cap else 0.0
         )
         yield gauge("sglang:gen_throughput", "Generated tokens per second (last 10 s)", self.m.throughput())
         yield gauge("sglang:cache_hit_rate", "Prefix cache hit rate (no prefix cache: 0)", 0.0)
-        lay = eng.layout
+        lay = snap.layout
         yield gauge("elastic_rollout_tp_size", "Current TP size", lay.tp)
         yield gauge("elastic_rollout_replicas", "Current number of replicas", lay.replicas)
         info = GaugeMetricFamily(
@@ -57,7 +56,7 @@ class _Gauges(Collector):
         info.add_metric([str(lay)], 1)
         yield info
         yield gauge(
-            "elastic_rollout_healthy", "1 when every rank is serving", 1.0 if eng.health == "ready" else 0.0
+            "elastic_rollout_healthy", "1 when every rank is serving", 1.0 if snap.status.serving else 0.0
         )
 
 
@@ -113,7 +112,7 @@ class Metrics:
 
     def _on_finish(self, u: Update) -> None:
         self.requests.labels(self.model_name).inc()
-        if u.finish is not None and u.finish.get("type") == "abort":
+        if isinstance(u.finish, FinishAbort):
             self.aborted.labels(self.model_name).inc()
         if u.latency is not None:
             self.e2e.labels(self.model_name).observe(u.latency[1])

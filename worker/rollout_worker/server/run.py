@@ -28,7 +28,7 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: Any) -> None:
         engine = self.app_state.engine
         if not self.should_exit:
-            n = engine.book.unfinished if engine is not None else 0
+            n = engine.snapshot().unfinished if engine is not None else 0
             log.info("received %s: stopping (%d request(s) in flight)", signal.Signals(sig).name, n)
         if engine is not None and not self.should_exit:
             drain = self.app_state.settings.drain_seconds

@@ -44,7 +44,7 @@ async def continue_generation(request: Request) -> dict[str, Any]:
 @router.api_route("/flush_cache", methods=["GET", "POST"], summary="Flush (400 while requests are in flight)")
 async def flush_cache(request: Request) -> JSONResponse:
     engine = server_state(request).ready_engine()
-    busy = engine.book.unfinished
+    busy = engine.snapshot().unfinished
     if busy:
         msg = f"Cache not flushed: {busy} request(s) in flight"
         return JSONResponse({"success": False, "message": msg}, status_code=400)

@@ -13,18 +13,18 @@ from fastapi.responses import JSONResponse
 from rollout_worker import __version__
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import SamplingParams
+from rollout_worker.engine.lifecycle import Status
 from rollout_worker.server.deps import ServerState, server_state
 
 router = APIRouter(tags=["sglang info"])
 
 
 def _health(state: ServerState) -> tuple[int, dict[str, Any]]:
-    eng = state.engine
-    status = "starting" if eng is None else eng.health
-    body: dict[str, Any] = {"status": status}
-    if eng is not None and eng.failure:
-        body["message"] = eng.failure
-    return (200 if status == "ready" and state.exit_code is None else 503), body
+    status = Status() if state.engine is None else state.engine.status  # one immutable value, no lock
+    body: dict[str, Any] = {"status": status.health.value}
+    if status.failure:
+        body["message"] = status.failure
+    return (200 if status.serving and state.exit_code is None else 503), body
 
 
 @router.get("/health", summary="200 when every rank serves; 503 while starting or failed")
@@ -40,7 +40,8 @@ async def health_generate(request: Request) -> JSONResponse:
     if code != 200:
         return JSONResponse(body, status_code=code)
     engine = state.ready_engine()
-    if engine.paused is not None or engine.book.unfinished:
+    snap = engine.snapshot()
+    if snap.paused is not None or snap.unfinished:
         return JSONResponse({**body, "message": "serving requests"})  # busy ranks are alive ranks
     rid = f"health-{uuid.uuid4().hex}"
     q = state.bridge.open([rid])
@@ -115,26 +116,26 @@ async def get_server_info(request: Request) -> dict[str, Any]:
 
 @router.get("/get_load", summary="Per replica: running and waiting requests")
 async def get_load(request: Request) -> list[dict[str, Any]]:
-    engine = server_state(request).ready_engine()
+    snap = server_state(request).ready_engine().snapshot()
     return [
-        {"dp_rank": d, "num_reqs": r["running"], "num_waiting_reqs": r["waiting"], "num_tokens": 0}
-        for d, r in enumerate(engine.load())
+        {"dp_rank": d, "num_reqs": r.running, "num_waiting_reqs": r.waiting, "num_tokens": 0}
+        for d, r in enumerate(snap.replicas)
     ]
 
 
 @router.get("/v1/loads", summary="Load snapshot (SGLang 0.5 shape)")
 async def v1_loads(request: Request) -> dict[str, Any]:
     state = server_state(request)
-    engine = state.ready_engine()
-    used, cap = engine.kv_usage()
+    snap = state.ready_engine().snapshot()
+    used, cap = snap.kv_used, snap.kv_allocated
     loads = [
         {
             "dp_rank": d,
-            "num_running_reqs": r["running"],
-            "num_waiting_reqs": r["waiting"] + (engine.queued() if d == 0 else 0),
-            "num_total_reqs": r["running"] + r["waiting"],
+            "num_running_reqs": r.running,
+            "num_waiting_reqs": r.waiting + (snap.queued if d == 0 else 0),
+            "num_total_reqs": r.running + r.waiting,
         }
-        for d, r in enumerate(engine.load())
+        for d, r in enumerate(snap.replicas)
     ]
     return {
         "timestamp": time.time(),

@@ -11,6 +11,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollout_worker.api.sglang import GenerateRequest
+from rollout_worker.engine.finish import matched_stop
 from rollout_worker.server.convert import Output, to_jobs
 from rollout_worker.server.deps import FastJSON, ServerState, server_state
 from rollout_worker.server.routes.generate import run_generation, stream_generation
@@ -22,7 +23,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": (None,),
     "logit_bias": (None, {}),
 }
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 class StreamOptions(BaseModel):
@@ -145,8 +145,8 @@ def _choice(i: int, out: Output, text: str, start: int, want_logprobs: bool) -> 
         "index": i,
         "text": text,
         "logprobs": _logprobs(out, start, want_logprobs),
-        "finish_reason": _FINISH.get(finish["type"], "stop") if finish else None,
-        "matched_stop": finish.get("matched") if finish else None,
+        "finish_reason": finish.type if finish else None,
+        "matched_stop": matched_stop(finish),
     }
 
 

@@ -1,0 +1,56 @@
+"""What the HTTP routes and the metrics read from the engine, taken in one go under the driver's lock and
+immutable afterwards: health, layout, pause, weight version, requests per replica and KV use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rollout_worker.api.layout import Layout
+from rollout_worker.engine.book import Book
+from rollout_worker.engine.lifecycle import Status
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLoad:
+    running: int = 0
+    waiting: int = 0  # on the replica, not running (not admitted yet, or retracted)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    status: Status
+    layout: Layout
+    paused: str | None  # the pause mode while paused
+    weight_version: str
+    unfinished: int  # every request accepted and not finished
+    queued: int  # accepted, not yet given to a replica
+    replicas: tuple[ReplicaLoad, ...]  # per replica of ``layout``
+    kv_used: int  # KV tokens held by running requests, over every replica
+    kv_allocated: int  # KV token slots allocated, over every replica
+
+    @property
+    def running(self) -> int:
+        return sum(r.running for r in self.replicas)
+
+    @property
+    def waiting(self) -> int:
+        """Waiting on a replica or in the driver's queue."""
+        return sum(r.waiting for r in self.replicas) + self.queued
+
+
+def take(book: Book, status: Status, paused: str | None, weight_version: str) -> Snapshot:
+    running, waiting = [0] * book.layout.replicas, [0] * book.layout.replicas
+    for t in book.reqs.values():
+        if t.replica is not None:
+            (running if t.status == "running" else waiting)[t.replica] += 1
+    return Snapshot(
+        status=status,
+        layout=book.layout,
+        paused=paused,
+        weight_version=weight_version,
+        unfinished=book.unfinished,
+        queued=len(book.queued),
+        replicas=tuple(ReplicaLoad(r, w) for r, w in zip(running, waiting, strict=True)),
+        kv_used=sum(u for u, _ in book.kv.values()),
+        kv_allocated=sum(c for _, c in book.kv.values()),
+    )
