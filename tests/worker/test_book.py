@@ -7,14 +7,14 @@ from rollout_worker.api.errors import UserError
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.plan import Plan, ReconfigEvent, Trigger
 from rollout_worker.api.requests import RequestSpec
-from rollout_worker.api.sampling import SamplingParams
+from rollout_worker.api.sampling import Sampling
 from rollout_worker.engine.book import Book
 from rollout_worker.engine.finish import Finish, FinishAbort, FinishLength, FinishStop
 from rollout_worker.engine.messages import StepReport, Switched, TokenOut
 
 
 def spec(rid: str, max_new: int = 10, min_new: int = 0) -> RequestSpec:
-    return RequestSpec(rid, (1, 2, 3), max_new, SamplingParams(), min_new_tokens=min_new)
+    return RequestSpec(rid, (1, 2, 3), max_new, Sampling(), min_new_tokens=min_new)
 
 
 def report(

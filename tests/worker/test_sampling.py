@@ -6,18 +6,18 @@ import math
 
 import torch
 from rollout_worker.api.requests import RequestSpec
-from rollout_worker.api.sampling import SamplingParams
+from rollout_worker.api.sampling import Sampling
 from rollout_worker.engine.sampling import prompt_logprobs, sample
 from rollout_worker.engine.sequence import Sequence
 
 
-def seq(p: SamplingParams, out: list[int] | None = None, **kw: object) -> Sequence:
+def seq(p: Sampling, out: list[int] | None = None, **kw: object) -> Sequence:
     return Sequence(RequestSpec("x", (1,), 50, p, return_logprob=True, **kw), output=out or [])  # type: ignore[arg-type]
 
 
 def test_greedy_logprob_is_the_log_softmax() -> None:
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.5]], dtype=torch.float64)
-    (d,) = sample(logits, [seq(SamplingParams(), top_logprobs_num=2)], eos_ids=())
+    (d,) = sample(logits, [seq(Sampling(), top_logprobs_num=2)], eos_ids=())
     assert d.token == 1
     ref = torch.log_softmax(logits[0], -1)
     assert math.isclose(d.logprob or 0, float(ref[1]), abs_tol=1e-15)
@@ -26,7 +26,7 @@ def test_greedy_logprob_is_the_log_softmax() -> None:
 
 def test_sampled_logprob_is_under_the_truncated_renormalised_distribution() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]], dtype=torch.float64))
-    p = SamplingParams(temperature=1.0, top_k=2, seed=11)
+    p = Sampling(temperature=1.0, top_k=2, seed=11)
     draws = [sample(logits, [seq(p, [0] * i)], ())[0] for i in range(40)]
     assert {d.token for d in draws} <= {0, 1}  # top-k 2
     for d in draws:
@@ -38,16 +38,16 @@ def test_sampled_logprob_is_under_the_truncated_renormalised_distribution() -> N
 
 def test_min_p_and_top_p_cut() -> None:
     logits = torch.log(torch.tensor([[0.6, 0.3, 0.06, 0.04]], dtype=torch.float64))
-    p = SamplingParams(temperature=1.0, min_p=0.2, seed=3)  # keeps p >= 0.12: tokens 0, 1
+    p = Sampling(temperature=1.0, min_p=0.2, seed=3)  # keeps p >= 0.12: tokens 0, 1
     toks = {sample(logits, [seq(p, [0] * i)], ())[0].token for i in range(60)}
     assert toks == {0, 1}
-    p = SamplingParams(temperature=1.0, top_p=0.5, seed=3)  # 0.6 >= 0.5: token 0 only
+    p = Sampling(temperature=1.0, top_p=0.5, seed=3)  # 0.6 >= 0.5: token 0 only
     assert {sample(logits, [seq(p, [0] * i)], ())[0].token for i in range(30)} == {0}
 
 
 def test_min_new_tokens_masks_eos_and_stop_tokens() -> None:
     logits = torch.tensor([[0.0, 9.0, 1.0, 8.0]], dtype=torch.float64)
-    s = seq(SamplingParams(), stop_token_ids=(3,), min_new_tokens=2)
+    s = seq(Sampling(), stop_token_ids=(3,), min_new_tokens=2)
     assert sample(logits, [s], eos_ids=(1,))[0].token == 2  # 1 (EOS) and 3 (stop) masked
     s.output = [2, 2]
     assert sample(logits, [s], eos_ids=(1,))[0].token == 1

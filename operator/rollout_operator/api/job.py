@@ -40,6 +40,7 @@ from pydantic.alias_generators import to_camel
 from rollout_worker.api.engine_settings import Dtype, EngineSettings
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.layout import Layout
+from rollout_worker.api.sidecar import SamplingSettings
 
 API_VERSION = "elasticrollout.dev/v1alpha1"
 KIND = "RolloutJob"
@@ -83,14 +84,9 @@ class PromptsSpec(_Spec):
     limit: int | None = Field(None, ge=1, description="Use only the first N prompts.")
 
 
-class SamplingSpec(_Spec):
-    temperature: float = Field(1.0, ge=0.0, description="0 = greedy.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1, description="-1 = off.")
-    max_new_tokens: int = Field(1024, ge=1)
-    seed: int = Field(0, ge=0, description="Each sample's seed is a fixed hash of (seed, prompt id, index).")
-    stop: list[str] = Field(default_factory=list)
-    ignore_eos: bool = Field(False, description="Generate past end-of-sequence (replaying recorded lengths).")
+class SamplingSpec(SamplingSettings):
+    # the fields and their mapping to SGLang's sampling_params are the worker's; camelCase names here
+    model_config = _Spec.model_config
 
 
 class ParallelismSpec(_Spec):

@@ -32,7 +32,7 @@ def engine_env(costs: CostModel | None) -> dict[str, str]:
 def sidecar_fields(spec: RolloutJobSpec, index: int) -> dict[str, Any]:
     """The sidecar settings (``SidecarFields``) the job decides for pod ``index``: its mode, shard and
     sampling. Output and listening addresses are the caller's."""
-    s, prompts = spec.sampling, spec.prompts
+    prompts = spec.prompts
     return {
         "mode": spec.mode,
         "prompts_path": prompts.path if prompts else None,
@@ -41,12 +41,6 @@ def sidecar_fields(spec: RolloutJobSpec, index: int) -> dict[str, Any]:
         "pod_index": index,
         "pods": spec.pods,
         "samples_per_prompt": spec.samples_per_prompt,
-        "temperature": s.temperature,
-        "top_p": s.top_p,
-        "top_k": s.top_k,
-        "max_new_tokens": s.max_new_tokens,
-        "seed": s.seed,
-        "stop": list(s.stop),
-        "ignore_eos": s.ignore_eos,
+        **spec.sampling.model_dump(),  # the sidecar's settings of the same names (SidecarFields.sampling)
         "output_dir": spec.output.path if spec.mode == "job" else None,
     }

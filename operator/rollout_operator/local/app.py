@@ -6,7 +6,6 @@ run (and ``--compare static``), and the job's outcome and finished lengths in th
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any
 from rollout_profiler.planning.predictor import Prior
 from rollout_profiler.profile import ModelShape, Profile
 from rollout_worker.api.layout import Layout
-from rollout_worker.api.sidecar import Progress
+from rollout_worker.api.sidecar import Progress, read_outputs
 
 from rollout_operator.api.job import RolloutJobSpec
 from rollout_operator.api.manifest import LoadedJob
@@ -186,11 +185,9 @@ class _Database:
         assert self.job_id is not None
         lengths, capped = [], []
         if r is not None and not r.reused:
-            for f in sorted(r.out_dir.glob("pod-*.jsonl")):
-                for line in f.read_text().splitlines():
-                    s = json.loads(line)
-                    lengths.append(int(s["completion_tokens"]))
-                    capped.append((s.get("finish_reason") or {}).get("type") == "length")
+            for s in read_outputs(r.out_dir):
+                lengths.append(s.completion_tokens)
+                capped.append((s.finish_reason or {}).get("type") == "length")
         end_job(self.engine, self.job_id, outcome, r.seconds if r is not None else None, lengths, capped)
 
 
@@ -198,12 +195,7 @@ def outputs_equal(a: Path, b: Path) -> tuple[bool, str]:
     """Both runs' samples, sorted by (prompt, sample): the same output ids?"""
 
     def load(d: Path) -> dict[tuple[str, int], list[int]]:
-        out = {}
-        for f in sorted(d.glob("pod-*.jsonl")):
-            for line in f.read_text().splitlines():
-                s = json.loads(line)
-                out[(s["prompt_id"], s["sample"])] = s["output_ids"]
-        return out
+        return {(s.prompt_id, s.sample): s.output_ids for s in read_outputs(d)}
 
     x, y = load(a), load(b)
     if x.keys() != y.keys():

@@ -12,6 +12,7 @@ from typing import Any
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.plan import ReconfigEvent
+from rollout_worker.api.sidecar import output_files
 from rollout_worker.sidecar.outputs import sha256_of
 
 from rollout_operator.api.job import RolloutJobSpec, samples_hash
@@ -83,7 +84,7 @@ def check_claim(out_dir: Path, spec: RolloutJobSpec, job_name: str) -> None:
     samples of two different jobs never mix."""
     path = out_dir / JOB_FILE
     if not path.exists():
-        if out_dir.exists() and any(out_dir.glob("pod-*.jsonl")):
+        if output_files(out_dir):
             raise UserError(f"{out_dir} holds outputs of an unknown job; give another --output", "--output")
         return
     try:

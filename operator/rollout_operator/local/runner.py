@@ -22,7 +22,7 @@ from rollout_profiler.planning.planner import PlannerPolicy
 from rollout_profiler.planning.predictor import Prior
 from rollout_worker.api.errors import EngineError
 from rollout_worker.api.layout import Layout
-from rollout_worker.api.sidecar import Progress
+from rollout_worker.api.sidecar import Progress, output_files, read_outputs
 from rollout_worker.server.process import free_port
 from rollout_worker.sidecar.outputs import write_manifest
 
@@ -119,9 +119,7 @@ async def run_pods(
     service = spec.mode == "service"
     run.out_dir.mkdir(parents=True, exist_ok=True)
     secrets_dir, token = _secrets(run.out_dir / ".secrets")
-    resumed = sum(
-        1 for f in run.out_dir.glob("pod-*.jsonl") for line in f.read_bytes().splitlines() if line.strip()
-    )
+    resumed = len(read_outputs(run.out_dir))
     ports = [free_port() for _ in range(3 * spec.pods)]
     # the engines price a switch with the planner's (the profile's) costs
     costs = run.planning.model.profile.costs if run.planning is not None else None
@@ -191,9 +189,9 @@ async def run_pods(
         local.stop()
         logging.getLogger("rollout_operator").removeHandler(log_file)
         log_file.close()
-    files = sorted(run.out_dir.glob("pod-*.jsonl"))
-    samples = [json.loads(x) for f in files for x in f.read_text().splitlines()]
-    tokens = sum(int(s.get("completion_tokens", 0)) for s in samples)
+    files = output_files(run.out_dir)
+    samples = read_outputs(run.out_dir)
+    tokens = sum(s.completion_tokens for s in samples)
     if service:
         n, tokens = served, 0
     else:

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from rollout_worker.api.requests import RequestSpec
-from rollout_worker.api.sampling import SamplingParams
+from rollout_worker.api.sampling import Sampling
 from rollout_worker.engine.batch import run_batch
 from rollout_worker.engine.checkpoint import make_model
 from rollout_worker.engine.config import EngineConfig
@@ -213,9 +213,7 @@ def test_flush_cache_only_when_idle(ctl: Served) -> None:
 
 def _static(model: Path, prompts: list[list[int]]) -> list[list[int]]:
     cfg = EngineConfig.load(str(model), 1, dtype="float64")
-    specs = [
-        RequestSpec(f"s{i}", tuple(p), 12, SamplingParams(), ignore_eos=True) for i, p in enumerate(prompts)
-    ]
+    specs = [RequestSpec(f"s{i}", tuple(p), 12, Sampling(), ignore_eos=True) for i, p in enumerate(prompts)]
     return [o["output_ids"] for o in run_batch(cfg, specs).outputs]
 
 

@@ -10,7 +10,8 @@ from typing import Any
 
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.jsonl import iter_jsonl
-from rollout_worker.api.sampling import SamplingParams, default_seed
+from rollout_worker.api.sampling import Sampling, default_seed
+from rollout_worker.api.sglang import SamplingParams
 
 FIELDS = {
     "id",
@@ -33,7 +34,7 @@ class RequestSpec:
     id: str
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
-    sampling: SamplingParams
+    sampling: Sampling
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     min_new_tokens: int = 0  # EOS and stop tokens are masked before this many tokens
@@ -117,7 +118,7 @@ def parse_request(obj: Any, where: str, encode: Any, vocab_size: int) -> Request
         id=rid,
         prompt_ids=tuple(ids),
         max_new_tokens=max_new,
-        sampling=SamplingParams(temperature=temp, top_p=top_p, top_k=max(top_k, 0), seed=seed),
+        sampling=SamplingParams(temperature=temp, top_p=top_p, top_k=top_k).engine(seed),
         ignore_eos=ignore_eos,
         stop_token_ids=tuple(stops),
     )
@@ -129,7 +130,7 @@ def _is_int(v: Any) -> bool:
 
 def _number(obj: dict[str, Any], key: str, default: float, where: str, lo: float) -> float:
     v = obj.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int | float) or v < lo:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not v >= lo:  # NaN too
         raise UserError(f"{where}: field {key!r} must be a number >= {lo}")
     return float(v)
 

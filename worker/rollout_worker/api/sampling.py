@@ -1,4 +1,9 @@
-"""Per-request sampling parameters (torch-free). The sampler itself is ``rollout_worker.engine.sampling``.
+"""How the engine draws a request's tokens (torch-free). The sampler is ``rollout_worker.engine.sampling``.
+
+Three names, one meaning each: :class:`Sampling` is what the engine's ranks draw with;
+``rollout_worker.api.sglang.SamplingParams`` is the ``sampling_params`` of SGLang's ``/generate`` (its
+``engine`` method gives the :class:`Sampling`); ``rollout_worker.api.sidecar.SamplingSettings`` is a job's
+sampling (its ``sampling_params`` method gives one sample's SGLang ``sampling_params``).
 
 Sampling is counter-based: token ``i`` of a request is drawn with ``u = H(seed, i)``, so a request's
 tokens depend only on the request, never on the replica, TP size, batch or arrival time.
@@ -11,7 +16,9 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingParams:
+class Sampling:
+    """One request's sampling as the engine's ranks run it (``top_k`` <= 0: off)."""
+
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0  # in (0, 1]
     top_k: int = 0  # <= 0: off

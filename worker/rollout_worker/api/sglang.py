@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from rollout_worker.api.sampling import Sampling
+
 # key -> its neutral value (what a client that does not use the feature sends)
 _NEUTRAL_SAMPLING: dict[str, Any] = {
     "regex": None,
@@ -91,6 +93,11 @@ class SamplingParams(BaseModel):
 
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def engine(self, seed: int) -> Sampling:
+        """What the engine's ranks draw with, seeded ``seed`` (SGLang's ``top_k`` -1 is the engine's 0: off).
+        The other fields shape the request around the draw (lengths, stops, text), see ``server.convert``."""
+        return Sampling(self.temperature, self.top_p, max(self.top_k, 0), self.min_p, seed)
 
 
 class GenerateRequest(BaseModel):

@@ -1,5 +1,6 @@
-"""The pod sidecar's HTTP bodies and its sample records (torch-free): the sidecar answers with these models,
-and the runner, the operator and the tests parse its answers and its output files with the same ones.
+"""The pod sidecar's HTTP bodies, its sample records and a job's sampling (torch-free): the sidecar answers
+with these models and writes its samples through :class:`Sample`; the runner, the operator and the tests
+parse its answers with the same models and its output files with :func:`read_samples`.
 
 A sample record is one line of ``pod-{index}.jsonl``: the fields of :class:`Sample`, then the prompt's
 pass-through fields (VeRL's ``data_source``, ``reward_model``, ``extra_info``, ...) at the top level.
@@ -7,13 +8,48 @@ pass-through fields (VeRL's ``data_source``, ``reward_model``, ``extra_info``, .
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from rollout_worker.api.errors import UserError
+from rollout_worker.api.sampling import sample_seed
+from rollout_worker.api.sglang import SamplingParams
 from rollout_worker.api.state import EngineState
 
 Mode = Literal["job", "service"]
+
+
+class SamplingSettings(BaseModel):
+    """A job's sampling: the RolloutJob's ``spec.sampling`` (the operator's ``SamplingSpec`` is this model
+    with the manifest's camelCase names) and the sidecar's settings of the same names."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(1.0, ge=0.0, description="0 = greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, description="-1 = off.")
+    max_new_tokens: int = Field(1024, ge=1)
+    seed: int = Field(0, ge=0, description="Each sample's seed is a fixed hash of (seed, prompt id, index).")
+    stop: list[str] = Field(default_factory=list)
+    ignore_eos: bool = Field(False, description="Generate past end-of-sequence (replaying recorded lengths).")
+
+    def sampling_params(
+        self, prompt_id: str, sample: int, max_new_tokens: int | None = None
+    ) -> SamplingParams:
+        """SGLang's ``sampling_params`` of sample ``sample`` of prompt ``prompt_id``: drawn with that
+        sample's own seed (:func:`sample_seed`), at most ``max_new_tokens`` (the prompt's, if it has one)."""
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_new_tokens=min(self.max_new_tokens, max_new_tokens or self.max_new_tokens),
+            stop=list(self.stop),
+            ignore_eos=self.ignore_eos,
+            sampling_seed=sample_seed(self.seed, prompt_id, sample),
+        )
 
 
 class Sample(BaseModel):
@@ -43,9 +79,53 @@ class Sample(BaseModel):
         """The prompt's pass-through fields."""
         return dict(self.model_extra or {})
 
+    def to_line(self) -> bytes:
+        """The sample's line in the output file (compact JSON, the fields in order, then the pass-through
+        fields; newline included)."""
+        return json.dumps(self.model_dump(), separators=(",", ":")).encode() + b"\n"
+
 
 # Names a prompt's pass-through field must not take (they would overwrite the sample's own fields).
 SAMPLE_FIELDS = frozenset(Sample.model_fields)
+
+
+def output_file(out_dir: str | Path, pod_index: int) -> Path:
+    """Pod ``pod_index``'s output file in ``out_dir``."""
+    return Path(out_dir) / f"pod-{pod_index}.jsonl"
+
+
+def output_files(out_dir: str | Path) -> list[Path]:
+    """Every pod's output file in ``out_dir``, in name order."""
+    return sorted(Path(out_dir).glob("pod-*.jsonl"))
+
+
+def parse_samples(data: bytes, path: str | Path) -> list[Sample]:
+    """The samples of one output file's bytes, in file order. Only whole lines count: bytes after the last
+    newline are a write cut short (the sidecar cuts them when it resumes). A line that is not a sample is
+    damage, reported with the file and line (UserError), never skipped."""
+    samples: list[Sample] = []
+    for n, line in enumerate(data[: data.rfind(b"\n") + 1].splitlines(), start=1):
+        try:
+            samples.append(Sample.model_validate(json.loads(line)))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise UserError(
+                f"{path}:{n}: not a sample record ({type(exc).__name__}); the file is damaged"
+            ) from None
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            why = f"{'.'.join(map(str, err['loc'])) or 'line'}: {err['msg']}"
+            raise UserError(f"{path}:{n}: not a sample record ({why}); the file is damaged") from None
+    return samples
+
+
+def read_samples(path: str | Path) -> list[Sample]:
+    """Every whole sample of one output file ``pod-{index}.jsonl`` (see :func:`parse_samples`)."""
+    return parse_samples(Path(path).read_bytes(), path)
+
+
+def read_outputs(out_dir: str | Path) -> list[Sample]:
+    """Every whole sample of every pod's output file in ``out_dir`` (files in name order)."""
+    return [s for f in output_files(out_dir) for s in read_samples(f)]
 
 
 class SamplesPage(BaseModel):

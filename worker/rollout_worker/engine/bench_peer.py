@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_worker.api.requests import RequestSpec
-from rollout_worker.api.sampling import SamplingParams
+from rollout_worker.api.sampling import Sampling
 
 Echo = Callable[[str], Any]
 TAIL = [8, 8, 12, 12, 16, 16, 20, 24, 28, 32, 40, 48, 64, 96, 192, 384]  # 1,000 tokens, 16 requests
@@ -61,7 +61,7 @@ def _ours_steady(model: Path, rows: list[dict[str, Any]], cores: int) -> tuple[f
 
     cfg = EngineConfig.load(str(model), cores)
     specs = [
-        RequestSpec(r["id"], tuple(r["input_ids"]), r["max_new_tokens"], SamplingParams(), ignore_eos=True)
+        RequestSpec(r["id"], tuple(r["input_ids"]), r["max_new_tokens"], Sampling(), ignore_eos=True)
         for r in rows
     ]
     res = run_batch(cfg, specs)

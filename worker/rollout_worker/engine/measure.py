@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.requests import RequestSpec
-from rollout_worker.api.sampling import SamplingParams
+from rollout_worker.api.sampling import Sampling
 from rollout_worker.engine.reconfig import reconfigure
 from rollout_worker.engine.sequence import Sequence
 from rollout_worker.engine.state import RankState
@@ -49,7 +49,7 @@ def _fake_running(st: RankState, batch: int, context: int, tag: str, seed: int) 
             f"{tag}-{d}-{i}",
             tuple(rng.randrange(vocab) for _ in range(context)),
             max_new_tokens=_HEADROOM,
-            sampling=SamplingParams(),
+            sampling=Sampling(),
             ignore_eos=True,
         )
         rep.running.append(Sequence(spec=spec, output=[rng.randrange(vocab)]))
@@ -210,7 +210,7 @@ def probe_logits(st: RankState, args: dict[str, Any]) -> dict[str, Any]:
         st = _switch(st, Layout.parse(name))
         rep = st.replica
         seqs = [
-            Sequence(spec=RequestSpec(f"p{i}", tuple(r[:-1]), 2, SamplingParams()), output=[r[-1]])
+            Sequence(spec=RequestSpec(f"p{i}", tuple(r[:-1]), 2, Sampling()), output=[r[-1]])
             for i, r in enumerate(rows)
         ]
         rep.prefill(seqs, sample_fresh=False)
@@ -239,7 +239,7 @@ def measure_prefill(st: RankState, args: dict[str, Any]) -> dict[str, Any]:
                     f"pf{i}-{j}",
                     tuple(rng.randrange(st.model.vocab_size) for _ in range(ctx)),
                     1,
-                    SamplingParams(),
+                    Sampling(),
                 )
             )
             for j in range(batch)

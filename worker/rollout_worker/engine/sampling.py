@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout_worker.api.sampling import SamplingParams
+from rollout_worker.api.sampling import Sampling
 from rollout_worker.engine.messages import TopLogprobs
 from rollout_worker.engine.sequence import Sequence
 
@@ -69,7 +69,7 @@ def _greedy(row: torch.Tensor, want_logprob: bool, top_n: int) -> Draw:
     return Draw(tok, float(logp[tok].item()), _top(logp, top_n))
 
 
-def _draw(row: torch.Tensor, p: SamplingParams, u: float, want_logprob: bool, top_n: int) -> Draw:
+def _draw(row: torch.Tensor, p: Sampling, u: float, want_logprob: bool, top_n: int) -> Draw:
     probs, order = torch.sort(torch.softmax(row / p.temperature, dim=-1), descending=True, stable=True)
     if p.top_k > 0:
         probs = probs[: p.top_k]

@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 
 from rollout_worker.api.requests import RequestSpec
-from rollout_worker.api.sampling import SamplingParams
+from rollout_worker.api.sampling import Sampling
 from rollout_worker.engine.batch import run_batch
 from rollout_worker.engine.bench import ensure_model
 from rollout_worker.engine.config import EngineConfig
@@ -147,9 +147,7 @@ def bench_preset(
     model = ensure_model(preset, work)
     cfg = EngineConfig.load(str(model), ranks)
     reqs = make_requests(n, prompt_len, max_new, cfg.model.vocab_size)
-    specs = [
-        RequestSpec(f"b{i}", tuple(p), k, SamplingParams(), ignore_eos=True) for i, (p, k) in enumerate(reqs)
-    ]
+    specs = [RequestSpec(f"b{i}", tuple(p), k, Sampling(), ignore_eos=True) for i, (p, k) in enumerate(reqs)]
     total = sum(k for _, k in reqs)
     switch_to = next((str(c) for c in cfg.candidates if c != cfg.layout), None)
     proc, url = start_server(model, ["--ranks", str(ranks)], Path(tempfile.mkdtemp()) / "server.log")

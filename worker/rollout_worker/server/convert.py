@@ -14,9 +14,8 @@ from typing import Any
 
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.requests import RequestSpec
-from rollout_worker.api.sampling import SamplingParams, default_seed, derived_seed
-from rollout_worker.api.sglang import GenerateRequest
-from rollout_worker.api.sglang import SamplingParams as SglSampling
+from rollout_worker.api.sampling import default_seed, derived_seed
+from rollout_worker.api.sglang import GenerateRequest, SamplingParams
 from rollout_worker.engine.book import Update
 from rollout_worker.engine.finish import Finish, finish_json, matched_stop
 from rollout_worker.engine.messages import TopLogprobs
@@ -38,7 +37,7 @@ def to_jobs(req: GenerateRequest, codec: TextCodec | None) -> list[Job]:
     prompts = req.prompts()
     base_rids = _rids(req.rid, len(prompts))
     for i, prompt in enumerate(prompts):
-        sp = _pick(req, req.sampling_params, i, SglSampling())
+        sp = _pick(req, req.sampling_params, i, SamplingParams())
         ids = _encode(prompt, codec, "text" if req.text is not None else "input_ids")
         rid = base_rids[i]
         for j in range(sp.n):
@@ -52,7 +51,7 @@ def to_jobs(req: GenerateRequest, codec: TextCodec | None) -> list[Job]:
                         id=sub,
                         prompt_ids=tuple(ids),
                         max_new_tokens=128 if sp.max_new_tokens is None else sp.max_new_tokens,
-                        sampling=SamplingParams(sp.temperature, sp.top_p, max(sp.top_k, 0), sp.min_p, seed),
+                        sampling=sp.engine(seed),
                         ignore_eos=sp.ignore_eos,
                         stop_token_ids=tuple(sp.stop_token_ids or ()),
                         min_new_tokens=sp.min_new_tokens,

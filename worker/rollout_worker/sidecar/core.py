@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from rollout_worker.api.errors import UserError
-from rollout_worker.api.sidecar import NotSubmitted, Progress, Sample, SamplesPage, SidecarState
+from rollout_worker.api.sidecar import NotSubmitted, Progress, SamplesPage, SidecarState
 from rollout_worker.api.state import EngineState
 from rollout_worker.sidecar.engine import EngineClient
 from rollout_worker.sidecar.job import Job, shard
@@ -100,7 +100,7 @@ class Sidecar:
         records = self.job.writer.records
         page = records[after : after + limit]
         return SamplesPage(
-            samples=[Sample.model_validate(r) for r in page],
+            samples=page,
             next=after + len(page),
             total_written=len(records),
             done=self.job.finished.is_set() and after + len(page) >= len(records),

@@ -7,6 +7,8 @@ from typing import Any
 
 import httpx
 
+from rollout_worker.api.sglang import GenerateRequest
+
 
 class EngineUnreachable(Exception):
     """No HTTP answer from the engine (refused, reset, timed out)."""
@@ -91,8 +93,9 @@ class EngineClient:
                     return None
         return None
 
-    async def generate(self, body: dict[str, Any]) -> Any:
-        return await self.call("POST", "/generate", timeout=None, json=body)
+    async def generate(self, body: GenerateRequest) -> Any:
+        """``POST /generate`` with the fields the body was given (SGLang's defaults fill the rest)."""
+        return await self.call("POST", "/generate", timeout=None, json=body.model_dump(exclude_unset=True))
 
     async def forward(self, method: str, path: str, body: Any, timeout: float) -> tuple[int, Any]:
         """(status, JSON) of the engine's answer, whatever the status (passed through to the caller)."""

@@ -19,7 +19,8 @@ from typing import Any
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.prompts import ChatTemplate, Prompt, load_prompts
 from rollout_worker.api.sampling import sample_seed
-from rollout_worker.api.sidecar import SAMPLE_FIELDS, NotSubmitted
+from rollout_worker.api.sglang import GenerateRequest, SamplingParams
+from rollout_worker.api.sidecar import SAMPLE_FIELDS, NotSubmitted, Sample
 from rollout_worker.sidecar.engine import EngineAnswer, EngineClient, EngineUnreachable
 from rollout_worker.sidecar.metrics import SidecarMetrics
 from rollout_worker.sidecar.outputs import SampleWriter
@@ -73,6 +74,7 @@ class Job:
         metrics: SidecarMetrics,
     ) -> None:
         self.s, self.writer, self.client, self.watch, self.metrics = settings, writer, client, watch, metrics
+        self.sampling = settings.sampling
         self.total = len(prompts) * settings.samples_per_prompt
         self._check_file(prompts)
         self.queue: deque[Item] = deque(
@@ -92,14 +94,14 @@ class Job:
         """The output file holds samples of this job only, drawn with this job's seeds."""
         ids = {p.id for p in prompts}
         for rec in self.writer.records:
-            pid, i = str(rec["prompt_id"]), int(rec["sample"])
+            pid, i = rec.prompt_id, rec.sample
             if pid not in ids or i >= self.s.samples_per_prompt:
                 raise UserError(
                     f"{self.writer.path} holds sample {i} of prompt {pid!r}, which is not in this pod's "
                     "shard (did prompts, pods or samples_per_prompt change?); use another output_dir",
                     "output_dir",
                 )
-            if rec.get("sampling_seed") != sample_seed(self.s.seed, pid, i):
+            if rec.sampling_seed != sample_seed(self.s.seed, pid, i):
                 raise UserError(
                     f"{self.writer.path}: sample {i} of prompt {pid!r} was drawn with another seed; use "
                     "another output_dir",
@@ -145,8 +147,16 @@ class Job:
             await self._one(*self.queue.popleft())
 
     async def _one(self, prompt: Prompt, sample: int) -> None:
-        seed = sample_seed(self.s.seed, prompt.id, sample)
-        body = self._body(prompt, sample, seed)
+        params = self.sampling.sampling_params(prompt.id, sample, prompt.max_new_tokens)
+        given: dict[str, Any] = (
+            {"text": prompt.text} if prompt.text is not None else {"input_ids": prompt.input_ids}
+        )
+        body = GenerateRequest(
+            **given,
+            rid=rid_of(prompt.id, sample),
+            sampling_params=params,
+            return_logprob=True,
+        )
         while True:
             await self.watch.wait_healthy()
             self.unsent[prompt.id] -= 1
@@ -161,7 +171,7 @@ class Job:
             else:
                 finish = out.get("meta_info", {}).get("finish_reason") or {}
                 if finish.get("type") != "abort":
-                    await self._write(self._record(prompt, sample, seed, out))
+                    await self._write(self._record(prompt, sample, params, out))
                     return
                 why = "aborted"
             finally:
@@ -180,50 +190,30 @@ class Job:
         what = f"sample {sample} of prompt {prompt.id!r}"
         raise UserError(f"{what}: the engine refused it: {exc}", "prompts_path")
 
-    def _body(self, prompt: Prompt, sample: int, seed: int) -> dict[str, Any]:
-        s = self.s
-        body: dict[str, Any] = {
-            "rid": rid_of(prompt.id, sample),
-            "sampling_params": {
-                "temperature": s.temperature,
-                "top_p": s.top_p,
-                "top_k": s.top_k,
-                "max_new_tokens": min(s.max_new_tokens, prompt.max_new_tokens or s.max_new_tokens),
-                "stop": list(s.stop),
-                "ignore_eos": s.ignore_eos,
-                "sampling_seed": seed,
-            },
-            "return_logprob": True,
-        }
-        if prompt.text is not None:
-            body["text"] = prompt.text
-        else:
-            body["input_ids"] = prompt.input_ids
-        return body
-
     @staticmethod
-    def _record(prompt: Prompt, sample: int, seed: int, out: dict[str, Any]) -> dict[str, Any]:
+    def _record(prompt: Prompt, sample: int, params: SamplingParams, out: dict[str, Any]) -> Sample:
         meta = out["meta_info"]
-        return {
-            "prompt_id": prompt.id,
-            "sample": sample,
-            "prompt": prompt.text if prompt.text is not None else prompt.input_ids,
-            "output_text": out["text"],
-            "output_ids": out["output_ids"],
-            "output_logprobs": [_digits(t[0]) for t in meta.get("output_token_logprobs") or []],
-            "finish_reason": meta["finish_reason"],
-            "prompt_tokens": meta["prompt_tokens"],
-            "completion_tokens": meta["completion_tokens"],
-            "layouts": meta.get("layouts", []),
-            "weight_version": meta.get("weight_version", "default"),
-            "sampling_seed": seed,
+        assert params.sampling_seed is not None  # every sample has its own seed
+        return Sample(
+            prompt_id=prompt.id,
+            sample=sample,
+            prompt=prompt.text if prompt.text is not None else prompt.input_ids,
+            output_text=out["text"],
+            output_ids=out["output_ids"],
+            output_logprobs=[_digits(t[0]) for t in meta.get("output_token_logprobs") or []],
+            finish_reason=meta["finish_reason"],
+            prompt_tokens=meta["prompt_tokens"],
+            completion_tokens=meta["completion_tokens"],
+            layouts=meta.get("layouts", []),
+            weight_version=meta.get("weight_version", "default"),
+            sampling_seed=params.sampling_seed,
             **prompt.extra,
-        }
+        )
 
-    async def _write(self, record: dict[str, Any]) -> None:
-        await asyncio.get_running_loop().run_in_executor(self._disk, self.writer.write, record)
+    async def _write(self, sample: Sample) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._disk, self.writer.write, sample)
         self.metrics.written.inc()
-        self.metrics.completion_tokens.inc(record["completion_tokens"])
+        self.metrics.completion_tokens.inc(sample.completion_tokens)
 
     def close(self) -> None:
         """After the workers stopped: let a write under way finish (a cancelled worker's write still lands,

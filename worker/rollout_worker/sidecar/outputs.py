@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_worker.api.errors import UserError
+from rollout_worker.api.sidecar import Sample, parse_samples
 
 log = logging.getLogger(__name__)
 Key = tuple[str, int]  # (prompt id, sample index)
@@ -28,7 +29,7 @@ class SampleWriter:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.records: list[dict[str, Any]] = []  # every sample in the file, in file order (the cursor)
+        self.records: list[Sample] = []  # every sample in the file, in file order (the cursor)
         self.done: set[Key] = set()
         self._f = self.path.open("ab")
         try:
@@ -56,26 +57,20 @@ class SampleWriter:
                 f.flush()
                 os.fsync(f.fileno())
             log.warning("%s: cut a torn last line (%d bytes) left by an interrupted write", self.path, cut)
-        for n, line in enumerate(data[:end].splitlines(), start=1):
-            try:
-                rec = json.loads(line)
-                key = (str(rec["prompt_id"]), int(rec["sample"]))
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                raise UserError(
-                    f"{self.path}:{n}: not a sample record ({type(exc).__name__}); the file is damaged"
-                ) from None
+        for n, rec in enumerate(parse_samples(data[:end], self.path), start=1):
+            key = (rec.prompt_id, rec.sample)
             if key in self.done:
                 raise UserError(f"{self.path}:{n}: sample {key} written twice; the file is damaged")
             self.done.add(key)
             self.records.append(rec)
         return cut
 
-    def write(self, record: dict[str, Any]) -> int:
+    def write(self, record: Sample) -> int:
         """Append one sample durably (flush + fsync); returns its cursor (index in the file)."""
-        key = (str(record["prompt_id"]), int(record["sample"]))
+        key = (record.prompt_id, record.sample)
         if key in self.done:
             raise ValueError(f"sample {key} is already written")
-        self._f.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
+        self._f.write(record.to_line())
         self._f.flush()
         os.fsync(self._f.fileno())
         self.done.add(key)

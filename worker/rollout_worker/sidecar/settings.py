@@ -26,6 +26,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from rollout_worker.api.env_settings import describe as describe_settings
 from rollout_worker.api.env_settings import refuse_unknown
 from rollout_worker.api.errors import UserError
+from rollout_worker.api.sidecar import SamplingSettings, output_file
 
 ENV_PREFIX = "ROLLOUT_SIDECAR_"
 
@@ -118,7 +119,14 @@ class SidecarFields(BaseModel):
 
     @property
     def output_file(self) -> Path | None:
-        return None if self.output_dir is None else self.output_dir / f"pod-{self.pod_index}.jsonl"
+        return None if self.output_dir is None else output_file(self.output_dir, self.pod_index)
+
+    @property
+    def sampling(self) -> SamplingSettings:
+        """The job's sampling, from the settings of the same names."""
+        return SamplingSettings.model_validate(
+            {name: getattr(self, name) for name in SamplingSettings.model_fields}
+        )
 
     def bearer_token(self) -> str:
         """The sidecar's own token (read from its file when given so)."""

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 
 from rollout_worker import __version__
 from rollout_worker.api.requests import RequestSpec
-from rollout_worker.api.sampling import SamplingParams
+from rollout_worker.api.sampling import Sampling
 from rollout_worker.engine.lifecycle import Status
 from rollout_worker.server.deps import ServerState, server_state
 
@@ -46,7 +46,7 @@ async def health_generate(request: Request) -> JSONResponse:
     rid = f"health-{uuid.uuid4().hex}"
     q = state.bridge.open([rid])
     try:
-        engine.submit(RequestSpec(rid, (0,), 1, SamplingParams(), ignore_eos=True))
+        engine.submit(RequestSpec(rid, (0,), 1, Sampling(), ignore_eos=True))
         while (await asyncio.wait_for(q.get(), timeout=20.0)).finish is None:
             pass
     except TimeoutError:
