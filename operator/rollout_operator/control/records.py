@@ -6,12 +6,11 @@ from dataclasses import dataclass
 
 import numpy as np
 from rollout_profiler.planning.predictor import Prior
+from rollout_profiler.planning.tick import TickResult
 from rollout_profiler.store import runs
 from rollout_worker.api.plan import ReconfigEvent
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
-
-from rollout_operator.control.tick import TickResult
 
 PRIOR_MIN_SAMPLES = 20  # fewer finished lengths of earlier jobs than this: no prior
 
