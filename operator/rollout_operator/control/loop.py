@@ -1,4 +1,5 @@
-"""The planner loop: every tick, for every pod, read its state, decide (``tick``), push the plan, and record
+"""The planner loop: every tick, for every pod, read its state, decide (the pure
+:func:`rollout_profiler.planning.tick.tick`, which the simulator runs too), push the plan, and record
 decisions and their outcomes. It talks to pods only over HTTP, through a ``PodLink`` (``links``).
 """
 
@@ -13,10 +14,10 @@ import httpx
 from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.planning.planner import PlannerPolicy
 from rollout_profiler.planning.predictor import Prior
+from rollout_profiler.planning.tick import PodMemory, TickResult, tick
 from rollout_worker.api.plan import ReconfigEvent
 
 from rollout_operator.control.links import PodLink
-from rollout_operator.control.tick import PodMemory, TickResult, tick
 
 log = logging.getLogger(__name__)
 

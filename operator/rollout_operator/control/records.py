@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 from rollout_profiler.planning.predictor import Prior
+from rollout_profiler.planning.tick import TickResult
 from rollout_profiler.store import runs
 from rollout_worker.api.plan import ReconfigEvent
 from sqlalchemy import Engine
@@ -15,7 +16,6 @@ from sqlalchemy.orm import Session
 
 from rollout_operator.api.job import RolloutJobSpec, samples_hash
 from rollout_operator.control.switches import unasked_switch
-from rollout_operator.control.tick import TickResult
 
 PRIOR_MIN_SAMPLES = 20  # fewer finished lengths of earlier jobs than this: no prior
 

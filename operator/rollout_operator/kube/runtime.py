@@ -15,6 +15,7 @@ import httpx
 from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.planning.planner import PlannerPolicy
 from rollout_profiler.planning.predictor import Prior
+from rollout_profiler.planning.tick import PodMemory
 from rollout_worker.api.sidecar import Progress
 
 from rollout_operator.api import cluster as k
@@ -23,7 +24,6 @@ from rollout_operator.cluster.decisions import PodTick
 from rollout_operator.cluster.reconcile import PodView
 from rollout_operator.control.links import SidecarLink
 from rollout_operator.control.loop import PlannerLoop, Recorder
-from rollout_operator.control.tick import PodMemory
 
 
 @dataclass

@@ -1,8 +1,12 @@
 """The controllers that decide a pod's switches in the simulator.
 
-* :class:`AdaptiveController`: the real predictor + planner every ``decide_every_ms`` of simulated time,
-  seeing only what an engine sees (finished lengths, generated lengths so far, waiting counts); switches
-  rebalance by predicted remaining work. :func:`run_adaptive` also lets the planner pick the start layout.
+* :class:`AdaptiveController`: the operator's planner loop, every ``decide_every_ms`` of simulated time: it
+  reads what the pod would report (:meth:`Simulator.state`: finished lengths, generated lengths so far,
+  waiting requests; its switch events), runs the same pure tick as the operator
+  (:func:`rollout_profiler.planning.tick.tick`: hysteresis, the cooldown from the last committed switch, the
+  new-wave shrink) and pushes its plan, whose triggers fire as the engine fires them, now and when
+  unfinished requests drop to their thresholds; switches rebalance by predicted remaining work.
+  :func:`run_adaptive` also lets the planner pick the start layout.
 * :class:`ScheduleController`: replays triggers "when unfinished <= n, switch to L", balancing by the true
   remaining length (a clairvoyant schedule) or, with ``balance="count"``, by count (blind to lengths).
 * :class:`GreedyController`: switches for free whenever a request finishes to the layout a lockstep estimate
@@ -20,16 +24,15 @@ from rollout_worker.api.layout import Layout
 
 from rollout_profiler.planning.planner import (
     Decision,
-    LastSwitch,
     PlannerPolicy,
     PodSnapshot,
     ReplicaState,
     choose_start,
-    decide,
 )
-from rollout_profiler.planning.predictor import LengthPredictor, Prior, fit
+from rollout_profiler.planning.predictor import Prior, fit
+from rollout_profiler.planning.tick import PodMemory, TickResult, predictor, snapshot, tick
 from rollout_profiler.sim.config import SimResult, Switch
-from rollout_profiler.sim.memory import DONE, RUNNING, WAITING
+from rollout_profiler.sim.memory import DONE
 from rollout_profiler.sim.simulator import Simulator
 
 _LOCKSTEP_POINTS = 48
@@ -51,53 +54,48 @@ class _Never:
         return None
 
 
-def _predictor(sim: Simulator, gen: np.ndarray, prior: Prior | None) -> LengthPredictor:
-    done = sim.req.status == DONE
-    left = ~done  # running, and waiting (censored at what they generated, often 0)
-    return fit(sim.lengths[done], gen[left], sim.cap[left], sim.cap[done], prior)
-
-
-def snapshot(sim: Simulator, gen: np.ndarray, t_ms: float) -> PodSnapshot:
-    """What the engine would report at ``t_ms``: per replica its running requests and waiting count."""
-    req = sim.req
-    reps = []
-    for r in range(sim.layout.replicas):
-        idx = req.on(r, RUNNING)
-        reps.append(ReplicaState(sim.prompt[idx], gen[idx], sim.cap[idx], int(req.on(r, WAITING).size)))
-    waiting = np.nonzero(req.status == WAITING)[0]
-    plen = int(sim.prompt[waiting].mean()) if waiting.size else 256
-    wcap = int(sim.cap[waiting].max()) if waiting.size else None
-    step = int(sim._steps.max())
-    return PodSnapshot(sim.layout, tuple(reps), (True,) * sim.layout.world, step, t_ms / 1e3, plen, wcap)
-
-
 class AdaptiveController(_Never):
-    """The real predictor + planner, seeing only finished lengths and current generated lengths."""
+    """The operator's planner loop on one simulated pod: every ``every_ms``, read the pod's state and switch
+    events, tick, push the plan (the engine fires its triggers); it sees no length before it is finished."""
 
     def __init__(self, policy: PlannerPolicy, prior: Prior | None, every_ms: float) -> None:
         self.policy, self.prior, self.every = policy, prior, every_ms
-        self.last: LastSwitch | None = None
-        self.decisions: list[Decision] = []
-        self.times: list[float] = []  # ms of each decision
+        self.memory = PodMemory()
+        self.results: list[TickResult] = []
+        self.times: list[float] = []  # ms of each tick
         self._next = 0.0
+
+    @property
+    def decisions(self) -> list[Decision]:
+        return [r.decision for r in self.results]
 
     def next_time(self, sim: Simulator) -> float:
         return self._next
 
     def on_time(self, sim: Simulator, t_ms: float) -> Switch | None:
         self._next = t_ms + self.every
-        gen = sim.gen_at(t_ms)
-        pred = _predictor(sim, gen, self.prior)
-        snap = snapshot(sim, gen, t_ms)
-        d = decide(sim.model, snap, self.policy, pred, self.last)
-        self.decisions.append(d)
+        state = sim.state(t_ms, self.memory.since_step)
+        self.memory.absorb(state)
+        self.memory.note_events(sim.events)
+        result = tick(state, self.memory, sim.model, self.policy, self.prior)
+        self.results.append(result)
         self.times.append(t_ms)
-        if d.action != "switch" or d.method is None:
+        if result.plan is None or state.reconfiguring or not sim.set_plan(result.plan):
             return None
-        self.last = LastSwitch(snap.step, t_ms / 1e3)
-        left = sim.req.status != DONE
-        work = np.where(left, pred.expected_remaining(gen, sim.cap), 0.0)
-        return Switch(d.target, d.method, work, d.reason)
+        return self._fire(sim, t_ms)  # its first trigger sits at the current unfinished count
+
+    def on_finish(self, sim: Simulator, t_ms: float) -> Switch | None:
+        return self._fire(sim, t_ms)
+
+    def _fire(self, sim: Simulator, t_ms: float) -> Switch | None:
+        trig = sim.fire()
+        if trig is None:
+            return None
+        state = sim.state(t_ms, self.memory.since_step)
+        pred = predictor(self.memory, snapshot(state), self.prior)
+        work = pred.expected_remaining(sim.gen_at(t_ms), sim.cap)  # (only unfinished entries are used)
+        why = f"plan: unfinished {sim.unfinished()} <= {trig.unfinished_at_most}"
+        return Switch(trig.layout, trig.method, work, why)
 
     def switched(self, sim: Simulator, t_end_ms: float) -> None:
         self._next = t_end_ms + self.every

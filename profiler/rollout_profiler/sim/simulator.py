@@ -24,7 +24,11 @@ its prompt + generated tokens at the replica's prefill rate). Prefill of the pro
 modelled (the same work for every layout).
 
 Controllers decide switches: by wall clock (``next_time`` / ``on_time``, the planner) or when requests
-finish (``on_finish``, schedules replayed from triggers "when unfinished <= n"). Nothing in a run depends on
+finish (``on_finish``: a pushed plan's triggers, schedules replayed from triggers "when unfinished <= n").
+The adaptive controller reads only what the pod would report (:meth:`Simulator.state`, ``events``), runs
+the operator's planner tick on it, and the plan it pushes (:meth:`Simulator.set_plan`) fires as the engine
+fires plans (:meth:`Simulator.fire`). The step clock counts as the engine's does (+1 per replica decode step
+and per switch), and a switch's event carries the step and time of its commit. Nothing in a run depends on
 absolute time, so a run whose switches cost 0 is the same run shifted: its latency is the latency minus the
 switch costs (the free-switch bound relies on this).
 
@@ -40,12 +44,14 @@ import numpy as np
 from rollout_worker.api.costs import METHODS, estimated_moved_bytes
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.layout import Layout, candidate_layouts
-from rollout_worker.api.plan import ReconfigEvent
+from rollout_worker.api.plan import Plan, ReconfigEvent, Trigger
+from rollout_worker.api.state import EngineState
 
 from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.planning.planner import PlannerPolicy, switch_cost
 from rollout_profiler.sim.config import SimConfig, SimResult, Switch
 from rollout_profiler.sim.memory import DONE, RUNNING, WAITING, Admission, Requests, balance
+from rollout_profiler.sim.view import engine_state
 from rollout_profiler.sim.workloads import Workload
 
 
@@ -74,6 +80,7 @@ class Simulator:
         self.layout = Layout(cfg.gpus, 1)
         self.req = Requests.start(self.prompt, self.cap, self.lengths, 0.0)
         self.free = False
+        self.plan: Plan | None = None
 
     # --- what a layout can do -----------------------------------------------------------------------
 
@@ -123,6 +130,38 @@ class Simulator:
                     gen[self.req.on(r, RUNNING)] += done
         return gen
 
+    def state(self, t_ms: float, since_step: int = 0) -> EngineState:
+        """What the pod's engine would report at ``t_ms`` (:func:`~rollout_profiler.sim.view.engine_state`):
+        read-only: all the planner tick sees of a run."""
+        stepping = self._pend_ms[self._pend_n > 0]
+        return engine_state(
+            self.req,
+            self.gen_at(t_ms),
+            self.layout,
+            step=self._engine_step,
+            time_s=t_ms / 1e3,
+            step_ms=float(np.median(stepping)) if stepping.size else None,
+            finished_at=self._finished_at,
+            since_step=since_step,
+            plan=self.plan,
+            switches=len(self.events),
+        )
+
+    def set_plan(self, plan: Plan) -> bool:
+        """Hold ``plan`` as the engine would (``PUT /v1/plan``); False, as the engine's 409, when it is based
+        on another layout than the current one."""
+        if plan.based_on_layout != self.layout:
+            return False
+        self.plan = plan
+        return True
+
+    def fire(self) -> Trigger | None:
+        """The held plan's trigger due now, if any (:meth:`~rollout_worker.api.plan.Plan.fire`)."""
+        if self.plan is None:
+            return None
+        trig, self.plan = self.plan.fire(self.unfinished(), self.layout)
+        return trig
+
     def _admission(self, layout: Layout) -> Admission:
         rate = self.model.profile.costs.recompute_tokens_per_ms * layout.tp / self.cfg.gpus
         return Admission(self.cfg.admission, self.cfg.max_batch_per_replica, self.kv_tokens(layout), rate)
@@ -151,6 +190,9 @@ class Simulator:
         self.mem = self._admission(layout)
         req = self.req = Requests.start(self.prompt, self.cap, self.lengths, start_gen)
         self.events: list[ReconfigEvent] = []
+        self.plan = None
+        self._engine_step = 0  # the engine's step clock: +1 per replica decode step and per switch
+        self._finished_at = np.where(req.status == DONE, 0, -1)  # engine step at which each finished
         live = np.nonzero(req.status != DONE)[0]
         req.rep[live] = balance(np.zeros(req.gen.size) if work is None else work, live, layout.replicas)
         self._reset_replicas(0.0)
@@ -228,12 +270,14 @@ class Simulator:
         self._clock[r] += steps * ms
         self._latest = max(self._latest, self._clock[r])
         self._steps[r] += steps
+        self._engine_step += steps
         self.busy += steps * ms * self.layout.tp
         self._dirty[r] = True
         fin = run[req.gen[run] >= req.lengths[run]]
         if fin.size == 0:
             return False
         req.status[fin] = DONE
+        self._finished_at[fin] = self._engine_step
         left = self.unfinished()
         t = self._clock[r]
         self.timeline.append((t / 1e3, left, self.layout.tp))
@@ -264,10 +308,13 @@ class Simulator:
         mig, rec = prof.costs.kv_ms(moved, tokens)  # the KV part alone, as the engine reports it
         requested = sw.method if sw.method in METHODS else "auto"
         unfinished = np.nonzero(req.status != DONE)[0]
+        if self.free:
+            ms = 0.0
+        self._engine_step += 1
         self.events.append(
             ReconfigEvent(
-                step=int(self._steps.max()),
-                time_s=t0 / 1e3,
+                step=self._engine_step,
+                time_s=(t0 + ms) / 1e3,  # committed
                 src=self.layout,
                 dst=sw.layout,
                 requested=requested,
@@ -278,14 +325,12 @@ class Simulator:
                 requests_mid_decode=int((req.gen[running] > 0).sum()),
                 kv_bytes_moved=int(moved) if method == "migrate" else 0,
                 kv_tokens_recomputed=int(tokens) if method == "recompute" else 0,
-                predicted_ms=0.0 if self.free else ms,
+                predicted_ms=ms,
                 predicted_migrate_ms=0.0 if self.free else float(mig),
                 predicted_recompute_ms=0.0 if self.free else float(rec),
-                actual_ms=0.0 if self.free else ms,
+                actual_ms=ms,
             )
         )
-        if self.free:
-            ms = 0.0
         req.has_kv[running] = True  # carried over (migrated or recomputed: priced in the switch)
         req.status[unfinished] = WAITING
         carried_first = np.where(req.has_kv[unfinished], 0.0, 1.0) * 1e12 + req.qkey[unfinished]

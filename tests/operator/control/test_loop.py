@@ -1,6 +1,6 @@
 """The planner loop against a real engine server: with a profile in which TP=2 pays in the tail, it pushes a
 plan on its own, the engine switches at the step the trigger fires, the decision is recorded with its gain,
-cost and outcome, and no token changes."""
+cost and outcome, and no token changes. (The pure tick it runs is tested in tests/profiler/planning.)"""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import numpy as np
 from rollout_operator.control.links import EngineLink
 from rollout_operator.control.loop import PlannerLoop
 from rollout_operator.control.records import DbRecorder
-from rollout_operator.control.tick import PodMemory, snapshot, tick
 from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.planning.planner import PlannerPolicy
 from rollout_profiler.profile import Profile
@@ -21,13 +20,6 @@ from rollout_profiler.store import engine as db_engine
 from rollout_profiler.store import migrate, runs
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.sglang import GenerateRequest
-from rollout_worker.api.state import (
-    EngineState,
-    FinishedLengths,
-    ReplicaRequests,
-    RunningRequest,
-    WaitingRequest,
-)
 from rollout_worker.engine.batch import run_batch
 from rollout_worker.engine.config import EngineConfig
 from rollout_worker.server.convert import to_jobs
@@ -37,65 +29,6 @@ from tests.worker.server.served import start
 
 PROFILE = Path(__file__).parents[2] / "data" / "tiny-2rank-tp2-pays.json"
 POLICY = PlannerPolicy(candidates=(Layout(2, 1), Layout(1, 2)), margin=0.1, min_gain_ms=5.0)
-
-
-def _state(running: list[int], waiting: int = 0, layout: Layout = Layout(2, 1)) -> EngineState:
-    reps = [ReplicaRequests() for _ in range(layout.replicas)]
-    for i, g in enumerate(running):
-        reps[i % layout.replicas].running.append(
-            RunningRequest(rid=f"r{i}", prompt_len=8, generated=g, max_new_tokens=400)
-        )
-    for i in range(waiting):
-        reps[0].waiting.append(WaitingRequest(rid=f"w{i}", prompt_len=20, max_new_tokens=50))
-    return EngineState(
-        layout=layout,
-        step=10,
-        time_s=1.0,
-        ranks_ready=[True, True],
-        paused=False,
-        reconfiguring=False,
-        replicas=reps,
-        finished=FinishedLengths(since_step=0),
-        weight_version="v",
-        reconfigurations=0,
-    )
-
-
-def test_snapshot_and_tick_are_pure() -> None:
-    snap = snapshot(_state([5, 6, 7], waiting=2), not_submitted=3)
-    assert [len(r.generated) for r in snap.replicas] == [2, 1]
-    assert [r.waiting for r in snap.replicas] == [2 + 2, 1]  # engine waiting + 3 not submitted, dealt
-    assert snap.waiting_prompt_len == 20 and snap.waiting_cap == 50
-    model = LatencyModel(Profile.from_json(PROFILE))
-    mem = PodMemory(lengths=[20, 22, 25, 30, 31, 33, 35, 40], capped=[False] * 8)
-    tail = tick(_state([300]), mem, model, POLICY, None)  # one long request left: consolidate
-    assert tail.decision.action == "switch" and tail.plan is not None
-    assert tail.plan.based_on_layout == Layout(2, 1) and tail.plan.triggers[0].layout == Layout(1, 2)
-    assert tail.decision.predicted_gain_ms > tail.decision.predicted_cost_ms * 1.1
-    busy = tick(_state([1] * 16), PodMemory(), model, POLICY, None)  # a full batch: keep 2x1
-    assert busy.decision.action == "keep" and busy.plan is None
-
-
-def test_a_new_wave_moves_a_consolidated_pod_back_toward_throughput() -> None:
-    model = LatencyModel(Profile.from_json(PROFILE))
-    one = Layout(1, 2)
-    # consolidated, a few requests running: shrinking is not considered
-    quiet = tick(_state([40, 50], layout=one), PodMemory(), model, POLICY, None)
-    assert quiet.plan is None and not quiet.inputs["new_wave"]
-    # a wave queues behind them: back to 2x1
-    wave = tick(_state([40, 50], waiting=14, layout=one), PodMemory(), model, POLICY, None)
-    assert wave.inputs["new_wave"] and wave.plan is not None
-    assert wave.plan.triggers[0].layout == Layout(2, 1)
-    # new weights (the next RL iteration): the first requests may move it back before any queue forms
-    mem = PodMemory()
-    first = _state([1] * 8, layout=one)
-    mem.absorb(first)
-    assert tick(first, mem, model, POLICY, None).plan is None  # same weights: no shrink
-    updated = first.model_copy(update={"weight_version": "v2"})
-    mem.absorb(updated)
-    moved = tick(updated, mem, model, POLICY, None)
-    assert moved.inputs["new_wave"] and moved.plan is not None
-    assert moved.plan.triggers[0].layout == Layout(2, 1)
 
 
 def _bodies() -> list[dict[str, Any]]:

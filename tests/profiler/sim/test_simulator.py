@@ -4,6 +4,7 @@ recompute cost, a switch), and what an oracle and the adaptive policy may and ma
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -11,10 +12,10 @@ from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.planning.predictor import Prior
 from rollout_profiler.profile import CostModel, KVCapacity, ModelShape, Profile, StepPoint
 from rollout_profiler.profiling import modelled
-from rollout_profiler.sim.config import SimConfig, SimResult
+from rollout_profiler.sim.config import SimConfig, SimResult, Switch
 from rollout_profiler.sim.memory import DONE
 from rollout_profiler.sim.oracle import oracle
-from rollout_profiler.sim.policies import AdaptiveController, ScheduleController
+from rollout_profiler.sim.policies import AdaptiveController, ScheduleController, run_adaptive
 from rollout_profiler.sim.run import parse_policies, simulate
 from rollout_profiler.sim.simulator import Simulator
 from rollout_profiler.sim.workloads import Workload, synthetic
@@ -105,8 +106,10 @@ def test_switch_when_two_are_left_pays_its_cost_and_free_switches_shift_the_run(
     assert r.latency_s == pytest.approx((34 + 6 + 21) / 1e3)
     (ev,) = r.reconfigs
     assert (str(ev.src), str(ev.dst), ev.method, ev.requested) == ("2x1", "1x2", "migrate", "auto")
-    assert (ev.requests_running, ev.requests_waiting, ev.step) == (1, 0, 3)
-    assert ev.predicted_ms == pytest.approx(6.0) and ev.time_s == pytest.approx(0.034)
+    # the event is the engine's: its step clock (+1 per replica step: 3 + 2, +1 for the switch) and the time
+    # the switch committed (34 + 6 ms)
+    assert (ev.requests_running, ev.requests_waiting, ev.step) == (1, 0, 6)
+    assert ev.predicted_ms == pytest.approx(6.0) and ev.time_s == pytest.approx(0.040)
     assert ev.kv_bytes_moved == 12 * 1024 // 2  # prompt 10 + 2 generated; TP 1 -> 2 moves half the heads
     free = sim.run(
         Layout(2, 1), name="s", controller=ScheduleController([(2, Layout(1, 2))]), free_switches=True
@@ -178,10 +181,10 @@ class _Watched(AdaptiveController):
 
     cut, first_long_done = 3000, math.inf
 
-    def on_finish(self, sim: Simulator, t_ms: float) -> None:
+    def on_finish(self, sim: Simulator, t_ms: float) -> Switch | None:
         if math.isinf(self.first_long_done) and ((sim.req.status == DONE) & (sim.lengths > self.cut)).any():
             self.first_long_done = t_ms
-        return None
+        return super().on_finish(sim, t_ms)
 
 
 def test_adaptive_does_not_peek_at_lengths(llama: LatencyModel) -> None:
@@ -230,3 +233,46 @@ def test_a_request_that_fits_no_replica_is_refused() -> None:
     assert sim.candidates() == [Layout(1, 2)]  # 2x1 holds 10 tokens, a request reserves 30
     with pytest.raises(UserError, match="does not fit"):
         sim.run(Layout(2, 1), name="static:1")
+
+
+def test_the_adaptive_controller_runs_the_operators_tick_a_new_wave_shrinks() -> None:
+    """The policy does not allow shrinking, but the pod starts consolidated (1x2) with a wave waiting (two
+    run at a time): the operator's tick treats waiting requests as a new wave and moves back to 2x1, which
+    runs four at a time. A controller that called the planner directly never shrank."""
+    prof = profile({1: (10.0, 5.0), 2: (6.0, 3.0)})
+    wl = workload([50] * 16, cap=50)
+    cfg = SimConfig(2, max_batch_per_replica=2, initial_layout="1x2")
+    sim = Simulator(LatencyModel(prof), wl, cfg)
+    assert not sim.policy().allow_shrink
+    r = run_adaptive(sim)
+    assert [(str(e.src), str(e.dst)) for e in r.reconfigs][:1] == [("1x2", "2x1")]
+    assert r.latency_s < sim.run(Layout(1, 2), name="static:2").latency_s
+
+
+def test_the_cooldown_runs_from_the_commit_of_a_switch() -> None:
+    """Two long requests on 2x1: 1x2 pays at once; the switch costs 106 ms (100 ms of graph capture). With a
+    45 ms cooldown every tick in the 45 ms after the switch *committed* keeps for the cooldown, as in the
+    operator, whose engine reports the switch when it commits (a cooldown counted from the decision would
+    be over before the switch ends)."""
+    costs = replace(COSTS, graph_capture_ms=100.0)
+    prof = replace(profile({1: (10.0, 5.0), 2: (6.0, 3.0)}), costs=costs)
+    sim = Simulator(LatencyModel(prof), workload([400, 400]), SimConfig(2))
+    ctl = AdaptiveController(replace(sim.policy(), cooldown_s=0.045), None, 10.0)
+    r = sim.run(Layout(2, 1), name="adaptive", controller=ctl)
+    (ev,) = r.reconfigs
+    assert ev.predicted_ms == pytest.approx(106.0)
+    assert ev.time_s == pytest.approx((ctl.times[0] + ev.predicted_ms) / 1e3)  # decided at the first tick
+    after = [(t - ev.time_s * 1e3, d.reason) for t, d in zip(ctl.times, ctl.decisions, strict=True)][1:]
+    assert [dt for dt, why in after if why.startswith("cooldown")] == pytest.approx([10.0, 20.0, 30.0, 40.0])
+
+
+def test_the_pod_state_reports_each_finished_length_once() -> None:
+    """What the controller reads is what an engine reports: the lengths finished since a step, each once."""
+    lengths = [3, 9, 5, 7, 2, 8, 4]
+    sim = Simulator(LatencyModel(profile({1: (10.0, 5.0), 2: (6.0, 3.0)})), workload(lengths), SimConfig(2))
+    ctl = AdaptiveController(sim.policy(), None, 7.0)
+    r = sim.run(Layout(2, 1), name="adaptive", controller=ctl)
+    last = sim.state(r.latency_s * 1e3, ctl.memory.since_step)
+    assert 0 < len(ctl.memory.lengths) < len(lengths)
+    assert sorted(ctl.memory.lengths + last.finished.lengths) == sorted(lengths)
+    assert last.finished.total == len(lengths) and not any(r.running or r.waiting for r in last.replicas)

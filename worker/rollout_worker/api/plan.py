@@ -53,6 +53,20 @@ class Plan(BaseModel):
     based_on_layout: LayoutField
     triggers: list[Trigger] = Field(default_factory=list, max_length=64)
 
+    def fire(self, unfinished: int, layout: Layout) -> tuple[Trigger | None, Plan | None]:
+        """The trigger that fires with ``unfinished`` requests left in ``layout`` (None: none is due, or the
+        one due asks for ``layout`` itself), and the plan left after it (None: nothing is). The lowest
+        threshold reached fires: one switch, not a chain of switches, when unfinished requests dropped past
+        several thresholds at once; triggers at or above it are used up. The engine and the simulator fire
+        plans by this rule."""
+        reached = [t for t in self.triggers if unfinished <= t.unfinished_at_most]
+        if not reached:
+            return None, self
+        trig = min(reached, key=lambda t: t.unfinished_at_most)
+        rest = [t for t in self.triggers if t.unfinished_at_most < trig.unfinished_at_most]
+        left = self.model_copy(update={"triggers": rest}) if rest else None
+        return (None if trig.layout == layout else trig), left
+
 
 class ReconfigEvent(BaseModel):
     """One layout switch, as the engine ran it or the simulator modelled it."""

@@ -215,19 +215,12 @@ class Book:
         self.plan = plan
 
     def fire(self) -> Trigger | None:
-        """The trigger that fires now, if any: the lowest threshold reached (one switch, not a chain of
-        switches, when unfinished requests dropped past several thresholds at once). Triggers at or above
-        it are used up; a trigger to the current layout fires without a switch."""
-        if self.plan is None or not self.plan.triggers:
+        """The trigger that fires now, if any (:meth:`Plan.fire`); a trigger to the current layout fires
+        without a switch."""
+        if self.plan is None:
             return None
-        n = self.unfinished
-        due = [t for t in self.plan.triggers if n <= t.unfinished_at_most]
-        if not due:
-            return None
-        trig = min(due, key=lambda t: t.unfinished_at_most)
-        rest = [t for t in self.plan.triggers if t.unfinished_at_most < trig.unfinished_at_most]
-        self.plan = self.plan.model_copy(update={"triggers": rest}) if rest else None
-        return None if trig.layout == self.layout else trig
+        trig, self.plan = self.plan.fire(self.unfinished, self.layout)
+        return trig
 
     # -- the planner's view --------------------------------------------------------------------------
     def snapshot(

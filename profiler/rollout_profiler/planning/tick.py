@@ -1,5 +1,13 @@
 """One planner tick for one pod, as pure functions: the pod's state -> the planner's snapshot -> a decision
--> the plan to push (or none). ``rolloutctl run`` and the operator call the same code.
+-> the plan to push (or none). The one home of this decision: the operator's planner loop (``rolloutctl run``
+and the cluster, ``rollout_operator.control.loop``) and the simulator's adaptive controller
+(``rollout_profiler.sim.policies``) both call :func:`tick` on an :class:`EngineState`, so a simulated
+result is what the operator would do.
+
+Hysteresis lives in :func:`~rollout_profiler.planning.planner.decide`; what the tick adds is the pod's
+memory (:class:`PodMemory`): the cooldown runs from the last *committed* switch the engine reported (its
+step and time, so the switch's own duration does not count), and a new wave (requests waiting beyond what
+runs, or new weights) lets a consolidated pod shrink its TP size even when the policy does not.
 
 The job's finished lengths accumulate across ticks (``state.finished`` since the previous step), and with
 the prior from earlier jobs of the model they fit the remaining-length predictor. A plan is pushed only on a
@@ -10,10 +18,13 @@ report, and later triggers of the chain fire at the steps the planner predicted.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+from rollout_worker.api.plan import Plan, ReconfigEvent
+from rollout_worker.api.state import EngineState
+
 from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.planning.planner import (
     Decision,
@@ -24,8 +35,6 @@ from rollout_profiler.planning.planner import (
     decide,
 )
 from rollout_profiler.planning.predictor import LengthPredictor, Prior, fit
-from rollout_worker.api.plan import Plan, ReconfigEvent
-from rollout_worker.api.state import EngineState
 
 
 @dataclass
@@ -112,7 +121,7 @@ def tick(
     # a new wave on a consolidated pod (waiting work beyond what runs, or new weights: the next RL
     # iteration) may move back toward throughput
     wave = waiting > 0 or memory.new_iteration
-    pol = policy if not wave or policy.allow_shrink else _with_shrink(policy)
+    pol = policy if not wave or policy.allow_shrink else replace(policy, allow_shrink=True)
     pred = predictor(memory, snap, prior)
     decision = decide(model, snap, pol, pred, memory.last_switch)
     inputs = {
@@ -130,9 +139,3 @@ def tick(
     if decision.action == "switch" and decision.plan:
         plan = Plan(based_on_layout=state.layout, triggers=list(decision.plan))
     return TickResult(decision, plan, inputs)
-
-
-def _with_shrink(policy: PlannerPolicy) -> PlannerPolicy:
-    from dataclasses import replace
-
-    return replace(policy, allow_shrink=True)
