@@ -71,11 +71,7 @@ FLAG_OF_FIELD = {
 
 def as_flags(exc: UserError) -> UserError:
     """The error with its field named as this CLI's flag (``candidates[2]`` -> ``--candidates[2]``)."""
-    if exc.field is None:
-        return exc
-    base, sep, rest = exc.field.partition("[")
-    flag = FLAG_OF_FIELD.get(base)
-    return exc.with_field(flag + sep + rest) if flag else exc
+    return exc.renamed(FLAG_OF_FIELD)
 
 
 def bench_group(app: typer.Typer) -> typer.Typer:

@@ -16,10 +16,11 @@ from typing import Any
 
 from pydantic import ValidationError
 from rollout_profiler.profile import Profile
+from rollout_worker.api.errors import field_errors
 from rollout_worker.api.layout import Layout, candidate_layouts, tp_problem
 
 from rollout_operator.api.job import RolloutJobSpec
-from rollout_operator.api.manifest import dotted, field_errors
+from rollout_operator.api.manifest import dotted
 from rollout_operator.cluster.manifests import PodPlan
 
 MAX_NAME = 63  # a pod's hostname is a DNS label
@@ -76,7 +77,7 @@ def _candidates(spec: RolloutJobSpec, profile: Profile | None) -> list[Layout] |
         if given is not None:
             return given
         init = spec.parallelism.initial_layout
-        return [Layout(g, 1) if init == "auto" else Layout.parse(init)]
+        return [Layout(g, 1) if init == "auto" else init]
     m = profile.model
     if given is None:
         return candidate_layouts(g, m.num_heads, m.num_kv_heads, m.vocab_size)
@@ -110,7 +111,7 @@ def plan_pods(spec: RolloutJobSpec, profile: Profile | None, listen: Any = "all"
         return Refusal("spec.gpusPerPod", "no layout of this many ranks fits the profile's model")
     cands = sorted(set(cands), key=lambda x: x.tp)
     init = par.initial_layout
-    layout = cands[0] if init == "auto" else Layout.parse(init)
+    layout = cands[0] if init == "auto" else init
     if layout not in cands:
         among = ", ".join(map(str, cands))
         return Refusal("spec.parallelism.initialLayout", f"{layout} is not among {among}")

@@ -79,8 +79,7 @@ def candidate_layouts(loaded: LoadedJob, model: ModelConfig) -> list[Layout]:
     if given is None:
         return model.candidate_layouts(spec.gpus_per_pod)
     out = []
-    for i, c in enumerate(given):
-        lay = Layout.parse(c)
+    for i, lay in enumerate(given):
         why = model.tp_problem(lay.tp)
         if why:
             raise loaded.error(("spec", "parallelism", "candidates", i), why)
@@ -152,9 +151,8 @@ def _same_shape(loaded: LoadedJob, model: ModelConfig, prof: Profile) -> Profile
 def initial_layout(
     loaded: LoadedJob, candidates: list[Layout], model: LatencyModel | None, prompts: int
 ) -> Layout:
-    init = loaded.job.spec.parallelism.initial_layout
-    if init != "auto":
-        lay = Layout.parse(init)
+    lay = loaded.job.spec.parallelism.initial_layout
+    if lay != "auto":
         if lay not in candidates:
             raise loaded.error(("spec", "parallelism", "initialLayout"), f"{lay} is not among {candidates}")
         return lay
