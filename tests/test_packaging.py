@@ -82,3 +82,13 @@ def test_engine_commands_name_the_extra(bare: Path, argv: list[str]) -> None:
     assert "Traceback" not in got.stderr, got.stderr
     assert got.returncode == 2, got.stdout + got.stderr
     assert "pip install 'elastic-rollout[engine]'" in got.stderr, got.stderr
+
+
+def test_no_worker_module_names_the_profiler_or_the_operator() -> None:
+    """Not even in a string (``python -m rollout_operator...``): import-linter cannot see those."""
+    named = [
+        str(f.relative_to(ROOT))
+        for f in (ROOT / "worker").rglob("*.py")
+        if "rollout_operator" in f.read_text() or "rollout_profiler" in f.read_text()
+    ]
+    assert named == []

@@ -54,7 +54,7 @@ from rollout_worker.api.errors import UserError
 from rollout_worker.api.model_config import ModelConfig
 
 SCHEMA = "elastic-rollout/profile/v1"
-METHODS = ("measured", "shard-equivalent", "modelled")
+PROFILE_METHODS = ("measured", "shard-equivalent", "modelled")  # how a profile was made
 __all__ = ["CostModel", "KVCapacity", "ModelShape", "Profile", "ReconfigPoint", "StepPoint"]
 
 
@@ -264,8 +264,8 @@ class Profile:
         return cls.from_dict(data, where=str(path))
 
     def validate(self, where: str = "profile") -> None:
-        if self.method not in METHODS:
-            raise UserError(f"{where}: method must be one of {METHODS}, got {self.method!r}")
+        if self.method not in PROFILE_METHODS:
+            raise UserError(f"{where}: method must be one of {PROFILE_METHODS}, got {self.method!r}")
         if self.dtype not in DTYPES:
             raise UserError(f"{where}: unknown dtype {self.dtype!r}")
         if not self.step_latency:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -23,18 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from rollout_worker.proc import die_with_parent
 
 from tests.k8s.kubelet_env import ConfigError, container_argv, container_env
 from tests.k8s.kubelet_status import pod_status
 from tests.k8s.store import now
 
 _LIVE: weakref.WeakSet[LocalKubelet] = weakref.WeakSet()
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
@@ -274,7 +268,7 @@ class LocalKubelet:
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
                     start_new_session=True,
-                    preexec_fn=_die_with_parent,
+                    preexec_fn=die_with_parent,
                     cwd=c.spec.get("workingDir"),
                 )
             except OSError as exc:

@@ -28,35 +28,53 @@ import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
+    PlainSerializer,
+    PlainValidator,
     WithJsonSchema,
     field_validator,
     model_validator,
 )
 from pydantic.alias_generators import to_camel
 from rollout_worker.api.engine_settings import Dtype, EngineSettings
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.layout import Layout
+from rollout_worker.api.errors import FieldAt
+from rollout_worker.api.layout import Layout, coerce_layout
 from rollout_worker.api.sidecar import SamplingSettings
 
 API_VERSION = "elasticrollout.dev/v1alpha1"
 KIND = "RolloutJob"
 
 
-def _layout(v: str) -> str:
-    try:
-        Layout.parse(v)
-    except UserError as exc:  # pydantic reports ValueErrors with the field's path
-        raise ValueError(exc.message) from None
-    return v
+def _layout(v: object) -> Layout:
+    """A layout field's value: a Layout as it is, a string parsed by Layout's own parser, nothing else."""
+    if isinstance(v, Layout):
+        return v
+    if not isinstance(v, str):
+        raise ValueError("Input should be a valid string")
+    lay = coerce_layout(v)
+    assert isinstance(lay, Layout)
+    return lay
+
+
+def _initial_layout(v: object) -> Layout | Literal["auto"]:
+    return "auto" if v == "auto" else _layout(v)
 
 
 LAYOUT_PATTERN = "[1-9][0-9]*x[1-9][0-9]*"  # DxT, as the CRD states it (Layout.parse checks the rest)
+# A layout of the spec: a Layout in Python (validated once, here), "DxT" in YAML, JSON and the CRD's schema.
 LayoutStr = Annotated[
-    str, AfterValidator(_layout), WithJsonSchema({"type": "string", "pattern": f"^{LAYOUT_PATTERN}$"})
+    Layout,
+    PlainValidator(_layout),
+    PlainSerializer(str, return_type=str),
+    WithJsonSchema({"type": "string", "pattern": f"^{LAYOUT_PATTERN}$"}),
+]
+InitialLayout = Annotated[
+    Layout | Literal["auto"],
+    PlainValidator(_initial_layout),
+    PlainSerializer(str, return_type=str),
+    WithJsonSchema({"type": "string", "pattern": f"^(auto|{LAYOUT_PATTERN})$"}),
 ]
 
 
@@ -90,10 +108,8 @@ class SamplingSpec(SamplingSettings):
 
 
 class ParallelismSpec(_Spec):
-    initial_layout: str = Field(
-        "auto",
-        description="`auto` (the planner picks from the profile) or DxT.",
-        json_schema_extra={"pattern": f"^(auto|{LAYOUT_PATTERN})$"},
+    initial_layout: InitialLayout = Field(
+        "auto", description="`auto` (the planner picks from the profile) or DxT."
     )
     candidates: list[LayoutStr] | None = Field(
         None, description="Layouts DxT (default: every one that fits)."
@@ -104,14 +120,9 @@ class ParallelismSpec(_Spec):
     cooldown_seconds: float = Field(0.0, ge=0.0)
     profile: str | None = Field(None, description="Profile name in the database or a JSON file.")
 
-    @field_validator("initial_layout")
-    @classmethod
-    def _initial(cls, v: str) -> str:
-        return v if v == "auto" else _layout(v)
-
     @field_validator("candidates")
     @classmethod
-    def _candidates(cls, v: list[str] | None) -> list[str] | None:
+    def _candidates(cls, v: list[Layout] | None) -> list[Layout] | None:
         if v is not None and not v:
             raise ValueError("give at least one layout, or leave candidates out")
         return v
@@ -185,29 +196,28 @@ class RolloutJobSpec(_Spec):
         """Cross-field rules (the CRD states them as CEL): candidates use gpusPerPod ranks; an explicit
         initial layout is among them."""
         if self.mode == "job" and self.prompts is None:
-            raise _at(("prompts",), "job mode needs prompts (or set mode: service)")
+            raise FieldAt(("prompts",), "job mode needs prompts (or set mode: service)")
         if self.mode == "service" and self.prompts is not None:
-            raise _at(("prompts",), "service mode takes no prompts: the client sends the requests")
+            raise FieldAt(("prompts",), "service mode takes no prompts: the client sends the requests")
         g, par = self.gpus_per_pod, self.parallelism
-        for i, c in enumerate(par.candidates or []):
-            lay = Layout.parse(c)
+        for i, lay in enumerate(par.candidates or []):
             if lay.world != g:
-                raise _at(
-                    ("parallelism", "candidates", i), f"{c} uses {lay.world} ranks, but gpusPerPod is {g}"
+                raise FieldAt(
+                    ("parallelism", "candidates", i), f"{lay} uses {lay.world} ranks, but gpusPerPod is {g}"
                 )
-        if par.initial_layout != "auto":
-            lay = Layout.parse(par.initial_layout)
-            if lay.world != g:
-                raise _at(
-                    ("parallelism", "initialLayout"), f"{lay} uses {lay.world} ranks, but gpusPerPod is {g}"
+        init = par.initial_layout
+        if init != "auto":
+            if init.world != g:
+                raise FieldAt(
+                    ("parallelism", "initialLayout"), f"{init} uses {init.world} ranks, but gpusPerPod is {g}"
                 )
-            if par.candidates is not None and lay not in {Layout.parse(c) for c in par.candidates}:
-                raise _at(("parallelism", "initialLayout"), f"{lay} is not among the candidates")
+            if par.candidates is not None and init not in par.candidates:
+                raise FieldAt(("parallelism", "initialLayout"), f"{init} is not among the candidates")
         return self
 
     def candidate_layouts(self) -> list[Layout] | None:
         c = self.parallelism.candidates
-        return None if c is None else sorted({Layout.parse(x) for x in c}, key=lambda x: x.tp)
+        return None if c is None else sorted(set(c), key=lambda x: x.tp)
 
 
 class Metadata(BaseModel):
@@ -225,18 +235,6 @@ class RolloutJob(BaseModel):
     kind: Literal["RolloutJob"]
     metadata: Metadata
     spec: RolloutJobSpec
-
-
-class FieldAt(ValueError):
-    """A cross-field error attributed to a path inside the spec (for the loader's path + line)."""
-
-    def __init__(self, path: tuple[str | int, ...], message: str) -> None:
-        super().__init__(message)
-        self.path = path
-
-
-def _at(path: tuple[str | int, ...], message: str) -> FieldAt:
-    return FieldAt(path, message)
 
 
 def samples_hash(spec: RolloutJobSpec) -> str:

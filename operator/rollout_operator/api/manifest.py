@@ -5,15 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import yaml
 from pydantic import ValidationError
-from rollout_worker.api.errors import UserError
+from rollout_worker.api.errors import FieldPath, UserError, field_errors
 
-from rollout_operator.api.job import FieldAt, RolloutJob
+from rollout_operator.api.job import RolloutJob
 
-Path_ = tuple[str | int, ...]
+Path_ = FieldPath
 
 
 @dataclass(frozen=True)
@@ -58,19 +57,6 @@ def _where(file: str, lines: dict[Path_, int], path: Path_) -> str:
     return file
 
 
-def _error_path(err: Any) -> Path_:
-    ctx_err = (err.get("ctx") or {}).get("error")
-    loc = tuple(x for x in err["loc"] if not (isinstance(x, str) and x.startswith("function-")))
-    if isinstance(ctx_err, FieldAt):  # a cross-field rule names the field it is about
-        return (*loc, *ctx_err.path)
-    return loc
-
-
-def field_errors(exc: ValidationError, limit: int = 10) -> list[tuple[Path_, str]]:
-    """Each error of a validation as (the field's path, the message), cross-field rules at their field."""
-    return [(_error_path(err), str(err["msg"]).removeprefix("Value error, ")) for err in exc.errors()[:limit]]
-
-
 def parse_job(text: str, file: str = "job.yaml") -> LoadedJob:
     try:
         node = yaml.compose(text)
@@ -87,7 +73,7 @@ def parse_job(text: str, file: str = "job.yaml") -> LoadedJob:
     try:
         job = RolloutJob.model_validate(data)
     except ValidationError as exc:
-        msgs = [f"{_where(file, lines, path)}: {dotted(path)}: {msg}" for path, msg in field_errors(exc)]
+        msgs = [f"{_where(file, lines, path)}: {dotted(path)}: {msg}" for path, msg in field_errors(exc, 10)]
         raise UserError("\n".join(msgs)) from None
     return LoadedJob(job, file, lines)
 

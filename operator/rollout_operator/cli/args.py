@@ -60,13 +60,7 @@ FLAG_OF_FIELD = {
 
 def as_flags(exc: UserError) -> UserError:
     """The error with its field named as this CLI's flag (``candidates[2]`` -> ``--candidates[2]``)."""
-    if exc.field is None:
-        return exc
-    base, sep, rest = exc.field.partition("[")
-    flag = FLAG_OF_FIELD.get(base)
-    if flag is None and base in SETTINGS_FIELDS:
-        flag = flag_of(base)
-    return exc.with_field(flag + sep + rest) if flag else exc
+    return exc.renamed({**{f: flag_of(f) for f in SETTINGS_FIELDS}, **FLAG_OF_FIELD})
 
 
 SETTINGS_FIELDS = frozenset(FIELDS) | frozenset(ServerSettings.model_fields)

@@ -10,7 +10,8 @@ from typing import Annotated, Any
 
 import typer
 from pydantic import ValidationError
-from rollout_worker.api.errors import UserError
+from rollout_worker.api.engine_settings import dotted
+from rollout_worker.api.errors import UserError, user_error
 from rollout_worker.server.settings import ServerSettings
 
 from rollout_operator.cli.args import bench_group, needs_engine
@@ -58,8 +59,7 @@ def serve_cmd(
     try:
         settings = ServerSettings(model=structure["model"], api_key=key, **server)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        raise UserError(err["msg"], ".".join(map(str, err["loc"]))) from None
+        raise user_error(exc, dotted) from None
     code = serve(settings, cfg)
     sys.exit(code)
 

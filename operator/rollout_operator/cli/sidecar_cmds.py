@@ -35,7 +35,5 @@ def sidecar_cmd(
     try:
         code = run(load_settings())
     except UserError as exc:  # errors name settings fields; here they are environment variables
-        if exc.field in SidecarFields.model_fields:
-            raise exc.with_field(env_name(exc.field)) from None
-        raise
+        raise exc.renamed({f: env_name(f) for f in SidecarFields.model_fields}) from None
     sys.exit(code)

@@ -29,9 +29,7 @@ def flags() -> Iterator[None]:
     try:
         yield
     except UserError as exc:
-        if exc.field in FLAGS:
-            raise exc.with_field(FLAGS[exc.field]) from exc
-        raise
+        raise exc.renamed(FLAGS) from None
 
 
 def register(app: typer.Typer) -> None:

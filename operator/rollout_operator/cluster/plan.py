@@ -13,9 +13,10 @@ from typing import Any
 
 from pydantic import ValidationError
 from rollout_profiler.profile import Profile
+from rollout_worker.api.errors import field_errors
 
 from rollout_operator.api.job import RolloutJobSpec
-from rollout_operator.api.manifest import dotted, field_errors
+from rollout_operator.api.manifest import dotted
 from rollout_operator.cluster.manifests import PodPlan
 from rollout_operator.control.jobplan import JobPlan, Refusal, plan_job, requests_per_pod
 

@@ -7,11 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, ValidationError
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from rollout_worker.api.env_settings import describe as describe_settings
-from rollout_worker.api.env_settings import refuse_unknown
-from rollout_worker.api.errors import UserError
+from rollout_worker.api.env_settings import load
 
 ENV_PREFIX = "ROLLOUT_OPERATOR_"
 
@@ -66,14 +65,7 @@ class OperatorSettings(BaseSettings):
 def load_settings() -> OperatorSettings:
     """The settings from the environment; errors name the variable. An unknown ``ROLLOUT_OPERATOR_*``
     variable (a typo) is refused, not ignored."""
-    refuse_unknown(ENV_PREFIX, OperatorSettings, "rolloutctl operator")
-    try:
-        return OperatorSettings()
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = [str(x) for x in err.get("loc", ())]
-        name = ENV_PREFIX + loc[0].upper() if loc else None
-        raise UserError(err.get("msg", "invalid").removeprefix("Value error, "), name) from None
+    return load(OperatorSettings, ENV_PREFIX, "rolloutctl operator")
 
 
 def describe() -> list[tuple[str, str, str]]:

@@ -70,7 +70,7 @@ def candidates_of(spec: RolloutJobSpec, dims: ModelDims | None) -> list[Layout] 
         if given is not None:
             return given
         init = spec.parallelism.initial_layout
-        return [Layout(g, 1) if init == "auto" else Layout.parse(init)]
+        return [Layout(g, 1) if init == "auto" else init]
     if given is None:
         found = candidate_layouts(g, dims.num_heads, dims.num_kv_heads, dims.vocab_size)
         return found or Refusal("spec.gpusPerPod", "no layout of this many ranks fits the model")
@@ -112,7 +112,7 @@ def start_layout(
     a full pod, ``maxBatch`` per replica of the smallest TP); the smallest TP without a profile."""
     init = spec.parallelism.initial_layout
     if init != "auto":
-        lay = Layout.parse(init)
+        lay = init
         if lay not in candidates:
             among = ", ".join(map(str, candidates))
             return Refusal("spec.parallelism.initialLayout", f"{lay} is not among {among}")

@@ -64,7 +64,6 @@ def build_pods(
             host="127.0.0.1",
             port=api,
             admin_port=admin,
-            exit_with_parent=True,
-        )
+        )  # no exit_with_parent: the runner starts every child to die with it (local/processes.py)
         pods.append(PodProcesses(i, f"{job_name}-{i}", ep, api, admin, args, env, engine_env(costs)))
     return pods

@@ -23,7 +23,7 @@ from rollout_profiler.planning.predictor import Prior
 from rollout_worker.api.errors import EngineError
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.sidecar import Progress, output_files, read_outputs
-from rollout_worker.server.process import free_port
+from rollout_worker.proc import free_port
 from rollout_worker.sidecar.outputs import write_manifest
 
 from rollout_operator.api.manifest import LoadedJob

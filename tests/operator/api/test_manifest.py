@@ -32,6 +32,16 @@ def test_defaults() -> None:
     assert spec.candidate_layouts() == [Layout(2, 1), Layout(1, 2)]
 
 
+def test_layouts_are_layouts_in_python_and_dxt_strings_in_yaml() -> None:
+    text = GOOD.replace("candidates: [2x1, 1x2]", "candidates: [2x1, 1x2]\n    initialLayout: 1x2")
+    spec = parse_job(text).job.spec
+    assert spec.parallelism.candidates == [Layout(2, 1), Layout(1, 2)]
+    assert spec.parallelism.initial_layout == Layout(1, 2)
+    dumped = spec.model_dump(mode="json", by_alias=True)["parallelism"]
+    assert (dumped["candidates"], dumped["initialLayout"]) == (["2x1", "1x2"], "1x2")
+    assert type(spec).model_validate(spec.model_dump()) == spec
+
+
 BAD = [
     ("gpusPerPod: 2", "gpusPerPod: two", "job.yaml:8: spec.gpusPerPod: Input should be a valid integer"),
     (

@@ -19,7 +19,7 @@ import pytest
 from kubernetes import client
 from rollout_operator.api import cluster as k
 from rollout_operator.cluster import rbac
-from rollout_worker.server.process import free_port
+from rollout_worker.proc import free_port
 
 from tests.k8s.fixtures import emulator, k8s_api, kubelet  # noqa: F401  (fixtures)
 

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from rollout_worker.server.process import ServerFailed, free_port, start_server, stop_server
+from rollout_worker.proc import StartFailed, free_port
+from rollout_worker.server.process import start_server, stop_server
 
 
 @dataclass
@@ -55,7 +56,7 @@ def start(model: Path, tmp: Path, *args: str, key: str | None = None, timeout: f
     log = tmp / f"server-{port}.log"
     try:
         proc, url = start_server(model, extra, log, port, timeout)
-    except ServerFailed as exc:
+    except StartFailed as exc:
         raise AssertionError(str(exc)) from None
     return Served(proc, url, log, key)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from rollout_worker.server.process import free_port
+from rollout_worker.proc import free_port
 from rollout_worker.sidecar.settings import settings_env
 
 from tests.worker.server.served import Served

@@ -22,7 +22,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rollout_worker.api.errors import UserError
+from rollout_worker.api.errors import user_error
 
 Dtype = Literal["float32", "float64", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = get_args(Dtype)  # the one list of dtypes
@@ -64,6 +64,10 @@ FIELDS: tuple[str, ...] = tuple(EngineSettings.model_fields)
 DEFAULTS = EngineSettings()
 
 
+def dotted(path: tuple[str | int, ...]) -> str:
+    return ".".join(map(str, path))
+
+
 def flag_of(name: str) -> str:
     """The CLI flag of a setting: ``max_batch`` -> ``--max-batch``."""
     return "--" + name.replace("_", "-")
@@ -93,6 +97,4 @@ def parse_settings(values: dict[str, Any]) -> EngineSettings:
     try:
         return EngineSettings(**values)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or None
-        raise UserError(err["msg"], field) from None
+        raise user_error(exc, dotted) from None

@@ -95,7 +95,9 @@ def parse_candidates(text: str, world: int, field: str = "candidates") -> list[L
     return sorted(set(layouts), key=lambda lay: lay.tp)
 
 
-def _coerce_layout(value: object) -> object:
+def coerce_layout(value: object) -> object:
+    """A pydantic validator's step: "DxT" parsed into a Layout (Layout's own parser, its message as pydantic's
+    ValueError, so the error names the field's path); anything else passed on."""
     if not isinstance(value, str):
         return value
     try:
@@ -107,7 +109,7 @@ def _coerce_layout(value: object) -> object:
 # A Layout in pydantic models: "DxT" in JSON, a Layout in Python.
 LayoutField = Annotated[
     Layout,
-    BeforeValidator(_coerce_layout),
+    BeforeValidator(coerce_layout),
     PlainSerializer(str, return_type=str),
     WithJsonSchema({"type": "string", "pattern": r"^\s*\d+\s*[xX]\s*\d+\s*$", "examples": ["2x2"]}),
 ]

@@ -29,6 +29,7 @@ from typing import Any
 
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import Sampling
+from rollout_worker.proc import rolloutctl
 
 Echo = Callable[[str], Any]
 TAIL = [8, 8, 12, 12, 16, 16, 20, 24, 28, 32, 40, 48, 64, 96, 192, 384]  # 1,000 tokens, 16 requests
@@ -93,9 +94,7 @@ def run_peer_bench(
         tokens = sum(r["max_new_tokens"] for r in rows)
         for c in cores:
             ours_cmd = [
-                sys.executable,
-                "-m",
-                "rollout_operator.cli.main",
+                *rolloutctl(),
                 "generate",
                 "--model",
                 str(model),

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import socket
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
@@ -20,6 +19,7 @@ from rollout_worker.api.errors import EngineError
 from rollout_worker.engine import messages as m
 from rollout_worker.engine.config import EngineConfig
 from rollout_worker.engine.messages import Faults
+from rollout_worker.proc import free_port
 
 log = logging.getLogger(__name__)
 Task = Callable[[Any, dict[str, Any]], dict[str, Any]]  # (RankState, args) -> result, run in every rank
@@ -41,12 +41,6 @@ class RankDied(EngineError):
         )
         super().__init__(f"rank {rank} {how}")
         self.rank, self.exitcode = rank, exitcode
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _context(device: str) -> Any:
@@ -72,7 +66,7 @@ class RankProcesses:
         self._reader, writer = ctx.Pipe(duplex=False)
         lock = ctx.Lock()
         self.inboxes = [ctx.Queue() for _ in range(cfg.world)]
-        init = f"tcp://127.0.0.1:{_free_port()}"
+        init = f"tcp://127.0.0.1:{free_port()}"
         self.procs = [
             ctx.Process(
                 target=rank_entry,

@@ -14,12 +14,9 @@ and ends the process; PR_SET_PDEATHSIG covers the parent (a forkserver on CPU) a
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import queue as queue_mod
-import select
 import signal
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -38,6 +35,7 @@ from rollout_worker.engine.model import Decoder
 from rollout_worker.engine.reconfig import reconfigure
 from rollout_worker.engine.sequence import Sequence
 from rollout_worker.engine.state import RankState, build_state, device_for, load_weights
+from rollout_worker.proc import die_with_parent, when_gone
 
 
 class Outbox:
@@ -206,39 +204,6 @@ class RankLoop:
 
 
 # -- process entry ------------------------------------------------------------------------------------
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent dies."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # pragma: no cover - not Linux
-        pass
-
-
-def _watch(driver_pid: int) -> None:
-    """End this process as soon as the driver process is gone, however it died."""
-    try:
-        fd = os.pidfd_open(driver_pid)
-    except ProcessLookupError:
-        os._exit(1)
-    except (AttributeError, OSError):  # pragma: no cover - no pidfd: poll instead
-        fd = None
-
-    def wait() -> None:
-        if fd is not None:
-            select.select([fd], [], [])
-        else:  # pragma: no cover
-            while True:
-                try:
-                    os.kill(driver_pid, 0)
-                except ProcessLookupError:
-                    break
-                time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=wait, name="driver-watchdog", daemon=True).start()
-
-
 def rank_main(
     rank: int,
     cfg: EngineConfig,
@@ -252,8 +217,8 @@ def rank_main(
     task_args: dict[str, Any] | None = None,
 ) -> None:
     """Process entry: set up, then serve the inbox until Shutdown (or run one measurement ``task``)."""
-    _die_with_parent()
-    _watch(driver_pid)
+    die_with_parent()
+    when_gone(driver_pid, lambda: os._exit(1), name="driver-watchdog")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver handles Ctrl-C and stops the ranks
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")

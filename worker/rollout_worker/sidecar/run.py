@@ -23,6 +23,7 @@ from typing import Any
 import uvicorn
 
 from rollout_worker.api.errors import UserError
+from rollout_worker.proc import when_gone
 from rollout_worker.sidecar.app import create_admin_app, create_api_app
 from rollout_worker.sidecar.core import Sidecar
 from rollout_worker.sidecar.settings import SidecarFields, env_name
@@ -82,7 +83,8 @@ async def _serve(side: Sidecar, socks: list[socket.socket]) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    parent = _watch_parent(loop, stop) if s.exit_with_parent else None
+    if s.exit_with_parent:
+        _watch_parent(loop, stop)
     tasks: dict[str, asyncio.Task[Any]] = {
         "api": asyncio.create_task(servers[0].serve([socks[0]])),
         "admin": asyncio.create_task(servers[1].serve([socks[1]])),
@@ -109,33 +111,24 @@ async def _serve(side: Sidecar, socks: list[socket.socket]) -> int:
         await _shutdown(side, servers, tasks)  # a second signal meanwhile changes nothing
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-        if parent is not None:
-            loop.remove_reader(parent)
-            os.close(parent)
     if error is not None:
         raise error
     return 0
 
 
-def _watch_parent(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> int | None:
-    """Set ``stop`` as soon as the parent process is gone, however it died (its pidfd turns readable)."""
+def _watch_parent(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    """Set ``stop`` as soon as the parent process is gone, however it died."""
     ppid = os.getppid()
-    try:
-        fd = os.pidfd_open(ppid)
-    except ProcessLookupError:
-        stop.set()
-        return None
-    except (AttributeError, OSError) as exc:  # pragma: no cover - a kernel without pidfd (< 5.3)
-        log.warning("cannot watch the parent process %d (%s); exit_with_parent ignored", ppid, exc)
-        return None
 
     def gone() -> None:
         log.info("the parent process %d is gone: stopping", ppid)
-        loop.remove_reader(fd)
         stop.set()
 
-    loop.add_reader(fd, gone)
-    return fd
+    def gone_threadsafe() -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: the sidecar stopped already
+            loop.call_soon_threadsafe(gone)
+
+    when_gone(ppid, gone_threadsafe, name="parent-watchdog")
 
 
 async def _until_stopped(tasks: dict[str, asyncio.Task[Any]], exit_when_done: bool) -> BaseException | None:

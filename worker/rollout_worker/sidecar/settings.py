@@ -24,8 +24,9 @@ from pydantic import (
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rollout_worker.api.env_settings import describe as describe_settings
-from rollout_worker.api.env_settings import refuse_unknown
-from rollout_worker.api.errors import UserError
+from rollout_worker.api.env_settings import env_name as env_var
+from rollout_worker.api.env_settings import load
+from rollout_worker.api.errors import FieldAt, UserError, user_error
 from rollout_worker.api.sidecar import SamplingSettings, output_file
 
 ENV_PREFIX = "ROLLOUT_SIDECAR_"
@@ -104,17 +105,17 @@ class SidecarFields(BaseModel):
     @model_validator(mode="after")
     def _rules(self) -> SidecarFields:
         if self.pod_index >= self.pods:
-            raise _FieldError("pod_index", f"{self.pod_index} must be below pods ({self.pods})")
+            raise FieldAt(("pod_index",), f"{self.pod_index} must be below pods ({self.pods})")
         if self.mode == "job":
             for name in ("prompts_path", "output_dir"):
                 if getattr(self, name) is None:
-                    raise _FieldError(name, "job mode needs it")
+                    raise FieldAt((name,), "job mode needs it")
         if (self.token is None) == (self.token_file is None):
-            raise _FieldError("token", "give exactly one of token or token_file (the sidecar's bearer token)")
+            raise FieldAt(("token",), "give exactly one of token or token_file (the sidecar's bearer token)")
         if self.engine_key is not None and self.engine_key_file is not None:
-            raise _FieldError("engine_key", "give at most one of engine_key or engine_key_file")
+            raise FieldAt(("engine_key",), "give at most one of engine_key or engine_key_file")
         if self.port == self.admin_port:
-            raise _FieldError("admin_port", f"must differ from port (both {self.port})")
+            raise FieldAt(("admin_port",), f"must differ from port (both {self.port})")
         return self
 
     @property
@@ -137,20 +138,12 @@ class SidecarFields(BaseModel):
         return _secret(self.engine_key, self.engine_key_file, "engine_key_file")
 
 
-class _FieldError(ValueError):
-    """A cross-field rule broken, attributed to one field."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
-
-
 class SidecarSettings(SidecarFields, BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
 
 
 def env_name(field: str) -> str:
-    return ENV_PREFIX + field.upper()
+    return env_var(ENV_PREFIX, field)
 
 
 def _secret(value: SecretStr | None, path: Path | None, field: str) -> str | None:
@@ -167,24 +160,10 @@ def _secret(value: SecretStr | None, path: Path | None, field: str) -> str | Non
     return text
 
 
-def _first_error(exc: ValidationError, name: Any) -> UserError:
-    err = exc.errors()[0]
-    loc = [str(x) for x in err.get("loc", ())]
-    cause = err.get("ctx", {}).get("error")
-    if isinstance(cause, _FieldError):
-        loc = [cause.field]
-    msg = err.get("msg", "invalid").removeprefix("Value error, ")
-    return UserError(msg, name(loc[0]) if loc else None)
-
-
 def load_settings() -> SidecarSettings:
     """The settings from the environment; errors name the variable (``ROLLOUT_SIDECAR_POD_INDEX``). An
     unknown ``ROLLOUT_SIDECAR_*`` variable (a typo) is refused, not ignored."""
-    refuse_unknown(ENV_PREFIX, SidecarFields, "rolloutctl sidecar")
-    try:
-        return SidecarSettings()
-    except ValidationError as exc:
-        raise _first_error(exc, env_name) from None
+    return load(SidecarSettings, ENV_PREFIX, "rolloutctl sidecar")
 
 
 def settings_env(**fields: Any) -> dict[str, str]:
@@ -194,7 +173,7 @@ def settings_env(**fields: Any) -> dict[str, str]:
     try:
         SidecarFields.model_validate(fields)
     except ValidationError as exc:
-        raise _first_error(exc, lambda x: x) from None
+        raise user_error(exc, lambda path: str(path[0])) from None
     env: dict[str, str] = {}
     for name, value in fields.items():
         if value is None:

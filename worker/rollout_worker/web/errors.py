@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rollout_worker.api.errors import UserError
+from rollout_worker.api.errors import UserError, field_errors
 
 _SOURCES = {"body", "query", "path", "header"}  # where a value came from: the first part of a location
 # tags of union members in a location (``text: str | list[str]``, ``sampling_params: SamplingParams | list``)
@@ -43,13 +43,11 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str]:
     """(field, message) of a request's first validation error, e.g. ``("triggers.0.layout",
     "triggers.0.layout: '0x2' needs D >= 1 and T >= 1")``; a body that is not JSON is ``("body", "body:
     malformed JSON: ...")``."""
+    ((path, msg),) = field_errors(exc, 1, skip=_UNION_TAGS)
+    if path and path[0] in _SOURCES:
+        path = path[1:]
+    where = ".".join(map(str, path)) or "body"
     err = exc.errors()[0]
-    raw = [str(x) for x in err.get("loc", ())]
-    if raw and raw[0] in _SOURCES:
-        raw = raw[1:]
-    loc = [x for x in raw if x not in _UNION_TAGS and not x.startswith("function-")]
-    where = ".".join(loc) or "body"
-    msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
     if err.get("type") == "json_invalid":
         where, msg = "body", f"malformed JSON: {err.get('ctx', {}).get('error', msg)}"
     return where, f"{where}: {msg}"
