@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.requests import RequestSpec
-from rollout_worker.api.sampling import SamplingParams
+from rollout_worker.api.sampling import Sampling
 from rollout_worker.engine import snapshot
 from rollout_worker.engine.book import Book
 from rollout_worker.engine.lifecycle import Health, Status
@@ -14,9 +14,9 @@ from rollout_worker.engine.messages import StepReport
 def test_counts_per_replica_queue_and_kv() -> None:
     book = Book(Layout(2, 1))
     for i in range(5):
-        book.add(RequestSpec(f"r{i}", (1, 2), 8, SamplingParams()), (), 0.0)
+        book.add(RequestSpec(f"r{i}", (1, 2), 8, Sampling()), (), 0.0)
     book.dispatch()  # r0, r2, r4 on replica 0; r1, r3 on replica 1
-    book.add(RequestSpec("late", (1,), 8, SamplingParams()), (), 0.0)  # queued in the driver
+    book.add(RequestSpec("late", (1,), 8, Sampling()), (), 0.0)  # queued in the driver
     book.on_step(StepReport(0, 0, 0, "prefill", 1.0, admitted=("r0", "r2"), kv_tokens=4, kv_capacity=16), 1.0)
     book.on_step(StepReport(1, 0, 0, "prefill", 1.0, admitted=("r1",), kv_tokens=2, kv_capacity=16), 1.0)
     snap = snapshot.take(book, Status(Health.READY), "retract", "v2")

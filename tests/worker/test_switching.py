@@ -8,7 +8,7 @@ from rollout_worker.api.errors import Conflict, UserError
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.plan import Plan, ReconfigEvent, Trigger
 from rollout_worker.api.requests import RequestSpec
-from rollout_worker.api.sampling import SamplingParams
+from rollout_worker.api.sampling import Sampling
 from rollout_worker.engine import messages as m
 from rollout_worker.engine.book import Book
 from rollout_worker.engine.finish import FinishLength
@@ -21,7 +21,7 @@ CANDIDATES = (Layout(4, 1), Layout(2, 2), Layout(1, 4))
 def _setup(n: int = 0) -> tuple[Switching, Tickets, list[m.Command]]:
     book, tickets, sent = Book(Layout(4, 1)), Tickets(), []
     for i in range(n):
-        book.add(RequestSpec(f"r{i}", (1,), 8, SamplingParams()), (), 0.0)
+        book.add(RequestSpec(f"r{i}", (1,), 8, Sampling()), (), 0.0)
     book.dispatch()
     return Switching(book, tickets, sent.append, CANDIDATES), tickets, sent
 
