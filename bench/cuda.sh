@@ -20,7 +20,7 @@ rc=0
 for what in "${parts[@]}"; do
   case "$what" in
     tests)
-      timeout 300 python3 -m pytest -p no:cacheprovider -m gpu tests/worker/test_gpu.py -v -rs 2>&1 \
+      timeout 300 python3 -m pytest -p no:cacheprovider -m gpu tests/worker/engine/test_gpu.py -v -rs 2>&1 \
         | tee "$out/gpu-tests.log"
       rc=$(( rc || PIPESTATUS[0] )) ;;
     bench)

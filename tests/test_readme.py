@@ -12,7 +12,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -58,9 +57,8 @@ def test_the_main_job_runs_as_written(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "ROLLOUT_DB_URL"} | {"ROLLOUT_HOME": str(home)}
     rolloutctl = Path(sys.executable).with_name("rolloutctl")  # the installed entry point, as a user runs it
     argv = [str(rolloutctl), *MAIN.split()[1:]]
-    t0 = time.monotonic()
+    # the README's promise (first use within 5 minutes) is the timeout: TimeoutExpired fails the test
     got = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=FIRST_USE_S)
-    took = time.monotonic() - t0
     assert got.returncode == 0, got.stdout + got.stderr
     out = got.stdout
     assert "made the wide model at build/models/wide" in out
@@ -68,7 +66,7 @@ def test_the_main_job_runs_as_written(tmp_path: Path) -> None:
         r"compare: adaptive [\d.]+ s vs static [\d.]+ s: .*outputs identical \(32 samples", out
     ), out
     assert re.search(r"quickstart-0: 2x1 -> 1x2 \((migrate|recompute)\) at step \d+", out), out
-    assert "Traceback" not in got.stderr and took < FIRST_USE_S
+    assert "Traceback" not in got.stderr
 
     run = json.loads((tmp_path / "build/quickstart/adaptive/run.json").read_text())
     events = [e for evs in run["events"].values() for e in evs if e["outcome"] == "committed"]

@@ -7,18 +7,14 @@ from __future__ import annotations
 
 import os
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
 
 import kubernetes.client
 import pytest
 
 from tests.k8s.kubelet import LocalKubelet
 from tests.k8s.runner import ROOT, EmulatorHandle, serve_emulator
-
-T = TypeVar("T")
 
 
 @pytest.fixture
@@ -56,16 +52,3 @@ def kubelet(
     with LocalKubelet(emulator.url, "default", tmp_path / "kubelet-logs") as node:
         yield node
     assert not [e for e in node.errors if not isinstance(e, Exception)], node.errors
-
-
-def wait_for(what: str, check: Callable[[], T | None], timeout: float = 10.0, interval: float = 0.05) -> T:
-    """Poll `check` until it returns something truthy; fail naming `what` and the last value otherwise."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while True:
-        last = check()
-        if last:
-            return last
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
-        time.sleep(interval)

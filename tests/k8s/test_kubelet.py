@@ -13,9 +13,9 @@ import httpx
 import kubernetes.client
 import pytest
 
-from tests.k8s.fixtures import wait_for
 from tests.k8s.kubelet import LocalKubelet
 from tests.k8s.runner import EmulatorHandle
+from tests.waiting import wait_until
 
 SERVER = """
 import http.server, os
@@ -77,7 +77,8 @@ def test_a_pod_runs_gets_ready_and_serves(core: Any, kubelet: LocalKubelet, emul
     core.create_namespaced_pod("default", web_pod("web-0"))
     core.create_namespaced_pod("default", web_pod("web-1"))
     pods = [
-        wait_for(f"{n} to be Ready", functools.partial(ready, emulator, n), 15) for n in ("web-0", "web-1")
+        wait_until(functools.partial(ready, emulator, n), what=f"{n} to be Ready", timeout=15)
+        for n in ("web-0", "web-1")
     ]
     ips = [p["status"]["podIP"] for p in pods]
     assert ips[0] != ips[1] and all(ip.startswith("127.0.0.") for ip in ips), ips
@@ -89,17 +90,18 @@ def test_a_pod_runs_gets_ready_and_serves(core: Any, kubelet: LocalKubelet, emul
     assert httpx.get(f"http://{ips[0]}:8000/").text == "s3cret hi-web-0-$(X)-$(NOPE)"
     assert kubelet.started("web-0") == 1 and kubelet.running() == ["web-0", "web-1"]
     kubelet.pause("web-1", "web")  # unreachable for a while: not Ready, then Ready again
-    wait_for("web-1 to be unready", lambda: not ready(emulator, "web-1"))
+    wait_until(lambda: not ready(emulator, "web-1"), what="web-1 to be unready")
     kubelet.resume("web-1", "web")
-    wait_for("web-1 to be Ready again", lambda: ready(emulator, "web-1"))
+    wait_until(lambda: ready(emulator, "web-1"), what="web-1 to be Ready again")
 
 
 def test_a_crash_fails_the_pod(core: Any, kubelet: LocalKubelet, emulator: EmulatorHandle) -> None:
     core.create_namespaced_pod("default", web_pod("web-0"))
-    wait_for("web-0 to be Ready", lambda: ready(emulator, "web-0"), timeout=15)
+    wait_until(lambda: ready(emulator, "web-0"), what="web-0 to be Ready", timeout=15)
     kubelet.kill("web-0", "web", signal.SIGKILL)
-    pod = wait_for(
-        "web-0 to fail", lambda: (p := pod_of(emulator, "web-0")) and p["status"]["phase"] == "Failed" and p
+    pod = wait_until(
+        lambda: (p := pod_of(emulator, "web-0")) and p["status"]["phase"] == "Failed" and p,
+        what="web-0 to fail",
     )
     terminated = pod["status"]["containerStatuses"][0]["state"]["terminated"]
     assert terminated["exitCode"] == -9 and terminated["reason"] == "Error"
@@ -110,21 +112,21 @@ def test_a_restarting_pod_and_a_deleted_one(
     core: Any, kubelet: LocalKubelet, emulator: EmulatorHandle
 ) -> None:
     core.create_namespaced_pod("default", web_pod("web-0", restart="Always"))
-    wait_for("web-0 to be Ready", lambda: ready(emulator, "web-0"), timeout=15)
+    wait_until(lambda: ready(emulator, "web-0"), what="web-0 to be Ready", timeout=15)
     (pid,) = kubelet.pids("web-0").values()
     kubelet.kill("web-0", "web")
-    pod = wait_for(
-        "a restart",
+    pod = wait_until(
         lambda: (
             (p := ready(emulator, "web-0")) and p["status"]["containerStatuses"][0]["restartCount"] == 1 and p
         ),
+        what="a restart",
         timeout=15,
     )
     assert pod["status"]["containerStatuses"][0]["lastState"]["terminated"]["exitCode"] == -9
     (pid,) = kubelet.pids("web-0").values()
     core.delete_namespaced_pod("web-0", "default")
-    wait_for("the process to end", lambda: gone(pid))
-    wait_for("the pod to be removed", lambda: pod_of(emulator, "web-0") is None)
+    wait_until(lambda: gone(pid), what="the process to end")
+    wait_until(lambda: pod_of(emulator, "web-0") is None, what="the pod to be removed")
     assert kubelet.running() == []
 
 
@@ -138,9 +140,9 @@ def test_a_missing_secret_keeps_the_pod_pending(
         statuses = ((pod_of(emulator, "web-0") or {}).get("status") or {}).get("containerStatuses") or [{}]
         return statuses[0].get("state", {}).get("waiting", {}).get("reason")
 
-    assert wait_for("CreateContainerConfigError", lambda: waiting() == "CreateContainerConfigError")
+    wait_until(lambda: waiting() == "CreateContainerConfigError", what="the container to wait on its config")
     assert pod_of(emulator, "web-0")["status"]["phase"] == "Pending"  # type: ignore[index]
     token = base64.b64encode(b"late").decode()
     core.create_namespaced_secret("default", {"metadata": {"name": "creds"}, "data": {"token": token}})
-    pod = wait_for("web-0 to be Ready", lambda: ready(emulator, "web-0"), timeout=15)
+    pod = wait_until(lambda: ready(emulator, "web-0"), what="web-0 to be Ready", timeout=15)
     assert httpx.get(f"http://{pod['status']['podIP']}:8000/").text.startswith("late ")

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ from rollout_operator.cluster import rbac
 from rollout_worker.proc import free_port
 
 from tests.k8s.fixtures import emulator, k8s_api, kubelet  # noqa: F401  (fixtures)
+from tests.waiting import wait_until
 
 NS = "default"
 OPERATOR_AGENTS = ("kopf/", "elastic-rollout-operator")  # kopf's requests and the operator's own
@@ -97,7 +97,9 @@ class Cluster:
             )  # fmt: skip
         op = OperatorProcess(proc, log, f"http://127.0.0.1:{port}")
         self.operators.append(op)
-        wait_for(lambda: _answers(op), f"operator {name} serving /metrics\n{op.tail()}", 60)
+        wait_until(
+            lambda: _answers(op), what=f"operator {name} serving /metrics", timeout=60, explain=op.tail
+        )
         return op
 
     def create_job(self, doc: dict[str, Any]) -> dict[str, Any]:
@@ -135,11 +137,13 @@ class Cluster:
         return out
 
     def wait_phase(self, name: str, phase: str, timeout: float = 180.0) -> dict[str, Any]:
-        def reached() -> bool:
-            return self.status(name).get("phase") == phase
+        def reached() -> dict[str, Any] | None:
+            st = self.status(name)
+            return st if st.get("phase") == phase else None
 
-        wait_for(reached, f"{name} in phase {phase}", timeout, self.explain(name))
-        return self.status(name)
+        return wait_until(
+            reached, what=f"{name} in phase {phase}", timeout=timeout, explain=self.explain(name)
+        )
 
     def explain(self, name: str) -> Callable[[], str]:
         def text() -> str:
@@ -166,18 +170,6 @@ def _answers(op: OperatorProcess) -> bool:
         return httpx.get(op.metrics + "/metrics", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def wait_for(
-    cond: Callable[[], bool], what: str, timeout: float = 120.0, why: Callable[[], str] | None = None
-) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"timed out after {timeout:.0f} s waiting for {what}\n{why() if why else ''}"
-            )
-        time.sleep(0.1)
 
 
 @pytest.fixture

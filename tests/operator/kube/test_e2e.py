@@ -19,8 +19,9 @@ from rollout_profiler.store import runs
 from rollout_profiler.store.testing import fresh_database
 from sqlalchemy.orm import Session
 
-from tests.operator.kube.conftest import NS, Cluster, wait_for
+from tests.operator.kube.conftest import NS, Cluster
 from tests.operator.local.jobs import ALL, job_doc, records, write_prompts
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.postgres]
 
@@ -59,7 +60,9 @@ def test_a_job_runs_to_succeeded_and_the_planner_switches_honestly(
     svc = cluster.core.read_namespaced_service("e2e", NS)
     assert svc.spec.cluster_ip == "None" and {p.port for p in svc.spec.ports} == {30000, 8080, 8081}
     assert [cluster.kubelet.started(f"e2e-{i}") for i in (0, 1)] == [1, 1], why()
-    wait_for(lambda: not cluster.pods("e2e"), "the finished job's pods deleted", 30, why)
+    wait_until(
+        lambda: not cluster.pods("e2e"), what="the finished job's pods deleted", timeout=30, explain=why
+    )
 
     # every sample once, with the prompt's fields passed through
     recs = records(out)

@@ -4,14 +4,14 @@ Service, no pod). And two operators with kopf peering: only the one with the hig
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from tests.operator.kube.conftest import NS, Cluster, wait_for
+from tests.operator.kube.conftest import NS, Cluster, OperatorProcess
 from tests.operator.local.jobs import job_doc
+from tests.waiting import wait_until
 
 REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("no-profile", {"parallelism": {"profile": None}}, "spec.parallelism.profile"),
@@ -48,13 +48,21 @@ def _absent(read: Any, *args: str) -> bool:
     return False
 
 
+def _count(peers: dict[str, Any], n: int) -> dict[str, Any] | None:
+    return peers if len(peers) == n else None
+
+
 def test_jobs_the_operator_cannot_run_are_refused_naming_the_field(cluster: Cluster, tmp_path: Path) -> None:
     op = cluster.start_operator()
     for name, spec, _ in REFUSED:
         cluster.create_job(_doc(name, tmp_path, **spec))
     for name, _, field in REFUSED:
-        wait_for(lambda n=name: bool(_refused(cluster, n)), f"{name} refused", 30, cluster.explain(name))
-        cond = _refused(cluster, name)
+        cond = wait_until(
+            lambda n=name: _refused(cluster, n),
+            what=f"{name} refused",
+            timeout=30,
+            explain=cluster.explain(name),
+        )
         assert cond["reason"] == "InvalidSpec" and cond["message"].startswith(f"{field}:"), (name, cond)
         events = cluster.events(name)
         assert any(r == "InvalidSpec" and m.startswith(field) for r, m in events), (name, events)
@@ -71,24 +79,38 @@ def test_two_operators_with_peering_only_one_acts(cluster: Cluster, tmp_path: Pa
     peering = {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "elastic-rollout"}}
     cluster.custom.create_namespaced_custom_object("kopf.dev", "v1", NS, "kopfpeerings", peering)
 
-    def entries() -> int:
+    def peers() -> dict[str, dict[str, Any]]:  # kopf's identity -> {priority, lastseen, lifetime}
         got = cluster.custom.get_namespaced_custom_object(
             "kopf.dev", "v1", NS, "kopfpeerings", "elastic-rollout"
         )
-        return len(got.get("status") or {})
+        return dict(got.get("status") or {})
 
-    ops = []
+    ops: list[OperatorProcess] = []
+    ids: list[str] = []
     for i in (0, 1):  # each replica once the one before has announced itself, as a rolling Deployment
         ops.append(cluster.start_operator(f"replica-{i}", peering="elastic-rollout"))
-        wait_for(lambda n=i + 1: entries() == n, f"replica {i} in the peering object", 30)
-    # settle: each replica has read the other's keep-alive (kopf's batch window is 0.1 s) before jobs come;
-    # a replica started paused stays paused silently, so there is no log line to wait for
-    time.sleep(2)
+        seen = wait_until(lambda n=i + 1: _count(peers(), n), what=f"replica {i} in the peering object")
+        ids += [x for x in seen if x not in ids]
+    first, second = (seen[x]["priority"] for x in ids)
+    # kopf starts a peering operator paused and resumes it (a log line) once no live peer outranks it. So a
+    # second replica that is outranked never acts; a first one that is outranked has acted alone until now,
+    # and is settled once it has read the second's keep-alive and paused (a log line) before any job comes.
+    if second > first:
+        wait_until(
+            lambda: "Pausing operations in favour of" in ops[0].log.read_text(),
+            what="replica 0 to pause in favour of replica 1",
+            explain=ops[0].tail,
+        )
     names = [f"peer-{i}" for i in range(3)]
     for name in names:
         cluster.create_job(_doc(name, tmp_path, parallelism={"profile": None}))
     for name in names:
-        wait_for(lambda n=name: bool(_refused(cluster, n)), f"{name} refused", 60, cluster.explain(name))
+        wait_until(
+            lambda n=name: _refused(cluster, n),
+            what=f"{name} refused",
+            timeout=60,
+            explain=cluster.explain(name),
+        )
     refused = sorted(op.metric("rollout_operator_jobs_refused_total") for op in ops)
     assert refused == [0, len(names)], refused
     idle = min(ops, key=lambda op: op.metric("rollout_operator_jobs_refused_total"))

@@ -14,9 +14,10 @@ from rollout_profiler.store import engine as db_engine
 from rollout_profiler.store import runs
 from sqlalchemy.orm import Session
 
-from tests.operator.kube.conftest import Cluster, wait_for
+from tests.operator.kube.conftest import Cluster
 from tests.operator.kube.test_e2e import e2e_doc
 from tests.operator.local.jobs import ALL, records, write_prompts
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.multiproc
 
@@ -51,13 +52,20 @@ def test_the_operator_killed_mid_job_and_a_sidecar_away_for_a_while(
     out = tmp_path / "out"
     cluster.create_job(e2e_doc(tiny64, prompts, out, "restart"))
     why = cluster.explain("restart")
-    wait_for(lambda: _writing(cluster, "restart"), "the job half-way", 180, why)
+    wait_until(lambda: _writing(cluster, "restart"), what="the job half-way", timeout=180, explain=why)
     op.stop(signal.SIGKILL)
     cluster.kubelet.pause("restart-1", "sidecar")  # away while no operator watches, and after
     second = cluster.start_operator("second")
-    wait_for(lambda: _condition(cluster, "restart", "Degraded") == "True", "Degraded", 60, why)
+    wait_until(
+        lambda: _condition(cluster, "restart", "Degraded") == "True", what="Degraded", timeout=60, explain=why
+    )
     cluster.kubelet.resume("restart-1", "sidecar")
-    wait_for(lambda: _condition(cluster, "restart", "Degraded") == "False", "recovered", 60, why)
+    wait_until(
+        lambda: _condition(cluster, "restart", "Degraded") == "False",
+        what="recovered",
+        timeout=60,
+        explain=why,
+    )
     st = cluster.wait_phase("restart", "Succeeded", 240)
     assert [cluster.kubelet.started(f"restart-{i}") for i in (0, 1)] == [1, 1], why()
     _exactly_once(out)
@@ -77,10 +85,15 @@ def test_suspend_mid_job_deletes_the_pods_and_resume_completes_with_nothing_lost
     out = tmp_path / "out"
     cluster.create_job(e2e_doc(tiny64, prompts, out, "pause"))
     why = cluster.explain("pause")
-    wait_for(lambda: _writing(cluster, "pause"), "the job half-way", 180, why)
+    wait_until(lambda: _writing(cluster, "pause"), what="the job half-way", timeout=180, explain=why)
     cluster.patch_job("pause", {"spec": {"suspend": True}})
     cluster.wait_phase("pause", "Suspended", 60)
-    wait_for(lambda: not cluster.pods("pause") and not cluster.kubelet.running(), "pods gone", 60, why)
+    wait_until(
+        lambda: not cluster.pods("pause") and not cluster.kubelet.running(),
+        what="pods gone",
+        timeout=60,
+        explain=why,
+    )
     written = len(records(out))
     assert 0 < written < len(ALL)
     assert _condition(cluster, "pause", "Suspended") == "True"
@@ -106,10 +119,12 @@ def test_a_pod_failing_repeatedly_fails_the_job_after_the_backoff_limit(
     why = cluster.explain("broken")
     assert "backoffLimit 1" in st["message"] and "broken-0" in st["message"], st
     assert cluster.kubelet.started("broken-0") == 2, why()  # the first try and one more
-    wait_for(lambda: not cluster.pods("broken"), "the failed job's pods deleted", 30, why)
+    wait_until(
+        lambda: not cluster.pods("broken"), what="the failed job's pods deleted", timeout=30, explain=why
+    )
     reasons = [r for r, _ in cluster.events("broken")]
     assert reasons.count("PodFailed") == 1 and "Failed" in reasons, reasons
     with Session(db_engine.make_engine(cluster.db_url)) as session:
         assert runs.get_job(session, st["recordId"]).outcome == "failed"
     gone = lambda: not any(j["metadata"]["name"] == "broken" for j in cluster.jobs())  # noqa: E731
-    wait_for(gone, "the job deleted after ttlSecondsAfterFinished", 30, why)
+    wait_until(gone, what="the job deleted after ttlSecondsAfterFinished", timeout=30, explain=why)

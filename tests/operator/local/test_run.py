@@ -36,10 +36,10 @@ from tests.operator.local.jobs import (
     rolloutctl,
     sorted_lines,
     start_run,
-    wait_for,
     write_job,
     write_prompts,
 )
+from tests.waiting import wait_until
 from tests.worker.server.served import alive, descendants
 
 pytestmark = pytest.mark.multiproc
@@ -143,7 +143,7 @@ def test_a_run_killed_mid_way_resumes_to_the_uninterrupted_outputs(
     try:
         per_pod = len(ALL) // 2
         pods = [out / "pod-0.jsonl", out / "pod-1.jsonl"]
-        wait_for(lambda: all(count_lines(f) >= 4 for f in pods), "4 samples of each pod")
+        wait_until(lambda: all(count_lines(f) >= 4 for f in pods), what="4 samples of each pod", timeout=120)
         family = descendants(runner.pid)
         victim = kill(out, runner.pid)
         written = sum(count_lines(f) for f in pods)
@@ -155,7 +155,7 @@ def test_a_run_killed_mid_way_resumes_to_the_uninterrupted_outputs(
     log = (tmp_path / "first.log").read_text()
     assert f"error: {victim} exited with code" in log, log
     assert "Traceback" not in log
-    wait_for(lambda: not alive(family), "every process of the failed run to end", timeout=30)
+    wait_until(lambda: not alive(family), what="every process of the failed run to end", timeout=30)
 
     again = subprocess.run(rolloutctl("run", *args), capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stdout + again.stderr
@@ -196,9 +196,11 @@ def test_ctrl_c_then_sigkill_of_the_runner_stop_every_child_and_reruns_resume(
         runner = start_run(*args, log=tmp_path / f"{sig.name}.log")
         try:
             if sig == signal.SIGINT:  # the first run: some samples written, so the others resume
-                wait_for(lambda: all(count_lines(f) >= 2 for f in pods), "2 samples of each pod")
+                wait_until(
+                    lambda: all(count_lines(f) >= 2 for f in pods), what="2 samples of each pod", timeout=120
+                )
             else:  # the resumed run holds only the long samples: stop it as soon as both pods decode
-                wait_for(lambda t=started: _decoding(out, t), "both pods to decode")
+                wait_until(lambda t=started: _decoding(out, t), what="both pods to decode", timeout=120)
             family = descendants(runner.pid)
             assert family, "the runner has no children"
             runner.send_signal(sig)
@@ -207,7 +209,7 @@ def test_ctrl_c_then_sigkill_of_the_runner_stop_every_child_and_reruns_resume(
             if runner.poll() is None:
                 runner.kill()
         assert sum(count_lines(f) for f in pods) < len(ALL), f"the run finished before {sig.name}"
-        wait_for(lambda fam=family: not alive(fam), f"every child to end after {sig.name}", timeout=30)
+        wait_until(lambda fam=family: not alive(fam), what=f"every child to end after {sig.name}", timeout=30)
         log = (tmp_path / f"{sig.name}.log").read_text()
         assert "Traceback" not in log, log
     assert "interrupted" in (tmp_path / "SIGINT.log").read_text()

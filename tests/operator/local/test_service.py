@@ -19,7 +19,8 @@ from rollout_profiler.store import engine as db_engine
 from rollout_profiler.store import runs
 from sqlalchemy.orm import Session
 
-from tests.operator.local.jobs import job_doc, start_run, wait_for, write_job
+from tests.operator.local.jobs import job_doc, start_run, write_job
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.multiproc
 
@@ -78,7 +79,11 @@ def _serve(tmp: Path, model: Path, policy: str) -> tuple[subprocess.Popen[bytes]
     job = write_job(tmp / f"{policy}.yaml", doc)
     db = f"sqlite:///{tmp / f'{policy}.db'}"
     runner = start_run(str(job), "--policy", policy, "--db", db, log=log)
-    wait_for(lambda: "serving until" in log.read_text() or runner.poll() is not None, "the pod to serve")
+    wait_until(
+        lambda: "serving until" in log.read_text() or runner.poll() is not None,
+        what="the pod to serve",
+        timeout=120,
+    )
     assert runner.poll() is None, log.read_text()
     return runner, Pod(out), log
 

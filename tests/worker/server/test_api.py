@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.waiting import wait_until
 from tests.worker.server.served import Served
 
 pytestmark = pytest.mark.multiproc
@@ -337,14 +338,33 @@ def test_state_lists_running_and_finished(server: Served) -> None:
     assert bad.status_code == 400 and bad.json()["error"]["field"] == "since_step"
 
 
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _main_thread(pid: int) -> tuple[str, int, int]:
+    """A rank's main thread (the one serving the inbox): its state (S: asleep), the CPU ticks it has used and
+    how many times it has gone to sleep of its own accord. Its other threads (gloo's) wake on their own."""
+    task = Path(f"/proc/{pid}/task/{pid}")
+    fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+    slept = re.search(r"^voluntary_ctxt_switches:\s+(\d+)$", (task / "status").read_text(), re.M)
+    assert slept is not None
+    return fields[0], int(fields[11]) + int(fields[12]), int(slept[1])
 
 
 def test_an_idle_engine_blocks_instead_of_spinning(server: Served) -> None:
+    """An idle rank sleeps in its inbox read: its main thread neither uses CPU nor wakes while nothing comes.
+    A rank that spun would use a CPU tick every 10 ms; one that polled would wake (and sleep again) at each
+    poll. Once asleep, 20 looks 50 ms apart (1 s: a hundred ticks of spinning, a wake-up of any poll up to
+    1 s) must each see the very same counters; a blocked thread never changes them, so the test cannot fail
+    for a slow machine."""
     pids = server.get("/get_server_info").json()["rank_pids"]
-    before = [_cpu_s(p) for p in pids]
-    time.sleep(1.5)
-    used = [_cpu_s(p) - b for p, b in zip(pids, before, strict=True)]
-    assert all(u <= 0.05 for u in used), used  # a spinning rank would burn ~1.5 s
+    before: list[tuple[str, int, int]] = []
+
+    def settled() -> list[tuple[str, int, int]] | None:  # asleep, and nothing changed since the last look
+        now = [_main_thread(p) for p in pids]
+        same, before[:] = now == before, now
+        return now if same and all(state == "S" for state, _, _ in now) else None
+
+    asleep = wait_until(
+        settled, what="every rank asleep", explain=lambda: f"(state, CPU ticks, sleeps): {before}"
+    )
+    for _ in range(20):
+        time.sleep(0.05)  # bounded: see the docstring
+        assert [_main_thread(p) for p in pids] == asleep

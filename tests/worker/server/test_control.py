@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from rollout_worker.engine.batch import run_batch
 from rollout_worker.engine.checkpoint import make_model
 from rollout_worker.engine.config import EngineConfig
 
+from tests.waiting import wait_until
 from tests.worker.server.served import Served, start
 
 pytestmark = pytest.mark.multiproc
@@ -87,11 +87,19 @@ def _running(server: Served) -> int:
     return sum(len(r["running"]) + len(r["waiting"]) for r in server.get("/v1/state").json()["replicas"])
 
 
-def _wait(cond: Any, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
+def _state(server: Served) -> dict[str, Any]:
+    got: dict[str, Any] = server.get("/v1/state").json()
+    return got
+
+
+def _request(state: dict[str, Any], rid: str) -> dict[str, Any] | None:
+    """The unfinished request ``rid`` as a replica holds it (running or waiting), None when it has none."""
+    held = [r for rep in state["replicas"] for r in rep["running"] + rep["waiting"] if r["rid"] == rid]
+    return held[0] if held else None
+
+
+def _idle(server: Served) -> bool:
+    return _running(server) == 0
 
 
 def test_abort_one_request_mid_decode(ctl: Served) -> None:
@@ -109,7 +117,7 @@ def test_abort_one_request_mid_decode(ctl: Served) -> None:
     last = chunks[-1]
     assert last["meta_info"]["finish_reason"]["type"] == "abort"
     assert 5 <= len(last["output_ids"]) < 1500  # partial output comes back
-    _wait(lambda: _running(ctl) == 0)
+    wait_until(lambda: _idle(ctl), what="no request left on the replicas")
 
 
 def test_abort_all(ctl: Served) -> None:
@@ -123,8 +131,12 @@ def test_abort_all(ctl: Served) -> None:
     threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
-    _wait(lambda: _running(ctl) == 3)
-    time.sleep(0.2)
+
+    def decoding() -> list[int] | None:  # every request on a replica, each with tokens generated
+        generated = [r["generated"] for rep in _state(ctl)["replicas"] for r in rep["running"]]
+        return generated if len(generated) == 3 and min(generated) > 0 else None
+
+    wait_until(decoding, what="3 requests decoding")
     assert ctl.post("/abort_request", {"abort_all": True}).json()["aborted"] == 3
     for t in threads:
         t.join(30)
@@ -152,10 +164,22 @@ def test_client_disconnect_frees_the_slot(ctl: Served) -> None:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 break  # one chunk, then the client goes away
-    _wait(lambda: _running(ctl) == 0, 10)  # the slot is free again
+    wait_until(lambda: _idle(ctl), what="the slot to be free again", timeout=10)
     assert _aborted(ctl) == before + 1  # ... because the server aborted it
     lengths = ctl.get("/v1/state", params={"since_step": step}).json()["finished"]["lengths"]
     assert lengths and max(lengths) < 1500  # partial
+
+
+def _stopped(server: Served) -> Any:
+    """A predicate: the paused engine's state once its clock (``step``) has stopped between two reads."""
+    last: list[int] = []
+
+    def check() -> dict[str, Any] | None:
+        state = _state(server)
+        stopped, last[:] = last == [state["step"]], [state["step"]]
+        return state if stopped and state["paused"] else None
+
+    return check
 
 
 @pytest.mark.parametrize("mode", ["in_place", "retract", "abort"])
@@ -164,25 +188,41 @@ def test_pause_and_continue(ctl: Served, mode: str) -> None:
     reference = ctl.post("/generate", body).json()["output_ids"]
     chunks: list[dict[str, Any]] = []
     started = threading.Event()
-    t = threading.Thread(target=_stream, args=(ctl, body, chunks, started))
+    rid, late_rid = f"paused-{mode}", f"late-{mode}"
+    t = threading.Thread(target=_stream, args=(ctl, {**body, "rid": rid}, chunks, started))
     t.start()
     assert started.wait(30)
     assert ctl.post("/pause_generation", {"mode": mode}).json()["status"] == "ok"
-    time.sleep(0.3)
+    # the ranks take the pause at their next step boundary; then the engine's clock stops. An engine that
+    # did not pause keeps stepping until the request ends, which the checks of `held` below catch.
+    held = wait_until(_stopped(ctl), what=f"the engine to stop stepping after a pause ({mode})")
+    victim = _request(held, rid)
+    if mode == "abort":
+        assert victim is None  # finished (aborted) by the pause
+    else:
+        assert victim is not None and 0 < victim["generated"] < 300, held
     late: list[Any] = []
     waiter = threading.Thread(
         target=lambda: late.append(
             ctl.post(
-                "/generate", {"input_ids": [3, 3], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+                "/generate",
+                {
+                    "input_ids": [3, 3],
+                    "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+                    "rid": late_rid,
+                },
             ).json()
         )
     )
     waiter.start()
-    seen = len(chunks)
-    time.sleep(0.5)
-    if mode != "abort":
-        assert len(chunks) == seen  # nothing generated while paused
-    assert not late  # new requests wait while paused
+    # a request that comes while paused is accepted and held back: queued, on no replica
+    wait_until(
+        lambda: any(q["rid"] == late_rid for q in _state(ctl)["queued"]), what="the late request to be queued"
+    )
+    after = _state(ctl)
+    assert after["step"] == held["step"] and after["paused"]  # nothing generated while paused
+    assert _request(after, rid) == victim and _request(after, late_rid) is None
+    assert not late
     assert ctl.post("/continue_generation", {}).json()["status"] == "ok"
     t.join(60)
     waiter.join(30)
@@ -206,7 +246,7 @@ def test_flush_cache_only_when_idle(ctl: Served) -> None:
     assert ctl.post("/flush_cache").status_code == 400
     ctl.post("/abort_request", {"rid": "busy"})
     t.join(30)
-    _wait(lambda: _running(ctl) == 0)
+    wait_until(lambda: _idle(ctl), what="no request left on the replicas")
     r = ctl.post("/flush_cache")
     assert r.status_code == 200 and r.json()["success"] is True
 

@@ -9,24 +9,31 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.worker.server.served import alive, descendants, start
+from tests.waiting import wait_until
+from tests.worker.server.served import Served, alive, descendants, start
 
 pytestmark = pytest.mark.multiproc
 LONG = {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}
 
 
-def _gone_within(pids: list[int], seconds: float) -> list[int]:
-    deadline = time.monotonic() + seconds
-    while alive(pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return alive(pids)
+def _all_gone(pids: list[int], what: str) -> None:
+    wait_until(lambda: not alive(pids), what=what, timeout=10, explain=lambda: f"alive: {alive(pids)}")
+
+
+def _health(s: Served) -> int:
+    return httpx.get(s.url + "/health", timeout=2).status_code
+
+
+def _decoding(s: Served) -> bool:
+    """One request on a replica, with tokens generated."""
+    running = [r for rep in s.get("/v1/state").json()["replicas"] for r in rep["running"]]
+    return len(running) == 1 and running[0]["generated"] > 0
 
 
 def test_a_killed_rank_fails_the_server_cleanly(tiny64: Path, tmp_path: Path) -> None:
@@ -53,25 +60,16 @@ def test_a_killed_rank_fails_the_server_cleanly(tiny64: Path, tmp_path: Path) ->
     threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 20
-    while len(chunks) < 3 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: len(chunks) >= 3, what="3 streamed chunks", timeout=20)
     os.kill(pids[1], signal.SIGKILL)
-    saw_503, t0 = False, time.monotonic()
-    while time.monotonic() - t0 < 5 and not saw_503:
-        try:
-            saw_503 = httpx.get(s.url + "/health", timeout=2).status_code == 503
-        except httpx.HTTPError:
-            break
-        time.sleep(0.05)
-    assert saw_503, "/health never answered 503"
+    wait_until(lambda: _health(s) == 503, what="/health to answer 503", timeout=5)
     for t in threads:
         t.join(20)
         assert not t.is_alive(), "a client hangs"
     for finish in [results[0]["meta_info"]["finish_reason"], chunks[-1]["meta_info"]["finish_reason"]]:
         assert finish["type"] == "abort" and "rank 1" in finish["message"], finish
     assert s.proc.wait(timeout=20) != 0
-    assert _gone_within(family, 10) == []
+    _all_gone(family, "every process of the server to end")
 
 
 def test_sigterm_of_the_server_leaves_nothing(tiny64: Path, tmp_path: Path) -> None:
@@ -85,12 +83,12 @@ def test_sigterm_of_the_server_leaves_nothing(tiny64: Path, tmp_path: Path) -> N
         )
     )
     t.start()
-    time.sleep(0.3)
+    wait_until(lambda: _decoding(s), what="the request to decode")
     s.proc.send_signal(signal.SIGTERM)
     assert s.proc.wait(timeout=20) == 0
     t.join(10)
     assert out and out[0]["meta_info"]["finish_reason"]["type"] == "abort"  # aborted, answered, not dropped
-    assert _gone_within(family, 10) == []
+    _all_gone(family, "every process of the server to end")
 
 
 def test_sigkill_of_the_server_leaves_nothing(tiny64: Path, tmp_path: Path) -> None:
@@ -98,7 +96,7 @@ def test_sigkill_of_the_server_leaves_nothing(tiny64: Path, tmp_path: Path) -> N
     family = descendants(s.proc.pid)
     s.proc.kill()
     s.proc.wait(timeout=5)
-    assert _gone_within(family, 10) == []
+    _all_gone(family, "every process of the server to end")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
@@ -148,7 +146,7 @@ def test_signals_to_generate_leave_nothing(tiny64: Path, tmp_path: Path, sig: in
     proc.send_signal(sig)
     rest = proc.stderr.read()
     code = proc.wait(timeout=20)
-    assert _gone_within(family, 10) == []
+    _all_gone(family, "every process of generate to end")
     assert not out.exists()
     if sig == signal.SIGTERM:
         assert code == 130 and "interrupted: 2 of 6 request(s) had finished" in rest, rest

@@ -20,6 +20,7 @@ from rollout_worker.engine.batch import run_batch
 from rollout_worker.engine.config import EngineConfig
 from rollout_worker.server.convert import to_jobs
 
+from tests.waiting import wait_until
 from tests.worker.server.served import Served, start
 
 pytestmark = pytest.mark.multiproc
@@ -83,18 +84,15 @@ def _events(server: Served) -> list[dict[str, Any]]:
     return server.get("/v1/reconfigurations").json()
 
 
-def _wait_for(cond: Any, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
+def _running(server: Served) -> int:
+    return sum(len(r["running"]) for r in server.get("/v1/state").json()["replicas"])
 
 
 def test_service_is_lossless_across_plans_and_switches(server4: Served, tiny64: Path) -> None:
     first, second = _bodies(1, 16, 4), _bodies(2, 8, 2)
     results: dict[str, Any] = {}
     threads = _post_all(server4, first, 0.0, results)
-    _wait_for(lambda: sum(len(r["running"]) for r in server4.get("/v1/state").json()["replicas"]) >= 8)
+    wait_until(lambda: _running(server4) >= 8, what="8 requests running", timeout=60)
     plan = {
         "based_on_layout": "4x1",
         "triggers": [
@@ -105,12 +103,16 @@ def test_service_is_lossless_across_plans_and_switches(server4: Served, tiny64: 
     r = server4.put("/v1/plan", plan)
     assert r.status_code == 200, r.text
     assert server4.put("/v1/plan", {**plan, "based_on_layout": "2x2"}).status_code == 409
-    _wait_for(lambda: len(_events(server4)) >= 2)  # the chain ran by itself, at the steps its triggers fired
+    # the chain runs by itself, at the steps its triggers fire
+    wait_until(lambda: len(_events(server4)) >= 2, what="both switches of the plan", timeout=60)
     threads += _post_all(server4, second, 0.03, results)  # a second wave arrives on the consolidated pod
-    _wait_for(lambda: sum(len(r["running"]) for r in server4.get("/v1/state").json()["replicas"]) >= 3)
+    wait_until(lambda: _running(server4) >= 3, what="3 requests running", timeout=60)
     shrink = server4.post("/v1/reconfigure", {"layout": "4x1", "method": "migrate"}).json()
     assert shrink["layout"] == "4x1" and shrink["event"]["outcome"] == "committed"
-    time.sleep(0.05)
+    # the next switch comes once the pod has decoded at 4x1 (a step reported after the shrink's)
+    wait_until(
+        lambda: server4.get("/v1/state").json()["step"] > shrink["event"]["step"], what="a step at 4x1"
+    )
     grow = server4.post("/v1/reconfigure", {"layout": "2x2", "method": "recompute"}).json()
     assert grow["event"]["outcome"] == "committed"
     for t in threads:

@@ -20,8 +20,9 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import content_type_conformance, response_schema_conformance
 
+from tests.waiting import wait_until
 from tests.worker.server.served import Served, alive, descendants
-from tests.worker.sidecar.proc import SidecarProc, sidecar_env, start_sidecar, wait_for
+from tests.worker.sidecar.proc import SidecarProc, sidecar_env, start_sidecar
 
 pytestmark = pytest.mark.multiproc
 OPEN = {("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/metrics")}
@@ -249,10 +250,10 @@ def test_exit_with_parent_stops_the_sidecar_when_its_parent_is_killed(tmp_path: 
     try:
         assert parent.stdout is not None
         pid = int(parent.stdout.readline())
-        wait_for(lambda: "sidecar (service mode" in log.read_text(), what="the sidecar to start")
+        wait_until(lambda: "sidecar (service mode" in log.read_text(), what="the sidecar to start")
         assert alive([pid]) == [pid]
     finally:
         parent.kill()  # SIGKILL: the parent cleans nothing up
         parent.wait(10)
-    wait_for(lambda: not alive([pid]), timeout=15, what="the sidecar to stop")
+    wait_until(lambda: not alive([pid]), timeout=15, what="the sidecar to stop")
     assert "the parent process" in log.read_text() and "sidecar stopped" in log.read_text()

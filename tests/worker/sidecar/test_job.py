@@ -16,8 +16,9 @@ from rollout_worker.api.prompts import ChatTemplate
 from rollout_worker.api.sampling import sample_seed
 from rollout_worker.api.sidecar import Progress, Sample, SamplesPage, SidecarState
 
+from tests.waiting import wait_until
 from tests.worker.server.served import Served
-from tests.worker.sidecar.proc import SidecarProc, lines, sidecar_env, start_sidecar, wait_for
+from tests.worker.sidecar.proc import SidecarProc, lines, sidecar_env, start_sidecar
 
 pytestmark = pytest.mark.multiproc
 N_PROMPTS, SAMPLES, SEED = 12, 2, 7
@@ -126,7 +127,7 @@ def test_sigkill_mid_run_then_a_torn_line_then_resume_equals_an_uninterrupted_ru
     path = out / "pod-0.jsonl"
     env = job_env(engine, tiny64, prompts, out, exit_when_done=True)
     side = start_sidecar(env, tmp_path / "first.log", ready=False, may_exit=True)
-    wait_for(lambda: path.exists() and len(path.read_bytes().splitlines()) >= 6, what="6 samples written")
+    wait_until(lambda: path.exists() and len(path.read_bytes().splitlines()) >= 6, what="6 samples written")
     side.kill()  # SIGKILL: no clean-up at all
     written = path.read_bytes()
     n = written.count(b"\n")
@@ -154,7 +155,7 @@ def test_samples_paged_as_they_complete_with_progress_and_state(
     engine_call(engine, "POST", "/pause_generation", {"mode": "in_place"})
     side = start_sidecar(job_env(engine, tiny64, prompts, tmp_path / "out"), tmp_path / "side.log")
     try:
-        early = wait_for(
+        early = wait_until(
             lambda: (p := Progress.model_validate(side.json("/v1/progress"))).in_flight == 2 and p,
             what="two samples in flight",
         )
@@ -193,16 +194,16 @@ def test_aborted_samples_are_not_written_but_sent_again(
     engine_call(engine, "POST", "/pause_generation", {"mode": "in_place"})
     side = start_sidecar(job_env(engine, tiny64, prompts, tmp_path / "out"), tmp_path / "side.log")
     try:
-        wait_for(lambda: side.json("/v1/progress")["in_flight"] == 2, what="two samples in flight")
+        wait_until(lambda: side.json("/v1/progress")["in_flight"] == 2, what="two samples in flight")
         engine_call(engine, "POST", "/pause_generation", {"mode": "abort"})  # their answers: finish abort
-        metrics = wait_for(
+        metrics = wait_until(
             lambda: re.search(r'resends_total\{reason="aborted"\} ([0-9.]+)', side.get("/metrics").text),
             what="aborted samples counted",
         )
         assert float(metrics.group(1)) >= 2
         assert side.json("/v1/progress")["samples_done"] == 0  # nothing written for them
         engine_call(engine, "POST", "/continue_generation", {})
-        wait_for(lambda: side.json("/v1/progress")["done"], what="the job's end")
+        wait_until(lambda: side.json("/v1/progress")["done"], what="the job's end")
         assert sorted(keys(lines(tmp_path / "out" / "pod-0.jsonl"))) == sorted(ALL)
     finally:
         httpx.post(engine.url + "/continue_generation", headers=engine.headers, json={}, timeout=30)

@@ -13,8 +13,9 @@ import httpx
 import pytest
 from rollout_worker.api.sidecar import Progress, SidecarState
 
+from tests.waiting import wait_until
 from tests.worker.server.served import Served
-from tests.worker.sidecar.proc import SidecarProc, sidecar_env, start_sidecar, wait_for
+from tests.worker.sidecar.proc import SidecarProc, sidecar_env, start_sidecar
 
 pytestmark = pytest.mark.multiproc
 N = 6
@@ -56,7 +57,7 @@ def test_external_requests_show_in_progress_and_state(sidecar: SidecarProc, engi
     client = threading.Thread(target=lambda: answers.append(engine_call(engine, "POST", "/generate", body)))
     client.start()
     try:
-        held = wait_for(lambda: (p := progress(sidecar)).waiting == N and p, what="the external requests")
+        held = wait_until(lambda: (p := progress(sidecar)).waiting == N and p, what="the external requests")
         assert held.running == 0 and held.in_flight == 0 and held.not_submitted == 0
         state = SidecarState.model_validate(sidecar.json("/v1/state", params={"since_step": step}))
         assert sorted(q.rid for q in state.engine.queued) == sorted(body["rid"])
@@ -65,7 +66,7 @@ def test_external_requests_show_in_progress_and_state(sidecar: SidecarProc, engi
         engine_call(engine, "POST", "/continue_generation", {})
         client.join(60)
     assert [len(a["output_ids"]) for a in answers[0]] == [8] * N
-    done = wait_for(
+    done = wait_until(
         lambda: (p := progress(sidecar)).samples_done >= before.samples_done + N and p, what="done"
     )
     assert done.running == done.waiting == 0
@@ -79,10 +80,10 @@ def test_a_plan_through_the_admin_port_reaches_the_engine(sidecar: SidecarProc, 
     plan = {"based_on_layout": layout, "triggers": [{"unfinished_at_most": 0, "layout": other}]}
     r = sidecar.admin_call("PUT", "/v1/plan", plan)
     assert r.status_code == 200, r.text
-    wait_for(lambda: engine_call(engine, "GET", "/get_server_info")["layout"] == other, what="the switch")
+    wait_until(lambda: engine_call(engine, "GET", "/get_server_info")["layout"] == other, what="the switch")
     event = engine_call(engine, "GET", "/v1/reconfigurations")[-1]
     assert (event["src"], event["dst"]) == (layout, other) and event["reason"].startswith("plan")
-    seen = wait_for(lambda: (p := progress(sidecar)).layout == other and p, what="the sidecar to see it")
+    seen = wait_until(lambda: (p := progress(sidecar)).layout == other and p, what="the sidecar to see it")
     assert seen.reconfigurations >= 1
     assert sidecar.json("/v1/reconfigurations") == engine_call(engine, "GET", "/v1/reconfigurations")
     back = sidecar.admin_call("POST", "/v1/reconfigure", {"layout": layout})

@@ -1,5 +1,5 @@
 """The CUDA-graph path's pure parts, run on CPU in CI: batch buckets, key spans, padding, and when graphs
-are used at all. (Capture and replay themselves are tested on a GPU: tests/worker/test_gpu.py.)"""
+are used at all. (Capture and replay themselves are tested on a GPU: tests/worker/engine/test_gpu.py.)"""
 
 from __future__ import annotations
 

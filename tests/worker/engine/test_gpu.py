@@ -16,7 +16,7 @@ from rollout_worker.engine.config import EngineConfig
 from rollout_worker.engine.launcher import run_task
 from rollout_worker.engine.measure import probe_logits
 
-from tests.worker.engine_util import requests, run, tokens
+from tests.worker.engine.engine_util import requests, run, tokens
 
 
 def _tiny_on_cuda(dtype: torch.dtype, max_batch: int = 16) -> tuple[Any, Any]:

@@ -14,7 +14,7 @@ from rollout_worker.engine.launcher import run_task
 from rollout_worker.engine.measure import probe_logits
 from rollout_worker.engine.state import Faults
 
-from tests.worker.engine_util import config, run, tokens
+from tests.worker.engine.engine_util import config, run, tokens
 
 pytestmark = pytest.mark.multiproc
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.worker.engine_util import requests, run, tokens
+from tests.worker.engine.engine_util import requests, run, tokens
 
 pytestmark = pytest.mark.multiproc
 
