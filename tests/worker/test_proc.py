@@ -111,3 +111,15 @@ def test_rolloutctl_is_the_console_script_next_to_the_interpreter(
     monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
     with pytest.raises(StartFailed, match=f"rolloutctl not found at {tmp_path / 'rolloutctl'}"):
         proc.rolloutctl()
+
+
+def test_rendezvous_ports_are_free_and_outside_the_kernels_ephemeral_range() -> None:
+    from rollout_worker.proc import RENDEZVOUS_PORTS, rendezvous_port
+
+    lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    assert RENDEZVOUS_PORTS.stop <= lo or RENDEZVOUS_PORTS.start > hi  # free_port can never hand one out
+    ports = {rendezvous_port() for _ in range(20)}
+    assert all(p in RENDEZVOUS_PORTS for p in ports)
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

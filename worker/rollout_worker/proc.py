@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import ctypes
 import os
+import random
 import select
 import signal
 import socket
@@ -47,6 +48,28 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+RENDEZVOUS_PORTS = range(20000, 32768)  # below Linux's ephemeral range (32768-60999), where bind(0) picks
+
+
+def rendezvous_port(host: str = "127.0.0.1", tries: int = 64) -> int:
+    """A free port for a rank group's rendezvous that no ``free_port`` caller can be handed meanwhile.
+
+    The rendezvous is bound by rank 0 only after the ranks start; a port from the kernel's ephemeral range
+    could by then belong to a server that picked it with ``free_port`` at the same moment (seen: a local
+    run's sidecar took its engine's rendezvous port, EADDRINUSE). Ports below that range are never handed
+    out by ``bind(0)``; a random one is checked free now."""
+    rng = random.Random()
+    for _ in range(tries):
+        port = rng.choice(RENDEZVOUS_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    return free_port(host)
 
 
 def rolloutctl() -> list[str]:

@@ -19,7 +19,7 @@ from rollout_worker.api.errors import EngineError
 from rollout_worker.engine import messages as m
 from rollout_worker.engine.config import EngineConfig
 from rollout_worker.engine.messages import Faults
-from rollout_worker.proc import free_port
+from rollout_worker.proc import rendezvous_port
 
 log = logging.getLogger(__name__)
 Task = Callable[[Any, dict[str, Any]], dict[str, Any]]  # (RankState, args) -> result, run in every rank
@@ -66,7 +66,7 @@ class RankProcesses:
         self._reader, writer = ctx.Pipe(duplex=False)
         lock = ctx.Lock()
         self.inboxes = [ctx.Queue() for _ in range(cfg.world)]
-        init = f"tcp://127.0.0.1:{free_port()}"
+        init = f"tcp://127.0.0.1:{rendezvous_port()}"
         self.procs = [
             ctx.Process(
                 target=rank_entry,
