@@ -135,8 +135,7 @@ class DecodeGraphs:
         dev = decoder.embed.device
         if g is None:
             if len(self._graphs) >= MAX_GRAPHS:
-                self.clear()
-                self._owner = (id(decoder), id(slab.k[0]), id(slab.v[0]))
+                self._graphs.clear()  # same owner: only the captured shapes go
             g = _Graph(
                 torch.zeros((step.bucket, 1), dtype=torch.long, device=dev),
                 torch.zeros((step.bucket, 1), dtype=torch.long, device=dev),

@@ -66,7 +66,8 @@ def _fake_running(st: RankState, batch: int, context: int, tag: str, seed: int) 
 
 def kv_fits(st: RankState, batch: int, context: int) -> bool:
     """Whether ``batch`` x ``context`` tokens of KV (as the slab would allocate them) fit in the device's
-    free memory with a 10% margin. Always true on CPU (the caller keeps the grid small there)."""
+    free memory with a 10% margin. Always true on CPU (the caller keeps the grid small there). On CUDA a
+    slab too small for the point is released first, so that its memory counts as free."""
     if st.device.type != "cuda":
         return True
     rep = st.replica
