@@ -51,18 +51,15 @@ def test_single_response_shape(server: Served) -> None:
     assert "output_token_logprobs" not in meta
 
 
+TWO_SEEDED = {"max_new_tokens": 4, "temperature": 0.8, "top_k": 20, "n": 2, "sampling_seed": 7}
+
+
 def test_batch_n_and_logprob_triples(server: Served) -> None:
     body = gen(
         server,
         {
             "text": ["Hi", "there"],
-            "sampling_params": {
-                "max_new_tokens": 4,
-                "temperature": 0.8,
-                "top_k": 20,
-                "n": 2,
-                "sampling_seed": 7,
-            },
+            "sampling_params": TWO_SEEDED,
             "return_logprob": True,
             "return_text_in_logprobs": True,
             "rid": "b",
@@ -80,13 +77,7 @@ def test_batch_n_and_logprob_triples(server: Served) -> None:
         server,
         {
             "text": "Hi",
-            "sampling_params": {
-                "max_new_tokens": 4,
-                "temperature": 0.8,
-                "top_k": 20,
-                "n": 2,
-                "sampling_seed": 7,
-            },
+            "sampling_params": TWO_SEEDED,
         },
     )
     assert [a["output_ids"] for a in again] == [b["output_ids"] for b in body[:2]]  # reproducible
