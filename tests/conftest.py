@@ -26,6 +26,14 @@ def tiny64(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smol64(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M's attention shape (9 heads, 3 KV heads, head_dim 64) in float64: uneven TP shards."""
+    out = tmp_path_factory.mktemp("models") / "smol64"
+    make_model("smol-shape", 0, out, "float64")
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny32(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("models") / "tiny32"
     make_model("tiny", 1, out, "float32")

@@ -51,6 +51,7 @@ from typing import Any
 from rollout_worker.api.costs import KV_METHODS, CostModel
 from rollout_worker.api.engine_settings import DTYPE_BYTES, DTYPES
 from rollout_worker.api.errors import UserError
+from rollout_worker.api.heads import max_kv_heads
 from rollout_worker.api.model_config import ModelConfig
 
 SCHEMA = "elastic-rollout/profile/v1"
@@ -94,9 +95,10 @@ class ModelShape:
         return self.num_layers * self.num_kv_heads * self.head_dim * 2 * dtype_bytes
 
     def kv_bytes_per_token_per_rank(self, dtype_bytes: int, tp: int) -> int:
-        """KV bytes one rank of a TP-``tp`` replica keeps per token: its share of the KV heads (one head,
-        duplicated, once ``tp`` exceeds the number of KV heads)."""
-        heads = max(1, self.num_kv_heads // tp)
+        """KV bytes the widest rank of a TP-``tp`` replica keeps per token: its share of the KV heads (one
+        head, duplicated, once ``tp`` exceeds the number of KV heads; uneven shards when ``tp`` does not
+        divide them, the widest one filling first)."""
+        heads = max_kv_heads(self.num_kv_heads, tp)
         return self.num_layers * heads * self.head_dim * 2 * dtype_bytes
 
 

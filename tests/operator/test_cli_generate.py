@@ -119,7 +119,7 @@ CASES = {
         ["--ranks", "4", "--layout", "3x1"],
         "--layout: 3x1 uses 3 ranks (D x T), but the engine has 4",
     ),
-    "tp-not-dividing-heads": (["--ranks", "3", "--layout", "1x3"], "does not divide num_attention_heads=8"),
+    "tp-above-heads": (["--ranks", "16", "--layout", "1x16"], "TP size 16 exceeds num_attention_heads=8"),
     "layout-not-candidate": (
         ["--ranks", "4", "--layout", "2x2", "--candidates", "4x1,1x4"],
         "--layout: 2x2 is not among the candidate layouts (4x1, 1x4)",

@@ -72,10 +72,10 @@ def candidates_of(spec: RolloutJobSpec, dims: ModelDims | None) -> list[Layout] 
         init = spec.parallelism.initial_layout
         return [Layout(g, 1) if init == "auto" else init]
     if given is None:
-        found = candidate_layouts(g, dims.num_heads, dims.num_kv_heads, dims.vocab_size)
+        found = candidate_layouts(g, dims.num_heads, dims.vocab_size)
         return found or Refusal("spec.gpusPerPod", "no layout of this many ranks fits the model")
     for i, lay in enumerate(given):
-        why = tp_problem(lay.tp, dims.num_heads, dims.num_kv_heads, dims.vocab_size)
+        why = tp_problem(lay.tp, dims.num_heads, dims.vocab_size)
         if why:
             return Refusal(f"spec.parallelism.candidates[{i}]", why)
     return given

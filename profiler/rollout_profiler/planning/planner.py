@@ -127,7 +127,7 @@ def switch_cost(
     method: str,
 ) -> tuple[str, float]:
     """(method used, ms) of switching ``src -> dst`` with ``tokens`` KV tokens unfinished."""
-    moved = estimated_moved_bytes(tokens, kv_bytes_per_token, num_kv_heads, src.tp, dst.tp)
+    moved = estimated_moved_bytes(tokens, kv_bytes_per_token, num_kv_heads, src, dst)
     choice = costs.choose(method, moved, tokens)
     return choice.method, costs.base_ms(src.tp, dst.tp) + choice.ms
 
@@ -136,7 +136,7 @@ def _cost_row(
     costs: CostModel, kvb: int, kvh: int, src: Layout, dst: Layout, tokens: np.ndarray, method: str
 ) -> tuple[list[float], np.ndarray]:
     """:func:`switch_cost` for many token counts: (ms as floats, True where migrate is used)."""
-    mig, rec = costs.kv_ms(estimated_moved_bytes(tokens, kvb, kvh, src.tp, dst.tp), tokens)
+    mig, rec = costs.kv_ms(estimated_moved_bytes(tokens, kvb, kvh, src, dst), tokens)
     use_mig = np.full(tokens.shape, method == "migrate") if method != "auto" else mig <= rec
     return (costs.base_ms(src.tp, dst.tp) + np.where(use_mig, mig, rec)).tolist(), use_mig
 

@@ -27,6 +27,7 @@ from typing import Any
 from rollout_worker import __version__
 from rollout_worker.api.engine_settings import DTYPE_BYTES, EngineSettings
 from rollout_worker.api.errors import UserError
+from rollout_worker.api.heads import max_q_heads
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.engine.config import EngineConfig
@@ -222,15 +223,16 @@ def allreduce_us(table: list[tuple[int, float]], nbytes: float) -> float:
 
 
 def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
-    """The model one rank of a TP-``tp`` replica computes: 1/tp of heads, KV heads, MLP and vocab."""
+    """The model the widest rank of a TP-``tp`` replica computes (it sets the step time): its share of the
+    heads and KV heads (uneven when the counts do not divide ``tp``), of the MLP and of the vocabulary."""
     why = cfg.tp_problem(tp)
     if why:
         raise UserError(f"--tp-sizes: {why}")
     return replace(
         cfg,
-        num_heads=cfg.num_heads // tp,
+        num_heads=max_q_heads(cfg.num_heads, cfg.num_kv_heads, tp),
         num_kv_heads=cfg.kv_heads_per_rank(tp),
-        intermediate_size=cfg.intermediate_size // tp,
+        intermediate_size=-(-cfg.intermediate_size // tp),
         vocab_size=cfg.vocab_size // tp,
     )
 

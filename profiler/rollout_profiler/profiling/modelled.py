@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from rollout_worker.api.heads import max_kv_heads, max_q_heads
 from rollout_worker.api.layout import Layout
 
 from rollout_profiler.profile import CostModel, KVCapacity, ModelShape, Profile, ReconfigPoint, StepPoint
@@ -122,13 +123,14 @@ def _comm_ms(m: ModelShape, tp: int, batch: int) -> float:
 
 
 def _core_ms(m: ModelShape, hw: Hardware, bw_eff: float, tp: int, batch: int, ctx: int) -> float:
-    """Layers, LM head and all-reduces (everything but ``fixed`` and ``per_request``)."""
-    kv_shards = min(tp, m.num_kv_heads)
+    """Layers, LM head and all-reduces (everything but ``fixed`` and ``per_request``). The attention's
+    cache reads and FLOPs are the widest rank's (uneven head shards: :mod:`rollout_worker.api.heads`)."""
     bw = hw.hbm_bytes_s * bw_eff
     fl = hw.peak_flops * hw.flops_eff
-    kv_layer = m.num_kv_heads * m.head_dim * 2 * 2  # K and V, bf16, per token per layer
-    mem = (_layer_params(m) * 2 / tp + batch * ctx * kv_layer / kv_shards) / bw
-    flops = (2 * batch * _layer_params(m) + 4 * batch * ctx * m.num_heads * m.head_dim) / tp / fl
+    kv_layer = max_kv_heads(m.num_kv_heads, tp) * m.head_dim * 2 * 2  # one rank's K and V, bf16, per token
+    q_heads = max_q_heads(m.num_heads, m.num_kv_heads, tp)
+    mem = (_layer_params(m) * 2 / tp + batch * ctx * kv_layer) / bw
+    flops = (2 * batch * _layer_params(m) / tp + 4 * batch * ctx * q_heads * m.head_dim) / fl
     layers = m.num_layers * max(mem, flops) * 1e3
     head_params = m.vocab_size * m.hidden_size
     head = max(head_params * 2 / tp / bw, 2 * batch * head_params / tp / fl) * 1e3

@@ -96,7 +96,7 @@ class Simulator:
     def candidates(self) -> list[Layout]:
         m = self.model.profile.model
         profiled = {lay.tp for lay in self.model.layouts}
-        fits = candidate_layouts(self.cfg.gpus, m.num_heads, m.num_kv_heads, m.vocab_size)
+        fits = candidate_layouts(self.cfg.gpus, m.num_heads, m.vocab_size)
         return [lay for lay in fits if lay.tp in profiled and self.fits(lay)]
 
     def policy(self) -> PlannerPolicy:
@@ -302,9 +302,7 @@ class Simulator:
         method, ms = switch_cost(
             prof.costs, self.kv_bytes, prof.model.num_kv_heads, self.layout, sw.layout, tokens, sw.method
         )
-        moved = estimated_moved_bytes(
-            tokens, self.kv_bytes, prof.model.num_kv_heads, self.layout.tp, sw.layout.tp
-        )
+        moved = estimated_moved_bytes(tokens, self.kv_bytes, prof.model.num_kv_heads, self.layout, sw.layout)
         mig, rec = prof.costs.kv_ms(moved, tokens)  # the KV part alone, as the engine reports it
         requested = sw.method if sw.method in METHODS else "auto"
         unfinished = np.nonzero(req.status != DONE)[0]

@@ -128,8 +128,11 @@ def test_switch_cost_shrink_and_kv_head_cap() -> None:
     _, grow = switch_cost(COSTS, 1024, 8, L24, L18, 0.0, "migrate")
     _, shrink = switch_cost(COSTS, 1024, 8, L18, L24, 0.0, "migrate")
     assert shrink - grow == pytest.approx(COSTS.reshard_shrink_ms - COSTS.reshard_grow_ms)
-    # 2 KV heads: TP 8 holds them replicated, so 2x4 -> 1x8 moves nothing
-    assert switch_cost(COSTS, 1024, 2, L24, L18, 1e6, "migrate")[1] == pytest.approx(5 + 2 + 1)
+    # 2 KV heads, duplicated at TP 4 and 8: 1x8 -> 2x4 keeps on every rank the head it holds (nothing
+    # moves), while 2x4 -> 1x8 gives each of the 4 ranks joining a request's replica a copy of one head:
+    # twice its KV bytes (as the engine's migration plan sends them)
+    assert switch_cost(COSTS, 1024, 2, L18, L24, 1e6, "migrate")[1] == pytest.approx(5 + 50 + 1)
+    assert switch_cost(COSTS, 1024, 2, L24, L18, 1e6, "migrate")[1] == pytest.approx(5 + 2 + 1 + 2 * 1024)
 
 
 def test_cooldown_steps_and_seconds() -> None:

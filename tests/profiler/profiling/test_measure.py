@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 from rollout_profiler.planning.latency import holdout_error
 from rollout_profiler.profile import Profile
+from rollout_profiler.profiling.measure import shard_config
 from rollout_profiler.store import engine, repo
+from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.engine.presets import preset_config
 from sqlalchemy.orm import Session
 
 from tests.conftest import run_cli as cli
@@ -92,7 +95,7 @@ def test_shard_equivalent_profile(tmp_path: Path) -> None:
         (["--preset", "tiny", "--model", "."], "give exactly one of --model DIR or --preset NAME"),
         (
             ["--preset", "tiny", "--shard-equivalent", "--tp-sizes", "3", "--gpus", "6"],
-            "TP size 3 does not divide num_attention_heads=8",
+            "TP size 3 does not divide vocab_size=512",
         ),
         (["--preset", "tiny", "--batch", "1,x"], "--batch: '1,x' is not a comma-separated list of integers"),
         (
@@ -122,3 +125,14 @@ def test_comm_table_errors(tmp_path: Path) -> None:
         str(tmp_path / "models"),
     )
     assert r.returncode == 2 and "needs at least two points" in r.stderr
+
+
+def test_shard_config_is_the_widest_uneven_shard() -> None:
+    """The shard-equivalent model of SmolLM2's heads is the widest rank: 6 query heads and 2 KV heads of
+    9 and 3 at TP 2 (whole KV groups, 1 and 2), 3 and 1 at TP 4."""
+    cfg = ModelConfig.from_dict(preset_config("smol-shape"))
+    got = [shard_config(cfg, tp) for tp in (2, 4)]
+    assert [(c.num_heads, c.num_kv_heads, c.intermediate_size, c.head_dim) for c in got] == [
+        (6, 2, 192, 64),
+        (3, 1, 96, 64),
+    ]

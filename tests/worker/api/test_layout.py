@@ -24,9 +24,14 @@ def test_parse_and_errors() -> None:
 
 
 def test_candidates_respect_heads() -> None:
-    assert [str(x) for x in candidate_layouts(8, 8, 2, 512)] == ["8x1", "4x2", "2x4", "1x8"]
-    assert [str(x) for x in candidate_layouts(6, 12, 4, 516)] == ["6x1", "3x2"]  # TP 3: KV 4 neither way
-    assert tp_problem(3, 8, 2, 512) is not None
+    assert [str(x) for x in candidate_layouts(8, 8, 512)] == ["8x1", "4x2", "2x4", "1x8"]
+    # head counts need not divide TP (uneven head shards): SmolLM2-135M's 9 heads / 3 KV heads, TP 2 and 4
+    assert [str(x) for x in candidate_layouts(4, 9, 49152)] == ["4x1", "2x2", "1x4"]
+    assert [str(x) for x in candidate_layouts(6, 12, 516)] == ["6x1", "3x2", "2x3", "1x6"]
+    # ... but every rank needs a query head
+    assert [str(x) for x in candidate_layouts(8, 3, 512)] == ["8x1", "4x2"]
+    assert "num_attention_heads=3" in (tp_problem(4, 3, 512) or "")
     # the vocabulary is sharded too: TP 4 cannot split 514 logits
-    assert [str(x) for x in candidate_layouts(4, 8, 2, 514)] == ["4x1", "2x2"]
-    assert "vocab_size" in (tp_problem(4, 8, 2, 514) or "")
+    assert [str(x) for x in candidate_layouts(4, 8, 514)] == ["4x1", "2x2"]
+    assert "vocab_size" in (tp_problem(4, 8, 514) or "")
+    assert tp_problem(3, 8, 512) is not None

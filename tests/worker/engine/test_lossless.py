@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from rollout_worker.api.layout import Layout
 
 from tests.worker.engine.engine_util import requests, run, tokens
 
@@ -81,3 +82,49 @@ def test_small_batch_and_kv_budget_force_waiting(tiny64: Path, static4: dict[str
     assert res.reconfigs[0].requests_waiting > 0
     res = run(tiny64, 4, "2x2", ["9:4:recompute"], kv_budget_tokens=150)
     assert tokens(res) == static4
+
+
+# SmolLM2-135M's heads: 9 heads in 3 KV groups, which no TP size above 1 divides (uneven head shards).
+
+
+@pytest.fixture(scope="module")
+def smol_static(smol64: Path) -> dict[str, list[int]]:
+    """TP = 1: two replicas of the whole model."""
+    base = tokens(run(smol64, 2, "2x1"))
+    assert len(base) == 16 and all(base.values())
+    return base
+
+
+@pytest.mark.parametrize("layout", ["1x2", "4x1", "2x2", "1x4"])
+def test_uneven_heads_every_layout_agrees_with_tp1(
+    smol64: Path, smol_static: dict[str, list[int]], layout: str
+) -> None:
+    assert tokens(run(smol64, Layout.parse(layout).world, layout)) == smol_static
+
+
+@pytest.mark.parametrize(
+    ("src", "chain", "methods"),
+    [
+        pytest.param("2x1", ["1x2", "2x1"], ["migrate", "recompute"], id="2x1-m-1x2-r-2x1"),
+        pytest.param("1x2", ["2x1", "1x2"], ["migrate", "recompute"], id="1x2-m-2x1-r-1x2"),
+        # 1x4 -> 2x2: ranks 0, 1 keep KV head 0 while 2, 3 gather heads 1-2 (the whole group gathers)
+        pytest.param(
+            "4x1", ["1x4", "2x2", "1x4"], ["recompute", "migrate", "migrate"], id="4x1-r-1x4-m-2x2-m-1x4"
+        ),
+        pytest.param(
+            "1x4", ["4x1", "2x2", "1x4"], ["migrate", "migrate", "recompute"], id="1x4-m-4x1-m-2x2-r-1x4"
+        ),
+    ],
+)
+def test_uneven_heads_transitions_are_lossless(
+    smol64: Path, smol_static: dict[str, list[int]], src: str, chain: list[str], methods: list[str]
+) -> None:
+    at = [12, 6] if len(chain) == 2 else [13, 8, 4]
+    triggers = [f"{n}:{Layout.parse(lay).tp}:{m}" for n, lay, m in zip(at, chain, methods, strict=True)]
+    res = run(smol64, Layout.parse(src).world, src, triggers)
+    _check(res, smol_static, src, chain)
+    for ev, method in zip(res.reconfigs, methods, strict=True):
+        assert ev.method == method and ev.requests_mid_decode > 0
+        assert ev.kv_bytes_moved > 0 if method == "migrate" else ev.kv_tokens_recomputed > 0
+    if src == "4x1":
+        assert res.reconfigs[1].weights["gathered"] > 0  # 1x4 -> 2x2

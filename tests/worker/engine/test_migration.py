@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from rollout_worker.api.costs import CostModel
+from rollout_worker.api.costs import CostModel, estimated_moved_bytes
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.engine.migration import (
+    Placement,
     Unfinished,
     kv_migration_plan,
     migrate_bytes,
@@ -19,6 +20,7 @@ from rollout_worker.engine.presets import preset_config
 from rollout_worker.engine.sharding import kv_head_range
 
 CFG = ModelConfig.from_dict(preset_config("tiny"))
+SMOL = ModelConfig.from_dict(preset_config("smol-shape"))  # 3 KV heads: uneven at every TP size above 1
 
 
 def _reqs(n: int, replicas: int) -> list[Unfinished]:
@@ -45,25 +47,23 @@ def test_place_overflow_waits() -> None:
     assert sum(p.dst_slot is not None for p in placed) == 2  # 100 reserved tokens each
 
 
+TRANSITIONS = [("4x1", "1x4"), ("4x1", "2x2"), ("2x2", "1x4"), ("1x4", "4x1"), ("2x2", "4x1"), ("1x4", "2x2")]
+
+
 @pytest.mark.parametrize(
-    ("src", "dst"),
+    ("cfg", "src", "dst"),
     [
-        ("4x1", "1x4"),
-        ("4x1", "2x2"),
-        ("2x2", "1x4"),
-        ("1x4", "4x1"),
-        ("2x2", "4x1"),
-        ("4x2", "1x8"),
-        ("1x8", "8x1"),
+        *((CFG, a, b) for a, b in [*TRANSITIONS, ("4x2", "1x8"), ("1x8", "8x1")]),
+        *((SMOL, a, b) for a, b in [*TRANSITIONS, ("2x1", "1x2"), ("1x2", "2x1"), ("4x2", "1x8")]),
     ],
 )
-def test_kv_plan_delivers_every_needed_head_once(src: str, dst: str) -> None:
+def test_kv_plan_delivers_every_needed_head_once(cfg: ModelConfig, src: str, dst: str) -> None:
     old, new = Layout.parse(src), Layout.parse(dst)
     placed = place(_reqs(2 * old.replicas, old.replicas), new.replicas, max_batch=64, kv_budget=None)
-    plan = kv_migration_plan(CFG, old, new, placed)
+    plan = kv_migration_plan(cfg, old, new, placed)
     for p in placed:
         for rank in new.ranks_of(p.dst_replica):
-            lo, hi = kv_head_range(CFG, new.tp, new.shard_of(rank))
+            lo, hi = kv_head_range(cfg, new.tp, new.shard_of(rank))
             got = sorted(
                 h
                 for t in plan
@@ -73,9 +73,29 @@ def test_kv_plan_delivers_every_needed_head_once(src: str, dst: str) -> None:
             assert got == list(range(lo, hi)), (p.id, rank)
         for t in (t for t in plan if t.id == p.id):
             assert t.src in old.ranks_of(p.src_replica)
-            slo, _ = kv_head_range(CFG, old.tp, old.shard_of(t.src))
-            dlo, _ = kv_head_range(CFG, new.tp, new.shard_of(t.dst))
+            slo, shi = kv_head_range(cfg, old.tp, old.shard_of(t.src))
+            dlo, _ = kv_head_range(cfg, new.tp, new.shard_of(t.dst))
             assert t.src_heads[0] + slo == t.dst_heads[0] + dlo  # same global head
+            assert t.src_heads[1] + slo <= shi  # the source holds it
+
+
+@pytest.mark.parametrize(("src", "dst"), [*TRANSITIONS, ("2x1", "1x2"), ("1x2", "2x1")])
+def test_planner_estimate_is_the_engine_plan_on_uneven_shards(src: str, dst: str) -> None:
+    """The cost model's bytes for a switch (what the planner and the simulator predict) equal what the
+    engine's migration plan moves for SmolLM2's 3 KV heads on 2 and 4 ranks, for a request of 37 KV tokens
+    in float32, averaged over the new replicas sharing ranks with its old one."""
+    old, new = Layout.parse(src), Layout.parse(dst)
+    sent = []
+    for d in range(old.replicas):
+        for d2 in range(new.replicas):
+            if set(old.ranks_of(d)) & set(new.ranks_of(d2)):
+                placed = [Placement("r", d, 0, d2, 0, 37)]
+                sent.append(migrate_bytes(kv_migration_plan(SMOL, old, new, placed), SMOL, 4))
+    per_token = 2 * SMOL.num_layers * SMOL.num_kv_heads * SMOL.head_dim * 4
+    predicted = estimated_moved_bytes(37, per_token, SMOL.num_kv_heads, old, new)
+    assert predicted == pytest.approx(sum(sent) / len(sent))
+    if (src, dst) == ("2x2", "1x4"):  # ranks 1 and 3 each receive one head (0 and 2) of 64 values a token
+        assert sent == [2 * 2 * 37 * 64 * 2 * 4] * 2
 
 
 def test_kv_plan_prefers_local_copies() -> None:

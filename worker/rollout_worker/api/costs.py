@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 from rollout_worker.api.errors import UserError
+from rollout_worker.api.heads import moved_kv_fraction
+from rollout_worker.api.layout import Layout
 
 KVMethod = Literal["migrate", "recompute"]
 Method = Literal["auto", "migrate", "recompute"]
@@ -103,16 +105,15 @@ DEFAULT_COSTS = CostModel(
 
 
 def estimated_moved_bytes(
-    tokens: Any, kv_bytes_per_token: float, num_kv_heads: int, src_tp: int, dst_tp: int
+    tokens: Any, kv_bytes_per_token: float, num_kv_heads: int, src: Layout, dst: Layout
 ) -> Any:
-    """KV bytes a pod moves to switch TP ``src_tp -> dst_tp`` with ``tokens`` cached tokens unfinished.
+    """KV bytes a pod moves to switch ``src -> dst`` with ``tokens`` cached tokens unfinished.
 
-    Rank ``r`` serves shard ``r // D``, so each request's new replica already holds
-    ``min(T, T') / max(T, T')`` of its KV heads (T capped at the number of KV heads, beyond which heads are
-    duplicated); the rest moves.
+    Per request, the heads its new replica's ranks do not already hold, as the engine's migration plan
+    sends them (:func:`~rollout_worker.api.heads.moved_kv_fraction`: whole heads, uneven shards and
+    duplicated KV heads included), for a request whose new replica shares ranks with its old one.
     """
-    ts, td = min(src_tp, num_kv_heads), min(dst_tp, num_kv_heads)
-    return tokens * kv_bytes_per_token * (1.0 - min(ts, td) / max(ts, td))
+    return tokens * kv_bytes_per_token * moved_kv_fraction(num_kv_heads, src, dst)
 
 
 COSTS_ENV = "ROLLOUT_COSTS_JSON"  # how a pod's engine gets its cost model (the same JSON, inline)

@@ -60,26 +60,28 @@ class Layout:
         return [self.ranks_of(d) for d in range(self.replicas)]
 
 
-def tp_problem(tp: int, num_heads: int, num_kv_heads: int, vocab_size: int) -> str | None:
-    """Why a model of this shape cannot run at TP size ``tp`` (heads, vocabulary), or None when it can."""
+def tp_problem(tp: int, num_heads: int, vocab_size: int) -> str | None:
+    """Why a model of this shape cannot run at TP size ``tp`` (heads, vocabulary), or None when it can.
+
+    Head counts need not divide ``tp``: shards own uneven whole heads (:mod:`rollout_worker.api.heads`),
+    as long as every shard gets a query head. The vocabulary is split evenly (its logits are all-gathered).
+    """
     if tp < 1:
         return f"TP size {tp} must be >= 1"
-    if num_heads % tp:
-        return f"TP size {tp} does not divide num_attention_heads={num_heads}"
-    if num_kv_heads % tp and tp % num_kv_heads:
-        return f"TP size {tp} neither divides nor is a multiple of num_key_value_heads={num_kv_heads}"
+    if tp > num_heads:
+        return f"TP size {tp} exceeds num_attention_heads={num_heads}: a rank would hold no query head"
     if vocab_size % tp:
         return f"TP size {tp} does not divide vocab_size={vocab_size}"
     return None
 
 
-def candidate_layouts(world: int, num_heads: int, num_kv_heads: int, vocab_size: int) -> list[Layout]:
+def candidate_layouts(world: int, num_heads: int, vocab_size: int) -> list[Layout]:
     """Every layout of ``world`` ranks a model of this shape can run, smallest TP first. The one function
     that says which layouts exist: the engine, the planner and the simulator all call it."""
     return [
         Layout(world // tp, tp)
         for tp in range(1, world + 1)
-        if world % tp == 0 and tp_problem(tp, num_heads, num_kv_heads, vocab_size) is None
+        if world % tp == 0 and tp_problem(tp, num_heads, vocab_size) is None
     ]
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_worker.api.errors import UserError
+from rollout_worker.api.heads import max_kv_heads
 from rollout_worker.api.layout import Layout, candidate_layouts, tp_problem
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
@@ -104,11 +105,12 @@ class ModelConfig:
 
     def tp_problem(self, tp: int) -> str | None:
         """Why this model cannot run at TP size ``tp``, or None."""
-        return tp_problem(tp, self.num_heads, self.num_kv_heads, self.vocab_size)
+        return tp_problem(tp, self.num_heads, self.vocab_size)
 
     def candidate_layouts(self, world: int) -> list[Layout]:
         """Every layout of ``world`` ranks this model can run (heads and vocabulary), smallest TP first."""
-        return candidate_layouts(world, self.num_heads, self.num_kv_heads, self.vocab_size)
+        return candidate_layouts(world, self.num_heads, self.vocab_size)
 
     def kv_heads_per_rank(self, tp: int) -> int:
-        return max(1, self.num_kv_heads // tp)
+        """KV heads of the widest shard of a TP-``tp`` replica (shards may differ: :mod:`~.heads`)."""
+        return max_kv_heads(self.num_kv_heads, tp)

@@ -74,7 +74,7 @@ def kv_fits(st: RankState, batch: int, context: int) -> bool:
     if rep.slab.slots >= batch and rep.slab.capacity >= context + _HEADROOM:
         return True
     m = st.model
-    per_token = 2 * m.num_layers * m.kv_heads_per_rank(st.layout.tp) * m.head_dim
+    per_token = 2 * m.num_layers * rep.slab.kv_heads * m.head_dim  # this rank's KV heads
     per_token *= torch.empty((), dtype=st.dtype).element_size()
     slots, tokens = -(-batch // 8) * 8, -(-(context + _HEADROOM) // 256) * 256
     rep.release_kv()

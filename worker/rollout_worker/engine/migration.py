@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rollout_worker.api.heads import kv_sources
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.engine.kvcache import kv_elements
-from rollout_worker.engine.sharding import kv_head_range
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,34 +82,15 @@ def kv_migration_plan(
     cfg: ModelConfig, old: Layout, new: Layout, placements: list[Placement]
 ) -> list[Transfer]:
     """For every running request, every destination rank gets each KV head it needs from one rank of the
-    old replica that holds it: itself when it can (a local copy), else the lowest shard holding it."""
+    old replica that holds it: itself when it can (a local copy), else the lowest shard holding it
+    (:func:`~rollout_worker.api.heads.kv_sources`, which the planner's byte estimate uses too)."""
     plan = []
     for p in placements:
         if p.src_slot is None or p.dst_slot is None:
             continue
-        sources = [(r, kv_head_range(cfg, old.tp, old.shard_of(r))) for r in old.ranks_of(p.src_replica)]
         for dst in new.ranks_of(p.dst_replica):
-            lo, hi = kv_head_range(cfg, new.tp, new.shard_of(dst))
-            h = lo
-            while h < hi:
-                src, (slo, shi) = next(
-                    ((r, rng) for r, rng in sources if r == dst and rng[0] <= h < rng[1]),
-                    next((r, rng) for r, rng in sources if rng[0] <= h < rng[1]),
-                )
-                end = min(hi, shi)
-                plan.append(
-                    Transfer(
-                        src,
-                        dst,
-                        p.id,
-                        p.src_slot,
-                        p.dst_slot,
-                        (h - slo, end - slo),
-                        (h - lo, end - lo),
-                        p.kv_len,
-                    )
-                )
-                h = end
+            for src, src_heads, dst_heads in kv_sources(cfg.num_kv_heads, old, p.src_replica, new, dst):
+                plan.append(Transfer(src, dst, p.id, p.src_slot, p.dst_slot, src_heads, dst_heads, p.kv_len))
     return plan
 
 

@@ -2,7 +2,9 @@
 
 Attention is written out explicitly and shared by prefill and decode: both write K/V into the slab at the
 tokens' positions and attend over the slab with a causal mask. The only TP code is two all-reduces per
-layer (after o_proj and down_proj) and one all-gather of the vocab-parallel logits.
+layer (after o_proj and down_proj) and one all-gather of the vocab-parallel logits. A shard's width (its
+query and KV heads) comes from :mod:`~rollout_worker.engine.sharding`: whole heads, unevenly when the head
+counts do not divide TP, so each rank runs plain grouped-query attention over its own heads.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.engine.kvcache import KVSlab
 from rollout_worker.engine.parallel import ParallelState
+from rollout_worker.engine.sharding import kv_head_range, q_head_range
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -61,8 +64,9 @@ class Decoder:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], ps: ParallelState) -> None:
         self.cfg, self.ps = cfg, ps
-        self.heads = cfg.num_heads // ps.tp
-        self.kv_heads = cfg.kv_heads_per_rank(ps.tp)
+        q_lo, q_hi = q_head_range(cfg, ps.tp, ps.shard)  # shards may differ in width (uneven heads)
+        kv_lo, kv_hi = kv_head_range(cfg, ps.tp, ps.shard)
+        self.heads, self.kv_heads = q_hi - q_lo, kv_hi - kv_lo
         self.embed = weights["model.embed_tokens.weight"]
         self.norm = weights["model.norm.weight"]
         self.lm_head = weights["lm_head.weight"]

@@ -23,6 +23,21 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rope_theta": 10000.0,
         "tie_word_embeddings": False,
     },
+    # Tests of uneven TP: SmolLM2-135M's attention (hidden 576, 9 heads in 3 KV groups, head_dim 64, tied
+    # embeddings) on 2 layers, a narrow MLP and a small vocabulary. No TP size above 1 divides its 3 KV
+    # heads: shards own uneven whole heads (rollout_worker.api.heads).
+    "smol-shape": {
+        **_LLAMA,
+        "hidden_size": 576,
+        "intermediate_size": 384,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "vocab_size": 512,
+        "max_position_embeddings": 2048,
+        "rope_theta": 100000.0,
+        "tie_word_embeddings": True,
+    },
     "small": {
         **_LLAMA,
         "hidden_size": 512,

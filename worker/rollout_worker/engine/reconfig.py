@@ -99,7 +99,7 @@ def reconfigure(
     new: RankState | None = None
     try:
         t = time.perf_counter()
-        weights, wstats = reshard(st.weights, st.model, st.pstate(old), target.tp, target.shard_of(st.rank))
+        weights, wstats = reshard(st.weights, st.model, st.pstate(old), (old, target), st.rank)
         phases["reshard_ms"] = _lap(t)
         event.weights = wstats
         rep = st.make_replica(target, weights)

@@ -2,8 +2,10 @@
 one TP size to another. No processes, no I/O: everything here is unit-tested directly.
 
 A shard is a contiguous range along one dimension ("column-parallel": rows of an [out, in] weight;
-"row-parallel": columns). KV heads are duplicated when TP exceeds their number: shard ``s`` of ``T``
-then holds KV head ``s * KV // T``.
+"row-parallel": columns). Attention is split by whole heads, unevenly when the head counts do not divide
+the TP size (:mod:`rollout_worker.api.heads` says which heads each shard owns and why); KV heads are
+duplicated when TP exceeds their number: shard ``s`` of ``T`` then holds KV head ``s * KV // T``. The MLP's
+intermediate dimension and the vocabulary are split into near-equal parts (:func:`~.heads.split`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from rollout_worker.api import heads
+from rollout_worker.api.layout import Layout
 from rollout_worker.api.model_config import ModelConfig
 
 Kind = Literal["replicated", "col", "row"]
@@ -32,14 +36,12 @@ class ShardRange:
 
 def kv_head_range(cfg: ModelConfig, tp: int, shard: int) -> tuple[int, int]:
     """KV heads [lo, hi) held by ``shard`` of ``tp`` (one duplicated head when tp > KV heads)."""
-    n = cfg.kv_heads_per_rank(tp)
-    lo = shard * cfg.num_kv_heads // tp
-    return lo, lo + n
+    return heads.kv_head_range(cfg.num_kv_heads, tp, shard)
 
 
 def q_head_range(cfg: ModelConfig, tp: int, shard: int) -> tuple[int, int]:
-    n = cfg.num_heads // tp
-    return shard * n, (shard + 1) * n
+    """Query heads [lo, hi) of ``shard`` of ``tp``: those of its KV heads, or its part of one group."""
+    return heads.q_head_range(cfg.num_heads, cfg.num_kv_heads, tp, shard)
 
 
 def kind_of(name: str) -> Kind:
@@ -64,8 +66,7 @@ def shard_range(name: str, cfg: ModelConfig, tp: int, shard: int) -> ShardRange 
         lo, hi = q_head_range(cfg, tp, shard)
         return ShardRange(dim, lo * hd, hi * hd)
     full = cfg.vocab_size if "lm_head" in name else cfg.intermediate_size
-    step = full // tp
-    return ShardRange(dim, shard * step, (shard + 1) * step)
+    return ShardRange(dim, *heads.split(full, tp, shard))
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,24 +79,35 @@ class ReshardStep:
 
 
 def reshard_plan(
-    names: list[str], cfg: ModelConfig, old: tuple[int, int], new: tuple[int, int]
+    names: list[str], cfg: ModelConfig, old: Layout, new: Layout, rank: int
 ) -> list[ReshardStep]:
-    """Per tensor: keep it, slice the held shard (TP grows), or gather the old group's shards (TP shrinks).
+    """Per tensor on ``rank``: keep it, slice the held shard (TP grows), or gather the old group's shards
+    (TP shrinks, or uneven shards whose new range is not inside the old one).
 
-    ``old`` and ``new`` are (tp, shard) of this rank.
+    An all-gather is collective: when any rank of this rank's old replica must gather a tensor, all of
+    them do (even one that could keep or slice it), so every rank of the group joins the same gathers.
     """
+    group = old.ranks_of(old.replica_of(rank))
     plan = []
     for name in names:
-        held = shard_range(name, cfg, *old)
-        want = shard_range(name, cfg, *new)
-        if held == want:
-            plan.append(ReshardStep(name, "keep", None))
-        elif want is not None and (held is None or held.contains(want)):
-            base = 0 if held is None else held.start
-            plan.append(ReshardStep(name, "slice", ShardRange(want.dim, want.start - base, want.stop - base)))
-        else:
-            plan.append(ReshardStep(name, "gather", want))
+        steps = {r: _step(name, cfg, (old.tp, old.shard_of(r)), (new.tp, new.shard_of(r))) for r in group}
+        step = steps[rank]
+        if step.op != "gather" and any(s.op == "gather" for s in steps.values()):
+            step = ReshardStep(name, "gather", shard_range(name, cfg, new.tp, new.shard_of(rank)))
+        plan.append(step)
     return plan
+
+
+def _step(name: str, cfg: ModelConfig, old: tuple[int, int], new: tuple[int, int]) -> ReshardStep:
+    """One tensor on one rank, as if it were alone: ``old`` and ``new`` are its (tp, shard)."""
+    held = shard_range(name, cfg, *old)
+    want = shard_range(name, cfg, *new)
+    if held == want:
+        return ReshardStep(name, "keep", None)
+    if want is not None and (held is None or held.contains(want)):
+        base = 0 if held is None else held.start
+        return ReshardStep(name, "slice", ShardRange(want.dim, want.start - base, want.stop - base))
+    return ReshardStep(name, "gather", want)
 
 
 def assemble(pieces: list[tuple[ShardRange, object]], full_len: int) -> list[tuple[int, int, int]]:

@@ -135,7 +135,7 @@ def make_replica(
     slab = KVSlab(
         m.num_layers,
         cfg.engine.max_batch,
-        m.kv_heads_per_rank(lay.tp),
+        decoder.kv_heads,  # this shard's KV heads (uneven shards differ)
         cfg.engine.context_length + 1,
         m.head_dim,
         parse_dtype(cfg.dtype),

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
+from rollout_worker.api.layout import Layout
 from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.engine.checkpoint import CheckpointReader, random_tensor
 from rollout_worker.engine.checkpoint_index import tensor_shapes
@@ -47,16 +49,20 @@ def _tie(weights: Weights, cfg: ModelConfig, tp: int, shard: int) -> None:
 
 
 def reshard(
-    weights: Weights, cfg: ModelConfig, old: ParallelState, new_tp: int, new_shard: int
+    weights: Weights, cfg: ModelConfig, old: ParallelState, layouts: tuple[Layout, Layout], rank: int
 ) -> tuple[Weights, dict[str, int]]:
-    """New shards for (new_tp, new_shard), leaving ``weights`` untouched (so a failure can roll back).
+    """This rank's new shards when the layout switches ``layouts = (old, new)``, leaving ``weights``
+    untouched (so a failure can roll back). ``old`` is this rank's parallel state in the old layout.
 
     Growing TP slices the held shard (no communication). Shrinking all-gathers each tensor inside the
-    *old* TP group, whose members hold every piece this rank now needs, then slices.
+    *old* TP group, whose members hold every piece this rank now needs, then slices (so does growing
+    when uneven head shards put a new shard outside the old one).
     Returns the new weights and counters: tensors sliced/gathered and bytes received.
     """
     names = [n for n, _ in tensor_shapes(cfg)]
-    plan = reshard_plan(names, cfg, (old.tp, old.shard), (new_tp, new_shard))
+    src, dst = layouts
+    plan = reshard_plan(names, cfg, src, dst, rank)
+    new_tp, new_shard = dst.tp, dst.shard_of(rank)
     out: Weights = {}
     stats = {"sliced": 0, "gathered": 0, "bytes_received": 0}
     for step in plan:
@@ -68,9 +74,9 @@ def reshard(
             out[step.name] = _slice(held, step)
             stats["sliced"] += 1
         else:
-            out[step.name] = _gather(held, step, cfg, old)
+            out[step.name], received = _gather(held, step, cfg, old)
             stats["gathered"] += 1
-            stats["bytes_received"] += held.numel() * held.element_size() * (old.tp - 1)
+            stats["bytes_received"] += received
     _tie(out, cfg, new_tp, new_shard)
     return out, stats
 
@@ -85,22 +91,32 @@ def _slice(held: torch.Tensor, step: ReshardStep) -> torch.Tensor:
     return held[:, lo:hi].contiguous()
 
 
-def _gather(held: torch.Tensor, step: ReshardStep, cfg: ModelConfig, old: ParallelState) -> torch.Tensor:
-    """All-gather the old group's shards of one tensor, rebuild the full tensor, cut the new range."""
+def _gather(
+    held: torch.Tensor, step: ReshardStep, cfg: ModelConfig, old: ParallelState
+) -> tuple[torch.Tensor, int]:
+    """All-gather the old group's shards of one tensor, rebuild the full tensor, cut the new range.
+
+    Uneven shards (head counts that do not divide TP) travel zero-padded to the widest one (an
+    all-gather moves equal sizes) and are cut back to their own width. Returns the tensor and the
+    bytes received from the other ranks.
+    """
+    # only sharded tensors are gathered (old TP > 1): one range per old shard
+    ranges = [r for r in (shard_range(step.name, cfg, old.tp, s) for s in range(old.tp)) if r is not None]
+    dim, width = ranges[0].dim, max(r.size for r in ranges)
     src = held.cpu() if old.stage_cpu else held
+    if src.shape[dim] < width:  # F.pad lists (before, after) pairs from the last dimension back
+        src = F.pad(src, [0, 0] * (src.dim() - 1 - dim) + [0, width - src.shape[dim]])
     parts = [torch.empty_like(src) for _ in range(old.tp)]
     dist.all_gather(parts, src.contiguous(), group=old.group)
-    ranges = [shard_range(step.name, cfg, old.tp, s) for s in range(old.tp)]
-    dim = ranges[0].dim if ranges[0] is not None else 0
-    full_len = _full_len(step.name, cfg, dim)
-    pieces = [(r, p) for r, p in zip(ranges, parts, strict=True) if r is not None]
-    order = assemble(pieces, full_len)  # type: ignore[arg-type]
+    pieces = [(r, p.narrow(dim, 0, r.size)) for r, p in zip(ranges, parts, strict=True)]
+    order = assemble(pieces, _full_len(step.name, cfg, dim))  # type: ignore[arg-type]
     full = torch.cat([pieces[i][1] for i, _, _ in order], dim=dim)
+    received = src.numel() * src.element_size() * (old.tp - 1)
     if step.local is None:
-        return full.to(held.device)
+        return full.to(held.device), received
     lo, hi = step.local.start, step.local.stop
     part = full[lo:hi] if dim == 0 else full[:, lo:hi]
-    return part.contiguous().to(held.device)
+    return part.contiguous().to(held.device), received
 
 
 def _full_len(name: str, cfg: ModelConfig, dim: int) -> int:
