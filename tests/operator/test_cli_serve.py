@@ -1,12 +1,17 @@
-"""`rolloutctl serve --costs`: a bad cost model is refused with the flag named, before any rank starts."""
+"""`rolloutctl serve`'s flags: a bad cost model, a bad port or duration, an empty model name, a network
+address without an API key: each refused in one line naming the flag (exit 2), before any rank starts."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
+from rollout_operator.cli.main import app
+from typer.testing import CliRunner
 
 from tests.conftest import run_cli
+from tests.operator.test_cli_db import run
 
 
 @pytest.mark.parametrize(
@@ -31,3 +36,45 @@ def test_a_bad_cost_model_is_refused(tiny64: Path, tmp_path: Path, content: str,
 def test_a_missing_cost_file_is_refused(tiny64: Path, tmp_path: Path) -> None:
     got = run_cli("serve", "--model", str(tiny64), "--costs", str(tmp_path / "nope.json"), timeout=60)
     assert got.returncode == 2 and "--costs" in got.stderr and "cannot read" in got.stderr, got.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "flag", "message"),
+    [
+        (["--port", "70000"], "--port", "less than or equal to 65535"),
+        (["--port", "-1"], "--port", "greater than or equal to 0"),
+        (["--drain-seconds", "-3"], "--drain-seconds", "greater than or equal to 0"),
+        (["--served-model-name", ""], "--served-model-name", "at least 1 character"),
+        (["--body-timeout-seconds", "0"], "--body-timeout-seconds", "greater than 0"),
+        (["--host", "0.0.0.0"], "--host", "0.0.0.0 is not a loopback address: give an API key"),
+        (["--host", "::"], "--host", "--allow-unauthenticated"),
+    ],
+)  # fmt: skip
+def test_bad_server_flags_are_one_line_naming_the_flag_before_anything_starts(
+    served: list[Any],
+    tiny64: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    flag: str,
+    message: str,
+) -> None:
+    monkeypatch.delenv("ROLLOUT_API_KEY", raising=False)
+    code, _, err = run(monkeypatch, capsys, "serve", "--model", str(tiny64), *args)
+    assert code == 2 and err.startswith(f"error: {flag}: ") and message in err, err
+    assert err.count("\n") == 1 and served == []
+
+
+@pytest.mark.parametrize("how", ["--allow-unauthenticated", "--api-key-file", "ROLLOUT_API_KEY"])
+def test_a_key_or_the_explicit_flag_lets_the_server_listen_beyond_loopback(
+    served: list[Any], tiny64: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    monkeypatch.delenv("ROLLOUT_API_KEY", raising=False)
+    key = tmp_path / "key"
+    key.write_text("k\n")
+    extra = {"--allow-unauthenticated": [how], "--api-key-file": [how, str(key)], "ROLLOUT_API_KEY": []}[how]
+    env = {"ROLLOUT_API_KEY": "k"} if how == "ROLLOUT_API_KEY" else {}
+    result = CliRunner().invoke(app, ["serve", "--model", str(tiny64), "--host", "0.0.0.0", *extra], env=env)
+    assert result.exit_code == 0, result.output
+    ((settings, _),) = served
+    assert settings.host == "0.0.0.0" and settings.open_to_network == (how == "--allow-unauthenticated")

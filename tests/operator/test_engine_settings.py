@@ -9,7 +9,6 @@ arguments the operator and `rolloutctl run` give an engine are parsed by the sam
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -58,23 +57,6 @@ def test_every_setting_has_a_sample_and_the_samples_are_valid() -> None:
     assert set(SAMPLES) == set(EngineSettings.model_fields)
     EngineSettings(**SAMPLES)
     assert all(SAMPLES[n] != getattr(DEFAULTS, n) for n in SAMPLES if n != "device")
-
-
-@pytest.fixture
-def served(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """What `rolloutctl serve` would start: (ServerSettings, EngineConfig) per invocation."""
-    import rollout_worker.server.run
-
-    calls: list[Any] = []
-
-    def record(settings: Any, cfg: Any) -> int:
-        calls.append((settings, cfg))
-        return 0
-
-    monkeypatch.setattr(rollout_worker.server.run, "serve", record)
-    for key in [k for k in os.environ if k.startswith("ROLLOUT_SERVE_")]:
-        monkeypatch.delenv(key)
-    return calls
 
 
 def serve(served: list[Any], args: list[str], env: dict[str, str] | None = None) -> Any:

@@ -251,14 +251,70 @@ BAD = [
     ),
     ({"input_ids": [1], "lora_path": "x"}, "body", "lora_path"),
     ({"input_ids": [[1], [2]], "rid": ["a"]}, "rid", "1 rid(s) for 2 prompt(s)"),
+    # issue 15: strict types as SGLang's msgspec, lone surrogates, min above max
+    (
+        {"input_ids": [1], "sampling_params": {"max_new_tokens": "5"}},
+        "sampling_params.max_new_tokens",
+        "integer",
+    ),
+    ({"input_ids": [1], "sampling_params": {"temperature": True}}, "sampling_params.temperature", "number"),
+    ({"input_ids": [1], "sampling_params": {"ignore_eos": 1}}, "sampling_params.ignore_eos", "boolean"),
+    ({"input_ids": [1], "return_logprob": "yes"}, "return_logprob", "boolean"),
+    (
+        {"input_ids": [1], "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 4}},
+        "sampling_params.min_new_tokens",
+        "above max_new_tokens (4)",
+    ),
+    (
+        {"input_ids": [[1]], "sampling_params": [{"min_new_tokens": 200}]},
+        "sampling_params.0.min_new_tokens",
+        "above max_new_tokens (128)",
+    ),
+    ({"text": "\ud800"}, "text", "not Unicode text"),
+    ({"text": ["a", "b\udfff"]}, "text.1", "not Unicode text"),
+    (
+        {"input_ids": [1], "sampling_params": {"stop": ["\ud800"]}},
+        "sampling_params.stop.0",
+        "not Unicode text",
+    ),
+    ({"input_ids": [1], "rid": "\udc00"}, "rid", "not Unicode text"),
 ]
+
+
+def post_raw(server: Served, path: str, body: Any) -> httpx.Response:
+    """POST ``body`` as JSON escaped to ASCII (httpx's own encoding cannot carry a lone surrogate)."""
+    with server.client() as c:
+        return c.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
 
 
 @pytest.mark.parametrize(("body", "field", "text"), BAD)
 def test_bad_input_is_a_400_naming_the_field(
     server: Served, body: dict[str, Any], field: str, text: str
 ) -> None:
-    r = server.post("/generate", body)
+    r = post_raw(server, "/generate", body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["field"] == field and text in err["message"], err
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field", "text"),
+    [
+        ("/v1/completions", {"model": "m", "prompt": "\ud800"}, "prompt", "not Unicode text"),
+        ("/v1/completions", {"model": "m", "prompt": ["a", "\ud800"]}, "prompt.1", "not Unicode text"),
+        ("/v1/completions", {"model": "\ud800", "prompt": "a"}, "model", "not Unicode text"),
+        ("/v1/completions", {"model": "m", "prompt": "a", "stop": ["\ud800"]}, "stop.0", "not Unicode text"),
+        ("/v1/completions", {"model": "m", "prompt": "a", "stop": ""}, "stop", "must not be empty"),
+        ("/v1/completions", {"model": "m", "prompt": "a", "min_tokens": 20}, "min_tokens", "above max_"),
+        ("/v1/completions", {"model": "m", "prompt": "a", "max_tokens": "5"}, "max_tokens", "integer"),
+        ("/update_weights_from_disk", {"model_path": "/tmp/m\u0000/x"}, "model_path", "NUL"),
+        ("/update_weights_from_disk", {"model_path": "/tmp/\ud800"}, "model_path", "not Unicode text"),
+    ],
+)  # fmt: skip
+def test_text_a_tokenizer_or_a_path_cannot_take_is_a_400_naming_the_field(
+    server: Served, path: str, body: dict[str, Any], field: str, text: str
+) -> None:
+    r = post_raw(server, path, body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["field"] == field and text in err["message"], err
@@ -268,6 +324,11 @@ def test_malformed_json_and_body_limit(server: Served) -> None:
     with server.client() as c:
         r = c.post("/generate", content=b'{"text": "a", ', headers={"content-type": "application/json"})
         assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+        for body, message in [(b'{"text": "\xff"}', "not UTF-8"), (b"[" * 100_000, "JSON nested too deeply")]:
+            r = c.post("/generate", content=body, headers={"content-type": "application/json"})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["field"] == "body" and err["code"] == 400, r.text
+            assert err["message"].startswith(f"body: {message}"), err
         r = c.post("/generate", content=b"x" * (17 << 20), headers={"content-type": "application/json"})
         assert r.status_code == 413
 

@@ -1,6 +1,7 @@
 """The sidecar's HTTP API on a real process: the token on every protected route of both ports (walked from
 the OpenAPI), open health and metrics, 422 naming the field, 413, admin routes only on the admin port, the
-engine's answers passed through, schemathesis (bounded examples, no 5xx), signals and exit codes."""
+engine's answers passed through, schemathesis (bounded examples, no 5xx, 4xx in the error schema), signals
+and exit codes."""
 
 from __future__ import annotations
 
@@ -13,16 +14,12 @@ from typing import Any
 
 import httpx
 import pytest
-import schemathesis
-from hypothesis import HealthCheck, given, settings
 from rollout_worker.proc import free_port
-from schemathesis import GenerationMode
-from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import content_type_conformance, response_schema_conformance
 
 from tests.waiting import wait_until
 from tests.worker.server.served import Served, alive, descendants
 from tests.worker.sidecar.proc import SidecarProc, sidecar_env, start_sidecar
+from tests.worker.web.fuzz import fuzz
 
 pytestmark = pytest.mark.multiproc
 OPEN = {("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/metrics")}
@@ -152,32 +149,6 @@ def test_the_engines_answers_pass_through(sidecar: SidecarProc, engine: Served) 
     assert "not among the candidate layouts" in r.json()["error"]["message"]
     r = sidecar.admin_call("POST", "/v1/reconfigure", {"layout": layout})
     assert r.status_code == 200 and r.json()["message"] == f"already in {layout}"
-
-
-CHECKS = [not_a_server_error, content_type_conformance, response_schema_conformance]
-BOUNDED = settings(max_examples=15, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-
-
-def fuzz(base: str, headers: dict[str, str]) -> int:
-    """Every operation of the port's OpenAPI with schemathesis' valid and invalid cases (a bounded number
-    each): never a 5xx, every answer as documented. Returns the operations tested."""
-    schema = schemathesis.openapi.from_url(base + "/openapi.json", headers=headers)
-    n = 0
-    for result in schema.get_all_operations():
-        op = result.ok()
-        raw = op.definition.raw
-        takes_input = bool(raw.get("parameters") or raw.get("requestBody"))
-        modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if takes_input else [])
-        for mode in modes:
-
-            @BOUNDED
-            @given(case=op.as_strategy(generation_mode=mode))
-            def check(case: Any) -> None:
-                case.call_and_validate(headers=headers, checks=CHECKS)
-
-            check()
-        n += 1
-    return n
 
 
 def test_schemathesis_finds_no_5xx_on_either_port(sidecar: SidecarProc) -> None:

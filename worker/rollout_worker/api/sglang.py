@@ -2,14 +2,19 @@
 
 Keys SGLang has that this engine does not implement (constrained decoding, penalties, images, LoRA, ...)
 are accepted only when absent or at their neutral value; anything else is refused with the key named.
+Types are strict, as SGLang's msgspec structs are: an integer must be a JSON integer (not ``"5"`` nor
+``5.0``), a number a JSON number (an integer will do, ``true`` will not), a flag ``true`` or ``false``.
+Every string of a body must be Unicode text (a lone surrogate such as ``"\ud800"`` is refused, naming
+where it is).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from rollout_worker.api.errors import FieldAt, FieldPath
 from rollout_worker.api.sampling import Sampling
 
 # key -> its neutral value (what a client that does not use the feature sends)
@@ -48,6 +53,47 @@ _NEUTRAL_GENERATE: dict[str, Any] = {
 }
 
 
+def _not_text(data: Any, path: FieldPath = ()) -> FieldPath | None:
+    """Where in a parsed JSON value a string (a value or a key) is not Unicode text, or None."""
+    if isinstance(data, str):
+        return None if data.isascii() or _encodes(data) else path
+    if isinstance(data, dict):
+        for key, value in data.items():
+            where = (*path, key)
+            if isinstance(key, str) and not _encodes(key):
+                return where
+            if isinstance(value, str | list | dict) and (bad := _not_text(value, where)) is not None:
+                return bad
+    elif isinstance(data, list) and not (data and isinstance(data[0], int | float)):
+        # (a list of numbers, such as input_ids, is not walked: a string among them fails validation anyway)
+        for i, value in enumerate(data):
+            if isinstance(value, str | list | dict) and (bad := _not_text(value, (*path, i))) is not None:
+                return bad
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class Body(BaseModel):
+    """A request body: strict types, unknown keys refused, every string Unicode text."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text(cls, data: Any) -> Any:
+        bad = _not_text(data)
+        if bad is not None:
+            raise FieldAt(bad, "not Unicode text (a lone surrogate escape such as \\ud800)")
+        return data
+
+
 def _check_neutral(data: Any, neutral: dict[str, Any]) -> Any:
     if isinstance(data, dict):
         for key, value in neutral.items():
@@ -59,10 +105,29 @@ def _check_neutral(data: Any, neutral: dict[str, Any]) -> Any:
     return data
 
 
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's, also for max_new_tokens: null
+
+
+def check_stops(v: str | list[str] | None) -> str | list[str] | None:
+    if any(s == "" for s in ([v] if isinstance(v, str) else v or [])):
+        raise ValueError("stop strings must not be empty")
+    return v
+
+
+def check_lengths(least: int, info: ValidationInfo, most_name: str) -> int:
+    """At least ``least`` new tokens cannot be more than at most ``most_name`` (None: SGLang's default);
+    a field validator of the least, declared after the most."""
+    most = info.data.get(most_name, DEFAULT_MAX_NEW_TOKENS)
+    cap = DEFAULT_MAX_NEW_TOKENS if most is None else most
+    if least > cap:
+        raise ValueError(f"{least} is above {most_name} ({cap})")
+    return least
+
+
 class SamplingParams(BaseModel):
     """``sampling_params`` of ``/generate`` (SGLang's names and defaults)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     max_new_tokens: int | None = Field(128, ge=0, description="None = 128. 0 = prefill only.")
     min_new_tokens: int = Field(0, ge=0)
@@ -87,9 +152,16 @@ class SamplingParams(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if any(s == "" for s in ([v] if isinstance(v, str) else v or [])):
-            raise ValueError("stop strings must not be empty")
-        return v
+        return check_stops(v)
+
+    @field_validator("min_new_tokens")
+    @classmethod
+    def _lengths(cls, v: int, info: ValidationInfo) -> int:
+        return check_lengths(v, info, "max_new_tokens")
+
+    @property
+    def max_tokens(self) -> int:
+        return DEFAULT_MAX_NEW_TOKENS if self.max_new_tokens is None else self.max_new_tokens
 
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -100,10 +172,8 @@ class SamplingParams(BaseModel):
         return Sampling(self.temperature, self.top_p, max(self.top_k, 0), self.min_p, seed)
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(Body):
     """``POST /generate``: one request, or a batch when ``text`` / ``input_ids`` is a list of prompts."""
-
-    model_config = ConfigDict(extra="forbid")
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
@@ -147,20 +217,20 @@ class GenerateRequest(BaseModel):
         return default if value is None else value
 
 
-class AbortRequest(BaseModel):
+class AbortRequest(Body):
     model_config = ConfigDict(extra="ignore")
 
     rid: str = ""
     abort_all: bool = False
 
 
-class PauseRequest(BaseModel):
+class PauseRequest(Body):
     model_config = ConfigDict(extra="ignore")
 
     mode: Literal["abort", "retract", "in_place"] = "abort"
 
 
-class UpdateWeightsRequest(BaseModel):
+class UpdateWeightsRequest(Body):
     model_config = ConfigDict(extra="ignore")
 
     model_path: str = Field(min_length=1)
@@ -169,8 +239,15 @@ class UpdateWeightsRequest(BaseModel):
     weight_version: str | None = None
     flush_cache: bool = True
 
+    @field_validator("model_path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        if "\0" in v:
+            raise ValueError("a path cannot contain a NUL character")
+        return v
 
-class MemoryRequest(BaseModel):
+
+class MemoryRequest(Body):
     model_config = ConfigDict(extra="ignore")
 
     tags: list[Literal["weights", "kv_cache"]] | None = None

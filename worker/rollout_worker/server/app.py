@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
 from rollout_worker import __version__
 from rollout_worker.api.errors import EngineError
@@ -25,7 +25,7 @@ from rollout_worker.server.deps import ServerState
 from rollout_worker.server.metrics import Metrics
 from rollout_worker.server.routes import control, generate, info, openai, planner
 from rollout_worker.server.settings import ServerSettings
-from rollout_worker.web.errors import error_body, install_error_handlers
+from rollout_worker.web.errors import ErrorResponse, install_error_handlers
 from rollout_worker.web.middleware import ApiKey, BodyLimit
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,12 @@ def create_app(settings: ServerSettings, cfg: EngineConfig, faults: Faults | Non
     app.add_exception_handler(EngineError, _engine_error)
     if settings.api_key:
         app.add_middleware(ApiKey, key=settings.api_key)
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    elif settings.open_to_network:  # allowed by --allow-unauthenticated
+        log.warning(
+            "no API key and listening on %s: every route, mutating ones included, is open to the network",
+            settings.host,
+        )
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, timeout=settings.body_timeout_seconds)
     return app
 
 
@@ -98,5 +103,5 @@ def _fail_soon(state: ServerState, reason: str) -> None:
     asyncio.get_running_loop().call_later(state.settings.failure_grace_seconds, state.request_exit, 1)
 
 
-async def _engine_error(request: Request, exc: Exception) -> JSONResponse:
-    return JSONResponse(error_body(str(exc), None, 503), status_code=503)
+async def _engine_error(request: Request, exc: Exception) -> Response:
+    return ErrorResponse(str(exc), None, 503)

@@ -50,7 +50,7 @@ def to_jobs(req: GenerateRequest, codec: TextCodec | None) -> list[Job]:
                     RequestSpec(
                         id=sub,
                         prompt_ids=tuple(ids),
-                        max_new_tokens=128 if sp.max_new_tokens is None else sp.max_new_tokens,
+                        max_new_tokens=sp.max_tokens,
                         sampling=sp.engine(seed),
                         ignore_eos=sp.ignore_eos,
                         stop_token_ids=tuple(sp.stop_token_ids or ()),

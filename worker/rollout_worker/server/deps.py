@@ -37,7 +37,7 @@ class ServerState:
 
     @property
     def weights_root(self) -> Path:
-        return (self.settings.weights_root or Path(self.settings.model).resolve().parent).resolve()
+        return (self.settings.weights_root or Path(self.settings.model)).resolve()
 
     def ready_engine(self) -> Engine:
         if self.engine is None:

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rollout_worker.api.errors import FieldAt
+from rollout_worker.web.middleware import BODY_TIMEOUT_S, is_loopback
 
 
 class ServerSettings(BaseModel):
@@ -17,12 +20,20 @@ class ServerSettings(BaseModel):
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(30000, ge=0, le=65535, description="Port (30000, SGLang's default).")
     api_key: str | None = Field(None, description="Bearer token every route but health and metrics needs.")
+    allow_unauthenticated: bool = Field(
+        False, description="Listen on an address other than loopback without an API key (warned)."
+    )
     weights_root: Path | None = Field(
         None,
-        description="update_weights_from_disk loads only below this directory (default: --model's parent).",
+        description="update_weights_from_disk loads only below this directory (default: --model itself).",
     )
-    served_model_name: str | None = Field(None, description="Model name in /v1/models (default: --model).")
+    served_model_name: str | None = Field(
+        None, min_length=1, description="Model name in /v1/models (default: --model)."
+    )
     max_body_bytes: int = Field(16 << 20, ge=1024, description="Larger request bodies get 413.")
+    body_timeout_seconds: float = Field(
+        BODY_TIMEOUT_S, gt=0, description="A request body not received whole within this gets 408."
+    )
     drain_seconds: float = Field(
         0.0, ge=0, description="On SIGTERM, let requests finish for this long before aborting the rest."
     )
@@ -32,3 +43,18 @@ class ServerSettings(BaseModel):
     failure_grace_seconds: float = Field(
         2.0, ge=0, description="After a rank dies, answer 503 this long, then exit non-zero."
     )
+
+    @model_validator(mode="after")
+    def _key_beyond_loopback(self) -> ServerSettings:
+        if self.open_to_network and not self.allow_unauthenticated:
+            raise FieldAt(
+                ("host",),
+                f"{self.host} is not a loopback address: give an API key (--api-key-file or "
+                "$ROLLOUT_API_KEY), or --allow-unauthenticated to serve every route to the network",
+            )
+        return self
+
+    @property
+    def open_to_network(self) -> bool:
+        """Whether every route, mutating ones included, is open to other machines (no key, not loopback)."""
+        return not self.api_key and not is_loopback(self.host)

@@ -25,7 +25,7 @@ from rollout_worker.api.sidecar import Health, Progress, SamplesPage, SidecarSta
 from rollout_worker.api.state import PlanResponse, ReconfigureRequest, ReconfigureResponse
 from rollout_worker.sidecar.core import Sidecar
 from rollout_worker.sidecar.engine import EngineAnswer, EngineUnreachable
-from rollout_worker.web.errors import ErrorBody, error_body, install_error_handlers
+from rollout_worker.web.errors import ErrorBody, ErrorResponse, install_error_handlers
 from rollout_worker.web.middleware import ApiKey, BodyLimit
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
@@ -42,9 +42,9 @@ def _side(request: Request) -> Sidecar:
     return side
 
 
-async def _unreachable(_: Request, exc: Exception) -> JSONResponse:
+async def _unreachable(_: Request, exc: Exception) -> Response:
     """Any route that needed the engine and got no answer: 503."""
-    return JSONResponse(error_body(f"engine unreachable: {exc}", None, 503), status_code=503)
+    return ErrorResponse(f"engine unreachable: {exc}", None, 503)
 
 
 async def _engine_answer(_: Request, exc: Exception) -> JSONResponse:

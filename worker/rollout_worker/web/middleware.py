@@ -1,23 +1,39 @@
-"""ASGI middleware: a bearer token (as SGLang's ``--api-key``) and a request body size limit, shared by the
-engine's server and the pod sidecar.
+"""ASGI middleware: a bearer token (as SGLang's ``--api-key``) and a request body size and time limit,
+shared by the engine's server and the pod sidecar; and whether a server may listen without a token.
 
 Written as plain ASGI so that every route is covered, streaming ones included, and no route can forget it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
-import json
+import ipaddress
 from typing import Any
 
+from rollout_worker.web.errors import error_bytes
+
 Scope = dict[str, Any]
-OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})  # the engine's (SGLang's) open routes
+# the engine's open routes (SGLang's, less /health_generate: it runs a generation)
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+BODY_TIMEOUT_S = 30.0  # the most time a client may take to send a request's body
 
 
-async def _send_json(
-    send: Any, status: int, body: dict[str, Any], headers: tuple[tuple[bytes, bytes], ...] = ()
+def is_loopback(host: str) -> bool:
+    """Whether a server listening on ``host`` is reachable from this machine only (a name other than
+    ``localhost`` counts as reachable from elsewhere)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+async def _send_error(
+    send: Any, status: int, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()
 ) -> None:
-    raw = json.dumps(body).encode()
+    raw = error_bytes(message, None, status)
     await send(
         {
             "type": "http.response.start",
@@ -45,26 +61,28 @@ class ApiKey:
         auth = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, token = auth.partition(b" ")
         if scheme.lower() != b"bearer" or not token:
-            return await _send_json(
+            return await _send_error(
                 send,
                 401,
-                {"error": {"message": "missing bearer token (Authorization: Bearer <key>)", "code": 401}},
+                "missing bearer token (Authorization: Bearer <key>)",
                 ((b"www-authenticate", b"Bearer"),),
             )
         if not hmac.compare_digest(token.strip(), self.key):
-            return await _send_json(send, 403, {"error": {"message": "invalid API key", "code": 403}})
+            return await _send_error(send, 403, "invalid API key")
         return await self.app(scope, receive, send)
 
 
 class BodyLimit:
-    """413 for bodies over ``limit`` bytes, whether announced by Content-Length or streamed (chunked).
+    """413 for bodies over ``limit`` bytes, whether announced by Content-Length or streamed (chunked); 408
+    (and the connection closed) for a body not received whole within ``timeout`` seconds, e.g. shorter
+    than its Content-Length.
 
     The body is read here, up to the limit, before the application sees the request, then handed to it
     whole: an application reading a body cut off midway would answer 400, not 413. Later ``receive`` calls
     (waiting for the client to disconnect) go to the server as before."""
 
-    def __init__(self, app: Any, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app: Any, limit: int, timeout: float = BODY_TIMEOUT_S) -> None:
+        self.app, self.limit, self.timeout = app, limit, timeout
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -72,18 +90,14 @@ class BodyLimit:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
             return await self._too_large(send)
-        body = bytearray()
-        first: dict[str, Any] | None = None
-        while first is None:
-            msg = await receive()
-            if msg["type"] != "http.request":  # the client went away while sending
-                first = msg
-                break
-            body += msg.get("body", b"")
-            if len(body) > self.limit:
-                return await self._too_large(send)
-            if not msg.get("more_body", False):
-                first = {"type": "http.request", "body": bytes(body), "more_body": False}
+        try:
+            async with asyncio.timeout(self.timeout):
+                first = await self._read(receive)
+        except TimeoutError:
+            message = f"request body not received within {self.timeout:g} s"
+            return await _send_error(send, 408, message, ((b"connection", b"close"),))
+        if first is None:
+            return await self._too_large(send)
         pending: list[dict[str, Any]] = [first]
 
         async def replay() -> Any:
@@ -91,7 +105,18 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
+    async def _read(self, receive: Any) -> dict[str, Any] | None:
+        """The whole body as one message (or the disconnect that cut it short); None past the limit."""
+        body = bytearray()
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":  # the client went away while sending
+                return dict(msg)
+            body += msg.get("body", b"")
+            if len(body) > self.limit:
+                return None
+            if not msg.get("more_body", False):
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+
     async def _too_large(self, send: Any) -> None:
-        await _send_json(
-            send, 413, {"error": {"message": f"request body over {self.limit} bytes", "code": 413}}
-        )
+        await _send_error(send, 413, f"request body over {self.limit} bytes")

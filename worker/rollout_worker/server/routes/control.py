@@ -52,38 +52,34 @@ async def flush_cache(request: Request) -> JSONResponse:
 
 
 def _checkpoint_in_root(state: ServerState, raw: str) -> Path:
-    """The checkpoint path, refused (403) unless it resolves below the weights root."""
+    """The checkpoint path, refused (403) unless it resolves below the weights root. A path outside gets
+    the same answer whatever is there, and the answer does not say where the root is."""
     root = state.weights_root
     path = Path(raw).resolve()
     if os.path.commonpath([root, path]) != str(root):
-        raise Forbidden(f"{raw} is outside the weights root {root}", "model_path")
-    if not (path / "config.json").is_file():
-        raise UserError(f"{raw} has no config.json", "model_path")
-    new, cur = ModelConfig.load(path), state.cfg.model
-    if (
-        new.architecture,
-        new.hidden_size,
-        new.num_layers,
-        new.num_heads,
-        new.num_kv_heads,
-        new.vocab_size,
-    ) != (
-        cur.architecture,
-        cur.hidden_size,
-        cur.num_layers,
-        cur.num_heads,
-        cur.num_kv_heads,
-        cur.vocab_size,
-    ):
+        raise Forbidden(f"{raw} is outside the weights root (--weights-root)", "model_path")
+    try:
+        if not (path / "config.json").is_file():
+            raise UserError(f"{raw} has no config.json", "model_path")
+        new = ModelConfig.load(path)
+    except OSError as exc:
+        raise UserError(f"{raw}: {exc.strerror}", "model_path") from None
+    except UserError as exc:
+        raise exc.with_field("model_path") from None
+    if _shape(new) != _shape(state.cfg.model):
         raise UserError(f"{raw} is a different model shape than the one being served", "model_path")
     return path
+
+
+def _shape(c: ModelConfig) -> tuple[object, ...]:
+    return (c.architecture, c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.vocab_size)
 
 
 @router.post("/update_weights_from_disk", summary="Load new weights between steps (below --weights-root)")
 async def update_weights_from_disk(body: UpdateWeightsRequest, request: Request) -> dict[str, Any]:
     state = server_state(request)
-    engine = state.ready_engine()
     path = _checkpoint_in_root(state, body.model_path)
+    engine = state.ready_engine()
     waited = await state.bridge.call(
         engine.update_weights, str(path), body.weight_version, body.abort_all_requests
     )

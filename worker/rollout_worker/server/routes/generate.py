@@ -16,6 +16,8 @@ from rollout_worker.server.convert import Job, Output, to_jobs
 from rollout_worker.server.deps import FastJSON, ServerState, server_state
 
 router = APIRouter(tags=["sglang"])
+# a route's answer is JSON, or server-sent events with ``stream``
+STREAMED: dict[int | str, dict[str, Any]] = {200: {"content": {"text/event-stream": {}}}}
 
 
 class Generation:
@@ -119,7 +121,9 @@ async def stream_generation(
     return events()
 
 
-@router.api_route("/generate", methods=["POST", "PUT"], summary="Generate (SGLang native)")
+@router.api_route(
+    "/generate", methods=["POST", "PUT"], summary="Generate (SGLang native)", responses=STREAMED
+)
 async def generate(body: GenerateRequest, request: Request) -> Any:
     state = server_state(request)
     jobs = to_jobs(body, state.codec)

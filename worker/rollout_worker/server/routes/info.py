@@ -147,7 +147,7 @@ async def v1_loads(request: Request) -> dict[str, Any]:
     }
 
 
-@router.get("/metrics", summary="Prometheus metrics")
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response)
 async def metrics(request: Request) -> Response:
     body, ctype = server_state(request).metrics.render()
     return Response(body, media_type=ctype)

@@ -8,13 +8,23 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from rollout_worker.api.sglang import GenerateRequest
+from rollout_worker.api.engine_settings import dotted
+from rollout_worker.api.errors import user_error
+from rollout_worker.api.sglang import Body, GenerateRequest, check_lengths, check_stops
 from rollout_worker.engine.finish import matched_stop
 from rollout_worker.server.convert import Output, to_jobs
 from rollout_worker.server.deps import FastJSON, ServerState, server_state
-from rollout_worker.server.routes.generate import run_generation, stream_generation
+from rollout_worker.server.routes.generate import STREAMED, run_generation, stream_generation
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -26,12 +36,12 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
-class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class CompletionRequest(Body):
     model: str
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=0)
@@ -59,6 +69,16 @@ class CompletionRequest(BaseModel):
     no_stop_trim: bool = False
     rid: str | list[str] | None = None
 
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        return check_stops(v)
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _lengths(cls, v: int, info: ValidationInfo) -> int:
+        return check_lengths(v, info, "max_tokens")
+
     @model_validator(mode="after")
     def _neutral(self) -> CompletionRequest:
         for key, ok in _NEUTRAL.items():
@@ -84,16 +104,18 @@ class CompletionRequest(BaseModel):
             "n": self.n,
             "sampling_seed": self.seed,
         }
-        return GenerateRequest.model_validate(
-            {
-                ("text" if text_in else "input_ids"): p,
-                "sampling_params": sampling,
-                "rid": self.rid,
-                "return_logprob": self.logprobs is not None,
-                "top_logprobs_num": self.logprobs or 0,
-                "return_text_in_logprobs": True,
-            }
-        )
+        body = {
+            ("text" if text_in else "input_ids"): p,
+            "sampling_params": sampling,
+            "rid": self.rid,
+            "return_logprob": self.logprobs is not None,
+            "top_logprobs_num": self.logprobs or 0,
+            "return_text_in_logprobs": True,
+        }
+        try:
+            return GenerateRequest.model_validate(body)
+        except ValidationError as exc:  # a rule of /generate's this body's own validation missed
+            raise user_error(exc, dotted) from None
 
 
 def _models(state: ServerState) -> dict[str, Any]:
@@ -156,7 +178,7 @@ def _usage(outs: list[Output], n: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-@router.post("/completions", summary="OpenAI completions (stream and not)")
+@router.post("/completions", summary="OpenAI completions (stream and not)", responses=STREAMED)
 async def completions(body: CompletionRequest, request: Request) -> Any:
     state = server_state(request)
     jobs = to_jobs(body.to_generate(), state.codec)
