@@ -1,5 +1,6 @@
 """The driver's side of the rank processes: start them, send them commands, receive their reports, notice
-when one dies, and stop them all without leaving a process behind.
+when one dies (the moment it exits: its pidfd) and name the rank that died first, and stop them all without
+leaving a process behind.
 
 CPU runs use a forkserver (torch is imported once; each rank forks in ~0.1 s); CUDA runs use spawn. Ranks
 end themselves when the driver dies, however it dies (see :mod:`rollout_worker.engine.loop`).
