@@ -123,3 +123,30 @@ def test_rendezvous_ports_are_free_and_outside_the_kernels_ephemeral_range() -> 
     for port in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+@pytest.mark.parametrize(
+    ("host", "field", "why"),
+    [
+        ("999.1.1.1", "host", "Name or service not known"),
+        ("192.0.2.1", "host", "Cannot assign requested address"),  # TEST-NET-1: no address of this machine
+        ("127.0.0.1", "port", "Address already in use"),
+    ],
+    ids=["unresolvable-host", "foreign-host", "taken-port"],
+)
+def test_listen_names_the_host_or_the_port_it_cannot_listen_on(host: str, field: str, why: str) -> None:
+    from rollout_worker.api.errors import UserError
+    from rollout_worker.proc import listen
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(UserError) as err:
+            listen(host, port)
+    assert err.value.field == field and err.value.message == f"cannot listen on {host}:{port}: {why}"
+
+
+def test_listen_gives_a_listening_socket() -> None:
+    from rollout_worker.proc import listen
+
+    with listen("127.0.0.1", 0) as s, socket.create_connection(s.getsockname()[:2], timeout=5):
+        assert s.accept()[0] is not None

@@ -1,5 +1,6 @@
 """Child processes, one way for every part of the project: start ``rolloutctl`` (or any command) with its
-output in a log, wait until it serves, stop it; a free loopback port; and a process that ends with another.
+output in a log, wait until it serves, stop it; a free loopback port, a listening socket; and a process that
+ends with another.
 
 Two ways to end with another process, each where it is needed:
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
 import os
 import random
 import select
@@ -34,7 +36,7 @@ from pathlib import Path
 
 import httpx
 
-from rollout_worker.api.errors import EngineError
+from rollout_worker.api.errors import EngineError, UserError
 
 _PR_SET_PDEATHSIG = 1
 
@@ -48,6 +50,22 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` and listening (IPv6 when ``host`` has a colon), for a server to
+    serve on: bound before anything else starts, so a taken port or a bad host ends the command at once.
+    Raises a UserError naming ``host`` (not an address of this machine) or ``port`` (taken, not allowed)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: no wait after a restart
+        sock.bind((host, port))
+        sock.listen()
+    except OSError as exc:
+        sock.close()
+        field = "host" if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL else "port"
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}", field) from None
+    return sock
 
 
 RENDEZVOUS_PORTS = range(20000, 32768)  # below Linux's ephemeral range (32768-60999), where bind(0) picks

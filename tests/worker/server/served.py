@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,3 +93,23 @@ def alive(pids: list[int]) -> list[int]:
         if state != "Z":
             left.append(p)
     return left
+
+
+def listening(pid: int) -> list[tuple[str, int]]:
+    """The (address, port) pairs process ``pid`` listens on (TCP over IPv4 and IPv6), from /proc."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            link = os.readlink(fd)
+            if link.startswith("socket:["):
+                inodes.add(link[len("socket:[") : -1])
+    out = []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for row in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            cols = row.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                addr, port = cols[1].split(":")
+                raw = bytes.fromhex(addr)  # 32-bit words, each in the host's (little-endian) order
+                words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                out.append((socket.inet_ntop(family, words), int(port, 16)))
+    return out

@@ -44,7 +44,6 @@ from rollout_worker.engine.tickets import Reply, Tickets
 
 log = logging.getLogger(__name__)
 Listener = Callable[[list[Update]], None]
-PEER_DEATH_S = 0.5  # how long a rank's failure report waits for a peer's death to be known (see _blame)
 
 
 @dataclass(slots=True)
@@ -378,7 +377,7 @@ class Engine:
                     self._changed.notify_all()
         elif isinstance(msg, m.Failed) and self._life.status.health is not Health.STOPPING:
             log.debug("rank %d traceback:\n%s", msg.rank, msg.traceback)
-            self._fail(self._blame(msg))
+            self._fail(self._procs.blame(msg))
 
     def _on_step(self, msg: m.StepReport) -> None:
         with self._lock:
@@ -406,15 +405,6 @@ class Engine:
             self._fire()
         if self.observer.on_switch:
             self.observer.on_switch(event)
-
-    def _blame(self, msg: m.Failed) -> str:
-        """A rank that died makes the survivors' collectives fail, and their reports can arrive before its
-        exit is known: wait (briefly) for a peer of the reporter to exit, and name the dead one first."""
-        dead = self._procs.dead_besides(msg.rank, PEER_DEATH_S) if msg.rank >= 0 else []
-        if dead:
-            p = self._procs.procs[dead[0]]
-            return f"rank {dead[0]} exited (code {p.exitcode}); rank {msg.rank} then failed: {msg.error}"
-        return msg.error if msg.error.startswith("rank ") else f"rank {msg.rank} failed: {msg.error}"
 
     def _fail(self, reason: str) -> None:
         with self._lock:

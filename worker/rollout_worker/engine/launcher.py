@@ -1,5 +1,6 @@
 """The driver's side of the rank processes: start them, send them commands, receive their reports, notice
-when one dies, and stop them all without leaving a process behind.
+when one dies (the moment it exits: its pidfd) and name the rank that died first, and stop them all without
+leaving a process behind.
 
 CPU runs use a forkserver (torch is imported once; each rank forks in ~0.1 s); CUDA runs use spawn. Ranks
 end themselves when the driver dies, however it dies (see :mod:`rollout_worker.engine.loop`).
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
@@ -22,6 +24,8 @@ from rollout_worker.engine.messages import Faults
 from rollout_worker.proc import rendezvous_port
 
 log = logging.getLogger(__name__)
+LOOPBACK = "127.0.0.1"
+REAP_S = 5.0  # a dead rank's exit status is known once its parent reaps it (at once; bounded anyway)
 Task = Callable[[Any, dict[str, Any]], dict[str, Any]]  # (RankState, args) -> result, run in every rank
 
 
@@ -34,11 +38,12 @@ def rank_entry(*args: Any) -> None:
 
 class RankDied(EngineError):
     def __init__(self, rank: int, exitcode: int | None) -> None:
-        how = (
-            f"was killed by signal {-exitcode}"
-            if exitcode is not None and exitcode < 0
-            else f"exited with code {exitcode}"
-        )
+        if exitcode is None:
+            how = "died"
+        elif exitcode < 0:
+            how = f"was killed by signal {-exitcode}"
+        else:
+            how = f"exited with code {exitcode}"
         super().__init__(f"rank {rank} {how}")
         self.rank, self.exitcode = rank, exitcode
 
@@ -66,11 +71,11 @@ class RankProcesses:
         self._reader, writer = ctx.Pipe(duplex=False)
         lock = ctx.Lock()
         self.inboxes = [ctx.Queue() for _ in range(cfg.world)]
-        init = f"tcp://127.0.0.1:{rendezvous_port()}"
+        store = (LOOPBACK, rendezvous_port(LOOPBACK))  # the ranks share this machine's (or pod's) loopback
         self.procs = [
             ctx.Process(
                 target=rank_entry,
-                args=(r, cfg, init, self.inboxes[r], writer, lock, os.getpid(), faults, task, task_args),
+                args=(r, cfg, store, self.inboxes[r], writer, lock, os.getpid(), faults, task, task_args),
                 name=f"rank{r}",
                 daemon=True,
             )
@@ -78,12 +83,23 @@ class RankProcesses:
         ]
         self._writer = writer
         self._lock = lock  # Process.start() drops its args: keep the lock alive until the children have it
+        self._guard = threading.Lock()  # start and stop, one at a time: a stop while starting stops all
+        self._exits: dict[int, int] = {}  # rank -> pidfd, readable once it has exited (ranks not seen dead)
+        self.deaths: list[int] = []  # ranks seen dead, in the order seen
+        self.reported: set[int] = set()  # ranks whose own failure report was read
         self.stopping = False
 
     def start(self) -> None:
-        for p in self.procs:
-            p.start()
-        self._writer.close()  # only the ranks write; EOF then means every rank is gone
+        with self._guard:
+            if self.stopping:
+                raise EngineError("the engine was stopped before its ranks started")
+            for r, p in enumerate(self.procs):
+                p.start()
+                try:
+                    self._exits[r] = os.pidfd_open(p.pid or 0)
+                except ProcessLookupError:  # dead and reaped already
+                    self.deaths.append(r)
+            self._writer.close()  # only the ranks write; EOF then means every rank is gone
 
     def send(self, ranks: Sequence[int], msg: m.Command) -> None:
         for r in ranks:
@@ -93,38 +109,60 @@ class RankProcesses:
         self.send(range(self.cfg.world), msg)
 
     def receive(self, timeout: float | None) -> list[m.Report]:
-        """Reports waiting now (blocks up to ``timeout`` for the first). Raises RankDied if a rank exited
-        while not stopping (after reading what it sent before dying)."""
-        sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
-        ready = wait([self._reader, *sentinels], timeout)
+        """Reports waiting now (blocks up to ``timeout`` for the first, or for a rank's exit), then, unless
+        stopping, a Failed for each rank that exited without a failure report of its own."""
+        wait([self._reader, *self._exits.values()], timeout)
+        exited = self._notice_exits()
         out: list[m.Report] = []
-        while self._reader.poll(0):
+        while self._reader.poll(0):  # after the exits: what a rank wrote before it exited is read now
             try:
-                out.append(self._reader.recv())
+                msg = self._reader.recv()
             except EOFError:
                 break
+            if isinstance(msg, m.Failed):
+                self.reported.add(msg.rank)
+            out.append(msg)
         if not self.stopping:
-            for s in ready:
-                if s in sentinels:
-                    r = sentinels[s]
-                    out.append(m.Failed(r, str(RankDied(r, self.procs[r].exitcode)), ""))
+            out += [m.Failed(r, self.death(r), "") for r in exited if r not in self.reported]
         return out
 
-    def dead(self) -> list[int]:
-        return [r for r, p in enumerate(self.procs) if p.exitcode is not None]
+    def _notice_exits(self) -> list[int]:
+        """Ranks that exited since the last call (a pidfd turns readable the moment its process exits,
+        before its parent reaps it), appended to ``deaths``."""
+        ready = set(wait(list(self._exits.values()), 0)) if self._exits else set()
+        exited = [r for r, fd in self._exits.items() if fd in ready]
+        for r in exited:
+            os.close(self._exits.pop(r))
+        self.deaths += exited
+        return exited
 
-    def dead_besides(self, rank: int, within_s: float) -> list[int]:
-        """Ranks other than ``rank`` that have exited, waiting up to ``within_s`` for one to exit. A rank's
-        death fails its peers' collectives at once, but its exit is known (its sentinel ready, its exit code
-        set) only once reaped, so a peer's report of the failure can arrive first."""
-        others = {p.sentinel: p for r, p in enumerate(self.procs) if r != rank and p.pid is not None}
-        for sentinel in wait(list(others), within_s) if others else []:
-            others[sentinel].join(within_s)  # it has exited: this returns once it is reaped
-        return [r for r in self.dead() if r != rank]
+    def death(self, rank: int) -> str:
+        """How ``rank`` (seen dead) died: its exit status, known once its parent reaped it (at once)."""
+        p = self.procs[rank]
+        p.join(REAP_S)
+        return str(RankDied(rank, p.exitcode))
+
+    def blame(self, failed: m.Failed) -> str:
+        """A failure as its cause: a rank's death fails its peers' collectives, so the rank that died
+        first without a report (killed, crashed) is named before the reporter. Without one the reporter is
+        the culprit: the report pipe is causally ordered, the first report is the first failure. Never
+        waits for a death: a rank dead before its peer's report was read has been seen (``receive``)."""
+        why = (
+            failed.error if failed.error.startswith("rank ") else f"rank {failed.rank} failed: {failed.error}"
+        )
+        first = next((r for r in self.deaths if r not in self.reported), None)
+        if failed.rank < 0 or first is None or first == failed.rank:
+            return why
+        return f"{self.death(first)}; rank {failed.rank} then failed: {failed.error}"
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """Ask politely (Shutdown), then terminate, then kill: nothing outlives this call."""
-        self.stopping = True
+        """Ask politely (Shutdown), then terminate, then kill: nothing outlives this call (nor starts after
+        it: a ``start`` under way finishes first, a later one is refused)."""
+        with self._guard:
+            self.stopping = True
+            self._stop(grace_s)
+
+    def _stop(self, grace_s: float) -> None:
         started = [p for p in self.procs if p.pid is not None]
         if any(p.is_alive() for p in started) and grace_s > 0:
             for q in self.inboxes:
@@ -144,6 +182,9 @@ class RankProcesses:
             q.cancel_join_thread()
             q.close()
         self._reader.close()
+        for fd in self._exits.values():
+            os.close(fd)
+        self._exits.clear()
 
 
 def run_task(
@@ -163,14 +204,7 @@ def run_task(
                     results[msg.rank] = msg.result
                 elif isinstance(msg, m.Failed) and msg.rank not in results:
                     log.debug("rank %d traceback:\n%s", msg.rank, msg.traceback)
-                    raise EngineError(f"rank {_culprit(procs, msg.rank)} failed: {msg.error}")
+                    raise EngineError(procs.blame(msg))
     finally:
         procs.stop(grace_s=10.0 if len(results) == cfg.world else 0.0)
     return [results[r] for r in range(cfg.world)]
-
-
-def _culprit(procs: RankProcesses, reporter: int) -> int:
-    """A rank that died makes the survivors' collectives fail: blame the dead one, not the reporter."""
-    time.sleep(0.2)
-    dead = procs.dead()
-    return dead[0] if dead and reporter not in dead else reporter

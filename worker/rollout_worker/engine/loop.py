@@ -33,6 +33,7 @@ from rollout_worker.engine.finish import PAUSE_ABORT, Finish
 from rollout_worker.engine.messages import Faults
 from rollout_worker.engine.model import Decoder
 from rollout_worker.engine.reconfig import reconfigure
+from rollout_worker.engine.rendezvous import join
 from rollout_worker.engine.sequence import Sequence
 from rollout_worker.engine.state import RankState, build_state, device_for, load_weights
 from rollout_worker.proc import die_with_parent, when_gone
@@ -207,7 +208,7 @@ class RankLoop:
 def rank_main(
     rank: int,
     cfg: EngineConfig,
-    init_method: str,
+    store: tuple[str, int],
     inbox: Any,
     outbox_conn: Any,
     outbox_lock: Any,
@@ -225,13 +226,7 @@ def rank_main(
     outbox = Outbox(outbox_conn, outbox_lock)
     try:
         _, backend, _ = device_for(rank, cfg)
-        dist.init_process_group(
-            backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=cfg.world,
-            timeout=timedelta(seconds=cfg.engine.collective_timeout_seconds),
-        )
+        join(backend, rank, cfg.world, store, timedelta(seconds=cfg.engine.collective_timeout_seconds))
         st = build_state(rank, cfg, faults)
         if task is not None:
             result = task(st, task_args or {})

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import threading
 from typing import Any
 
 import uvicorn
 
 from rollout_worker.engine.config import EngineConfig
+from rollout_worker.proc import listen
 from rollout_worker.server.app import create_app
 from rollout_worker.server.settings import ServerSettings
 
@@ -37,12 +39,21 @@ class _Server(uvicorn.Server):
 
 
 def serve(settings: ServerSettings, cfg: EngineConfig) -> int:
-    """Serve until stopped; the exit code is 1 when the engine failed (a rank died), else 0."""
+    """Serve until stopped; the exit code is 1 when the engine failed (a rank died), else 0.
+
+    The socket is bound first: a taken port or a bad host is a UserError (exit 2, one line) before the
+    tokenizer loads or a rank starts, so nothing is left to stop."""
+    sock = listen(settings.host, settings.port)
+    try:
+        return _serve(settings, cfg, sock)
+    finally:
+        sock.close()
+
+
+def _serve(settings: ServerSettings, cfg: EngineConfig, sock: socket.socket) -> int:
     app = create_app(settings, cfg)
     config = uvicorn.Config(
         app,
-        host=settings.host,
-        port=settings.port,
         log_level="info",
         access_log=settings.access_log,
         timeout_graceful_shutdown=max(5, int(settings.drain_seconds) + 5),
@@ -61,5 +72,8 @@ def serve(settings: ServerSettings, cfg: EngineConfig) -> int:
     # shutdown is the whole answer to the signal, so the re-raised one must not turn into an error exit.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    server.run()
+    host, port = sock.getsockname()[:2]
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    log.info("serving on http://%s (the engine starts meanwhile: /health is 503 until ready)", where)
+    server.run(sockets=[sock])
     return state.exit_code or 0

@@ -23,7 +23,7 @@ from typing import Any
 import uvicorn
 
 from rollout_worker.api.errors import UserError
-from rollout_worker.proc import when_gone
+from rollout_worker.proc import listen, when_gone
 from rollout_worker.sidecar.app import create_admin_app, create_api_app
 from rollout_worker.sidecar.core import Sidecar
 from rollout_worker.sidecar.settings import SidecarFields, env_name
@@ -40,11 +40,11 @@ class _Server(uvicorn.Server):
 
 
 def bind(host: str, port: int, field: str) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    """Listen on ``host:port``; a failure names the variable of ``host`` or of ``field`` (the port's)."""
     try:
-        return socket.create_server((host, port), family=family)
-    except OSError as exc:
-        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror}", env_name(field)) from None
+        return listen(host, port)
+    except UserError as exc:
+        raise exc.renamed({"host": env_name("host"), "port": env_name(field)}) from None
 
 
 def run(settings: SidecarFields) -> int:
