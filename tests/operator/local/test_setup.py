@@ -37,6 +37,7 @@ def _job(tmp_path: Path, model: Path) -> LoadedJob:
     return parse_job(JOB.format(model=model, prompts=prompts, out=tmp_path / "out"))
 
 
+@pytest.mark.slow  # the converted model (session fixture)
 def test_preset_job_before_the_model_is_made(tmp_path: Path, smollm2: Path) -> None:
     loaded = _job(tmp_path, tmp_path / "models" / "smollm2")
     cfg = check_model(loaded)

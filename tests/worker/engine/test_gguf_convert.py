@@ -28,6 +28,8 @@ from safetensors import safe_open
 
 from tests.worker.engine.engine_util import decoder_logits
 
+pytestmark = pytest.mark.slow  # a conversion and transformers' GGUF load per session: ~20 s of CPU
+
 GGUF = GGUF_PRESETS["smollm2-135m"]
 NEW_TOKENS = 16
 
@@ -113,6 +115,7 @@ def test_logits_match_transformers_gguf_load(smollm2: Path, reference: tuple[Any
         assert rel < 1e-4, rel
 
 
+@pytest.mark.multiproc
 def test_greedy_matches_transformers_on_20_chat_prompts(smollm2: Path, reference: tuple[Any, Any]) -> None:
     model, _ = reference
     codec = TextCodec.load(smollm2)
