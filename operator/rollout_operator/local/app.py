@@ -95,8 +95,9 @@ def prepare(loaded: LoadedJob, opts: RunOptions, echo: Echo, model_bytes: Bytes 
     for _, d in runs:
         res.check_claim(d, spec, loaded.job.metadata.name)
     # every input is valid: set up what is missing
-    if make_model_if_missing(loaded, model_bytes):
-        echo(f"made the {spec.model.preset} model at {spec.model.path} (random weights)")
+    made = make_model_if_missing(loaded, model_bytes)
+    if made is not None:
+        echo(f"made the {spec.model.preset} model at {spec.model.path} ({made})")
     db = _Database.open(opts.db_url)
     if profile is None:
         profile = checked(loaded, db.profile(spec, shape))

