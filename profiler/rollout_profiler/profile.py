@@ -51,6 +51,7 @@ from typing import Any
 from rollout_worker.api.costs import KV_METHODS, CostModel
 from rollout_worker.api.engine_settings import DTYPE_BYTES, DTYPES
 from rollout_worker.api.errors import UserError
+from rollout_worker.api.files import write_atomic
 from rollout_worker.api.model_config import ModelConfig
 
 SCHEMA = "elastic-rollout/profile/v1"
@@ -220,10 +221,12 @@ class Profile:
             **({"kv_capacity": self.kv_capacity.to_dict()} if self.kv_capacity is not None else {}),
         }
 
+    def dumps(self) -> str:
+        """The profile's JSON file, as text."""
+        return json.dumps(self.to_dict(), indent=1) + "\n"
+
     def to_json(self, path: str | Path) -> None:
-        tmp = Path(f"{path}.tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        tmp.replace(path)
+        write_atomic(path, self.dumps())
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "profile") -> Profile:
