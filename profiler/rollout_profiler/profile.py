@@ -51,7 +51,7 @@ from typing import Any
 from rollout_worker.api.costs import KV_METHODS, CostModel
 from rollout_worker.api.engine_settings import DTYPE_BYTES, DTYPES
 from rollout_worker.api.errors import UserError
-from rollout_worker.api.files import write_atomic
+from rollout_worker.api.files import read_text, write_atomic
 from rollout_worker.api.model_config import ModelConfig
 
 SCHEMA = "elastic-rollout/profile/v1"
@@ -259,9 +259,7 @@ class Profile:
     @classmethod
     def from_json(cls, path: str | Path) -> Profile:
         try:
-            data = json.loads(Path(path).read_text())
-        except FileNotFoundError as exc:
-            raise UserError(f"profile file not found: {path}") from exc
+            data = json.loads(read_text(path, what="profile file"))
         except json.JSONDecodeError as exc:
             raise UserError(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") from exc
         return cls.from_dict(data, where=str(path))

@@ -103,7 +103,10 @@ def simulate_cmd(
             admission=admission, initial_layout=initial_layout, decide_every_ms=decide_every_ms, memory=memory
         )
         SimConfig(gpus, **cfg_args)  # validate before the slow part
-    prof = Profile.from_json(profile)
+    try:
+        prof = Profile.from_json(profile)
+    except UserError as exc:  # the file's own errors: it came from --profile
+        raise (exc if exc.field else exc.with_field("--profile")) from None
     with flags():
         wl = load(workload, seed)
     if prior == "none":

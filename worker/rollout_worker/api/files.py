@@ -1,7 +1,8 @@
-"""Output paths, one rule for every command: each is checked writable before the work starts
-(:func:`check_writable`), written atomically (:func:`write_atomic`), and when writing still fails at the end
-(the disk filled, the directory went away), the result is saved beside it and the message says where
-(:func:`save`). Errors name the field or flag the path came from."""
+"""Input files read with one clear error (:func:`read_text`), and output paths, one rule for every command:
+each is checked writable before the work starts (:func:`check_writable`), written atomically
+(:func:`write_atomic`), and when writing still fails at the end (the disk filled, the directory went away),
+the result is saved beside it and the message says where (:func:`save`). Errors name the field or flag the
+path came from."""
 
 from __future__ import annotations
 
@@ -14,6 +15,16 @@ from pathlib import Path
 from rollout_worker.api.errors import UserError
 
 PROBE = ".rollout-probe-"
+
+
+def read_text(path: str | Path, field: str | None = None, what: str = "file") -> str:
+    """The text of an input file; a missing, unreadable or non-text file is a UserError naming ``field``."""
+    try:
+        return Path(path).read_text()
+    except FileNotFoundError:
+        raise UserError(f"{what} not found: {path}", field) from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:  # a directory, under a file, not UTF-8, NUL
+        raise UserError(f"cannot read {path} as text ({_why(exc)})", field) from None
 
 
 def check_writable(
