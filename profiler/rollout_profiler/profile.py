@@ -51,6 +51,7 @@ from typing import Any
 from rollout_worker.api.costs import KV_METHODS, CostModel
 from rollout_worker.api.engine_settings import DTYPE_BYTES, DTYPES
 from rollout_worker.api.errors import UserError
+from rollout_worker.api.files import read_text, write_atomic
 from rollout_worker.api.heads import max_kv_heads
 from rollout_worker.api.model_config import ModelConfig
 
@@ -222,10 +223,12 @@ class Profile:
             **({"kv_capacity": self.kv_capacity.to_dict()} if self.kv_capacity is not None else {}),
         }
 
+    def dumps(self) -> str:
+        """The profile's JSON file, as text."""
+        return json.dumps(self.to_dict(), indent=1) + "\n"
+
     def to_json(self, path: str | Path) -> None:
-        tmp = Path(f"{path}.tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        tmp.replace(path)
+        write_atomic(path, self.dumps())
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "profile") -> Profile:
@@ -258,9 +261,7 @@ class Profile:
     @classmethod
     def from_json(cls, path: str | Path) -> Profile:
         try:
-            data = json.loads(Path(path).read_text())
-        except FileNotFoundError as exc:
-            raise UserError(f"profile file not found: {path}") from exc
+            data = json.loads(read_text(path, what="profile file"))
         except json.JSONDecodeError as exc:
             raise UserError(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") from exc
         return cls.from_dict(data, where=str(path))

@@ -71,6 +71,11 @@ def test_simulate_table_json_and_plot(tmp_path: Path, lengths: Path) -> None:
         (("--initial-layout", "4y2"), "--initial-layout: '4y2' is not of the form DxT"),
         (("--workload", "deepscaler-1k"), "--workload"),
         (("--profile", "/nonexistent.json"), "profile file not found"),
+        (("--seed", "-5"), "--seed: must be >= 0, got -5"),
+        (("--prior", "/nonexistent"), "--prior: '/nonexistent' is neither a known workload"),
+        (("--initial-layout", "9x9"), "--initial-layout: 9x9 has 81 ranks, the pod has 8 GPUs"),
+        (("--plot", "/proc/rollout-x.png"), "--plot: cannot create files in /proc"),
+        (("--plot", "."), "--plot: . is a directory, not a file"),
     ],
 )
 def test_simulate_bad_flags(args: tuple[str, ...], match: str) -> None:

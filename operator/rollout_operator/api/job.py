@@ -79,7 +79,9 @@ InitialLayout = Annotated[
 
 
 class _Spec(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True, allow_inf_nan=False
+    )
 
 
 class ModelSpec(_Spec):
@@ -96,7 +98,7 @@ class EngineSpec(EngineSettings):
     """``spec.engine``: the engine's settings (``rollout_worker.api.engine_settings``, their one home),
     named in camelCase; the CRD's schema of this section is generated from that model."""
 
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+    model_config = _Spec.model_config
 
 
 class PromptsSpec(_Spec):

@@ -57,14 +57,58 @@ def _where(file: str, lines: dict[Path_, int], path: Path_) -> str:
     return file
 
 
-def parse_job(text: str, file: str = "job.yaml") -> LoadedJob:
+class _Refused(yaml.YAMLError):
+    """A YAML construct a job file may not use, at its mark."""
+
+    def __init__(self, mark: yaml.Mark, message: str) -> None:
+        super().__init__(message)
+        self.mark, self.message = mark, message
+
+
+class _JobLoader(yaml.SafeLoader):
+    """The safe loader, stricter: no aliases (an alias bomb expands a kilobyte into gigabytes, refused
+    here before anything is expanded) and no duplicate keys (YAML would keep the last one silently)."""
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise _Refused(
+                event.start_mark,
+                f"alias *{event.anchor}: a job file may not use anchors and aliases (write the value out)",
+            )
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[object, object]:
+        self.flatten_mapping(node)  # merge keys (<<), as the base does
+        seen: set[object] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, list | dict):  # unhashable: the base class refuses it below
+                continue
+            if key in seen:
+                raise _Refused(key_node.start_mark, f"duplicate key {key!r} (YAML would keep the last one)")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _document(text: str, file: str) -> tuple[yaml.Node | None, object]:
+    """The file's node tree (for lines) and its data; YAML errors name the file and line."""
+    loader = _JobLoader(text)
     try:
-        node = yaml.compose(text)
-        data = yaml.safe_load(text)
+        node = loader.get_single_node()
+        return node, None if node is None else loader.construct_document(node)
+    except _Refused as exc:
+        raise UserError(f"{file}:{exc.mark.line + 1}: {exc.message}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""
         raise UserError(f"{file}{line}: not valid YAML ({getattr(exc, 'problem', None) or exc})") from None
+    finally:
+        loader.dispose()
+
+
+def parse_job(text: str, file: str = "job.yaml") -> LoadedJob:
+    node, data = _document(text, file)
     if node is None or not isinstance(data, dict):
         raise UserError(
             f"{file}: expected a RolloutJob manifest (a mapping with apiVersion, kind, metadata, spec)"

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import typer
 from rollout_worker.api.engine_settings import Dtype
 from rollout_worker.api.errors import UserError
+from rollout_worker.api.files import check_writable, save
 
 from rollout_operator.cli.args import bench_group, int_list, needs_engine
 from rollout_operator.cli.engine_opts import structural_options, with_engine_settings
@@ -37,6 +38,7 @@ def make_model_cmd(
 
     from rollout_operator.cli.run_cmds import Bars
 
+    check_writable(out, "--out", directory=True)
     bars = Bars()
     try:
         cfg = make_model(preset, seed, out, dtype, progress=bars.model_bytes)
@@ -63,7 +65,9 @@ def generate_cmd(
     log_every: Annotated[float, typer.Option(help="Print progress every N seconds.")] = 2.0,
 ) -> None:
     """Generate with G ranks, optionally changing the TP layout while requests run."""
-    from rollout_worker.api.plan import Trigger
+    from pydantic import ValidationError
+    from rollout_worker.api.errors import user_error
+    from rollout_worker.api.plan import Plan, Trigger
     from rollout_worker.engine.batch import Interrupted, run_batch
     from rollout_worker.engine.tokenizer import TextCodec
 
@@ -73,7 +77,11 @@ def generate_cmd(
     for i, trig in enumerate(triggers):
         if trig.layout not in cfg.candidates:
             raise UserError(f"{trig.layout} is not among the candidate layouts", f"reconfigure[{i}]")
-    _check_output(out, prompts)
+    try:
+        Plan(based_on_layout=cfg.layout, triggers=triggers)  # one trigger per threshold
+    except ValidationError as exc:
+        raise user_error(exc, lambda path: f"reconfigure[{path[1]}]") from None
+    check_writable(out, "--out", inputs=[prompts])
     codec = TextCodec.load(Path(cfg.model_dir))
     specs = _read_prompts(prompts, cfg, codec)
     typer.echo(
@@ -95,7 +103,7 @@ def generate_cmd(
         raise KeyboardInterrupt from None
     for row in res.outputs:
         row["text"] = codec.decode(row["output_ids"], skip_special_tokens=False) if codec else None
-    write_jsonl(out, res.outputs)
+    save(out, jsonl(res.outputs), "--out")  # when that fails, the outputs are saved beside it
     _print_summary(res, out)
 
 
@@ -127,35 +135,17 @@ def _read_prompts(prompts: Path, cfg: Any, codec: Any) -> list[Any]:
     return read_requests(prompts, encode, cfg.model.vocab_size, eng.context_length, eng.kv_budget_tokens)
 
 
-def _check_output(out: Path, prompts: Path) -> None:
-    if out.exists() and out.is_dir():
-        raise UserError(f"{out} is a directory", "--out")
-    if not out.parent.exists():
-        raise UserError(f"directory {out.parent} does not exist", "--out")
-    if out.resolve() == prompts.resolve():
-        raise UserError(f"{out} is the input file; writing it would destroy the prompts", "--out")
-
-
-def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    """Write beside ``path`` and rename: readers never see a partial file."""
+def jsonl(rows: list[dict[str, Any]]) -> str:
     import json
-    import os
 
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with tmp.open("w") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    return "".join(json.dumps(row) + "\n" for row in rows)
 
 
 def _save_partial(exc: Any, out: Path) -> None:
     """On Ctrl-C or SIGTERM: keep the finished requests beside the output and say what was lost."""
     partial = out.with_name(out.name + ".partial")
     if exc.partial:
-        write_jsonl(partial, exc.partial)
+        partial = save(partial, jsonl(exc.partial), "--out")
     lost = exc.total - len(exc.partial)
     where = f"; the finished ones are in {partial}" if exc.partial else ""
     typer.echo(f"{exc}{where}; {lost} unfinished request(s) were lost and {out} was not written", err=True)

@@ -8,6 +8,7 @@ from typing import Any
 
 import typer
 from rollout_worker.api.errors import UserError
+from rollout_worker.api.files import check_writable, save
 
 from rollout_operator.cli.args import int_list
 
@@ -43,10 +44,43 @@ def comm_table(path: Path | None) -> tuple[list[tuple[int, float]], str]:
     return table, f"the table in {path.name}"
 
 
+def check_options(opts: dict[str, Any]) -> None:
+    """Every flag that can be wrong, before a model is made or a rank starts."""
+    from rollout_worker.api.engine_settings import DEVICES
+
+    for flag in ("ranks", "steps", "gpus"):
+        if opts[flag] < 1:
+            raise UserError(f"must be >= 1, got {opts[flag]}", "--" + flag)
+    if opts["device"] not in DEVICES:
+        raise UserError(f"must be one of {', '.join(DEVICES)}, got {opts['device']!r}", "--device")
+    if opts["device"] == "cuda":
+        from rollout_worker.engine.state import require_cuda
+
+        require_cuda("--device")
+    if opts["out"] is not None:
+        check_writable(opts["out"], "--out")
+    if not opts["no_db"]:
+        check_database(opts["db"])
+
+
+def check_database(db: str | None) -> None:
+    """The database can be opened (a bad URL is found before the measurement, not after it)."""
+    from rollout_profiler.store import engine
+
+    url = engine.resolve_url(db)
+    eng = engine.make_engine(url)
+    try:
+        with engine.reachable(url), eng.connect():
+            pass
+    finally:
+        eng.dispose()
+
+
 def run_profile(opts: dict[str, Any]) -> None:
     from rollout_profiler.profiling.measure import profile_measured, profile_shard_equivalent
     from rollout_worker.api.layout import Layout, parse_candidates
 
+    check_options(opts)
     model_dir, name = resolve_model(opts["model"], opts["preset"], opts["work"])
     batches, contexts = int_list(opts["batch"], "--batch"), int_list(opts["context"], "--context")
     if opts["shard_equivalent"]:
@@ -90,8 +124,7 @@ def run_profile(opts: dict[str, Any]) -> None:
         )
     prof.provenance["command"] = opts["command"]
     if opts["out"] is not None:
-        prof.to_json(opts["out"])
-        typer.echo(f"wrote {opts['out']}")
+        typer.echo(f"wrote {save(opts['out'], prof.dumps(), '--out')}")
     if not opts["no_db"]:
         typer.echo(f"stored profile {store(prof, opts['db'])}")
 

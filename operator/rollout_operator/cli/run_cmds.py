@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 import typer
 from rollout_worker.api.errors import UserError
+from rollout_worker.api.files import check_writable, save
 
 from rollout_operator.cli.args import bench_group, needs_engine
 
@@ -98,6 +99,10 @@ def run_cmd(
     if compare not in (None, "static"):
         raise UserError(f"only `static` can be compared, got {compare!r}", "--compare")
     loaded = load_job(job)
+    png = timeline or Path(output or loaded.job.spec.output.path) / "timeline.png"
+    for path, flag in ((report, "--report"), (timeline, "--timeline")):
+        if path is not None:
+            check_writable(path, flag)  # before the job runs, not after it finished
     opts = RunOptions(policy=policy, output=output, compare_static=compare == "static", db_url=db)
     bars = Bars()
     try:
@@ -126,11 +131,9 @@ def run_cmd(
         if not same:
             typer.echo(f"error: the outputs differ from the static run's: {detail}", err=True)
             raise typer.Exit(1)
-    png = timeline or Path(output or loaded.job.spec.output.path) / "timeline.png"
-    typer.echo(f"timeline: {rep.timeline_png(png, results)}")
+    typer.echo(f"timeline: {save(png, rep.timeline_png(results), '--timeline')}")
     if report is not None:
-        rep.write_json(report, results, extra)
-        typer.echo(f"report: {report}")
+        typer.echo(f"report: {save(report, rep.report_json(results, extra), '--report')}")
 
 
 def bench_run_cmd(

@@ -10,6 +10,7 @@ from typing import Annotated, Any
 
 import typer
 from rollout_worker.api.errors import UserError
+from rollout_worker.api.files import check_writable, save
 
 from rollout_operator.cli.args import bench_group
 
@@ -20,16 +21,17 @@ FLAGS = {
     "initial_layout": "--initial-layout",
     "decide_every_ms": "--decide-every-ms",
     "max_batch_per_replica": "--max-batch",
+    "workload": "--workload",
 }
 
 
 @contextmanager
-def flags() -> Iterator[None]:
+def flags(names: dict[str, str] = FLAGS) -> Iterator[None]:
     """Errors that name a configuration field are re-attributed to its flag."""
     try:
         yield
     except UserError as exc:
-        raise exc.renamed(FLAGS) from None
+        raise exc.renamed(names) from None
 
 
 def register(app: typer.Typer) -> None:
@@ -83,8 +85,7 @@ def simulate_cmd(
     from rollout_profiler.planning.predictor import Prior
     from rollout_profiler.profile import Profile
     from rollout_profiler.sim.config import SimConfig
-    from rollout_profiler.sim.report import plot as plot_results
-    from rollout_profiler.sim.report import table
+    from rollout_profiler.sim.report import plot_png, table
     from rollout_profiler.sim.run import parse_policies, simulate
     from rollout_profiler.sim.workloads import RECIPES, load
 
@@ -92,27 +93,37 @@ def simulate_cmd(
         raise UserError(f"--gpus must be >= 1, got {gpus}")
     if max_batch < 0:
         raise UserError(f"--max-batch must be >= 0, got {max_batch}")
+    if seed < 0:
+        raise UserError(f"must be >= 0, got {seed}", "--seed")
+    if plot is not None:
+        check_writable(plot, "--plot")
     with flags():
         names = parse_policies(policies, gpus)
         cfg_args: dict[str, Any] = dict(
             admission=admission, initial_layout=initial_layout, decide_every_ms=decide_every_ms, memory=memory
         )
         SimConfig(gpus, **cfg_args)  # validate before the slow part
-    prof = Profile.from_json(profile)
-    wl = load(workload, seed)
+    try:
+        prof = Profile.from_json(profile)
+    except UserError as exc:  # the file's own errors: it came from --profile
+        raise (exc if exc.field else exc.with_field("--profile")) from None
+    with flags():
+        wl = load(workload, seed)
     if prior == "none":
         pri = None
     elif prior == "previous":
         prev = load(workload, seed + 1000) if workload in RECIPES else None
         pri = Prior.from_samples(prev.lengths, prev.caps) if prev is not None else None
     else:
-        prev = load(prior)
+        with flags({"workload": "--prior"}):
+            prev = load(prior)
         pri = Prior.from_samples(prev.lengths, prev.caps)
     with flags():
         cfg = SimConfig(gpus, max_batch_per_replica=max_batch or None, prior=pri, **cfg_args)
         results = simulate(LatencyModel(prof), wl, cfg, names)
     if plot is not None:
-        plot_results(results, plot, title=f"{wl.name} on {gpus} GPUs, {prof.name}, admission {admission}")
+        title = f"{wl.name} on {gpus} GPUs, {prof.name}, admission {admission}"
+        save(plot, plot_png(results, title), "--plot")
     if as_json:
         out: dict[str, Any] = {
             "profile": prof.name,
@@ -165,8 +176,9 @@ def bench_planner_cmd(
     if admission not in ("engine", "sglang"):
         raise UserError(f"must be engine or sglang, got {admission!r}", "--admission")
     workloads = list(workload or bench_planner.WORKLOADS)
-    for w in workloads:
-        load(w, 0)  # fail fast on a bad name or file
+    with flags():
+        for w in workloads:
+            load(w, 0)  # fail fast on a bad name or file
     profiles = bench_planner.load_profiles(list(profile or []))
     with flags():
         result = bench_planner.run(profiles, workloads, runs, admission, decide_calls)

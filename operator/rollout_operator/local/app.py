@@ -31,7 +31,10 @@ from rollout_operator.local import result as res
 from rollout_operator.local.result import RunResult
 from rollout_operator.local.runner import Interrupted, Planning, PodRun, run_pods
 from rollout_operator.local.setup import (
+    check_engine,
     check_model,
+    check_output,
+    check_prompts_fit,
     checked,
     load_job_prompts,
     make_model_if_missing,
@@ -84,6 +87,8 @@ def prepare(loaded: LoadedJob, opts: RunOptions, echo: Echo, model_bytes: Bytes 
     policy = opts.policy or spec.parallelism.policy
     prompts = load_job_prompts(loaded)
     model_cfg = check_model(loaded)
+    check_engine(loaded, model_cfg)
+    check_prompts_fit(loaded, prompts, model_cfg)
     dims = ModelDims(model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.vocab_size)
     candidates = checked(loaded, candidates_of(spec, dims))
     shape = ModelShape.of(Path(spec.model.path).name, model_cfg).shape_hash
@@ -93,6 +98,7 @@ def prepare(loaded: LoadedJob, opts: RunOptions, echo: Echo, model_bytes: Bytes 
     if opts.compare_static:
         runs.append(("static", out / "static"))
     for _, d in runs:
+        check_output(loaded, d, opts.output is not None)
         res.check_claim(d, spec, loaded.job.metadata.name)
     # every input is valid: set up what is missing
     made = make_model_if_missing(loaded, model_bytes)

@@ -4,8 +4,8 @@ time per pod, switches marked)."""
 
 from __future__ import annotations
 
+import io
 import json
-from pathlib import Path
 from typing import Any
 
 from rollout_operator.local.result import RunResult
@@ -78,15 +78,12 @@ def _switches(d: dict[str, Any]) -> list[str]:
     return out
 
 
-def write_json(path: Path, results: list[RunResult], extra: dict[str, Any] | None = None) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps({"runs": [as_dict(r) for r in results], **(extra or {})}, indent=1) + "\n")
-    tmp.replace(path)
+def report_json(results: list[RunResult], extra: dict[str, Any] | None = None) -> str:
+    return json.dumps({"runs": [as_dict(r) for r in results], **(extra or {})}, indent=1) + "\n"
 
 
-def timeline_png(path: Path, results: list[RunResult]) -> Path:
-    """One panel per run: running requests per pod (left axis) and TP size (right axis) over time."""
+def timeline_png(results: list[RunResult]) -> bytes:
+    """One panel per run: running requests per pod (left axis) and TP size (right axis) over time (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -110,7 +107,7 @@ def timeline_png(path: Path, results: list[RunResult]) -> Path:
         tp_ax.set_ylabel("TP size")
         ax.legend(loc="upper right", fontsize="small")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
-    return path
+    return png.getvalue()

@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rollout_profiler.profile import Profile
-from rollout_worker.api.errors import UserError
+from rollout_worker.api.errors import FieldPath, UserError
+from rollout_worker.api.files import check_writable
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.api.prompts import ChatTemplate, Prompt, load_prompts
+from rollout_worker.api.requests import check_ids, check_length
 
 from rollout_operator.api.manifest import LoadedJob
 from rollout_operator.control.jobplan import Refusal
@@ -57,7 +59,88 @@ def check_model(loaded: LoadedJob) -> ModelConfig:
         raise loaded.error(where, f"{path} is not a checkpoint (no config.json) and not empty")
     from rollout_worker.engine.presets import preset_config
 
-    return ModelConfig.from_dict(_preset(loaded, preset_config), where="preset")
+    config = _preset(loaded, preset_config)
+    try:
+        check_writable(path, "path", directory=True)  # where the preset's checkpoint will be made
+    except UserError as exc:
+        raise loaded.error(where, exc.message) from None
+    return ModelConfig.from_dict(config, where="preset")
+
+
+def check_engine(loaded: LoadedJob, model: ModelConfig) -> None:
+    """``spec.engine`` against the model and this machine (the ranks would find it only once started)."""
+    eng = loaded.job.spec.engine
+    if eng.context_length > model.max_position_embeddings:
+        raise loaded.error(
+            ("spec", "engine", "contextLength"),
+            f"{eng.context_length} exceeds max_position_embeddings={model.max_position_embeddings}",
+        )
+    if eng.device == "cuda":
+        from rollout_worker.engine.state import require_cuda
+
+        try:
+            require_cuda()
+        except UserError as exc:
+            raise loaded.error(("spec", "engine", "device"), exc.message) from None
+
+
+def check_prompts_fit(loaded: LoadedJob, prompts: list[Prompt], model: ModelConfig) -> None:
+    """Each prompt as the engine will see it, checked as ``rolloutctl generate`` checks its requests (the
+    same checks): its token ids in the vocabulary, prompt + max_new_tokens within the context length and a
+    replica's KV budget. The error names the prompt and the job file's line of the field to change."""
+    spec = loaded.job.spec
+    context = spec.engine.context_length or model.max_position_embeddings
+    kv = spec.engine.kv_budget_tokens
+    encode = _encoder(loaded, model) if any(p.input_ids is None for p in prompts) else None
+    for p in prompts:
+        where = f"{spec.prompts.path if spec.prompts else 'prompts'}: prompt {p.id!r}"
+        if p.input_ids is not None:
+            ids = p.input_ids
+        else:
+            assert encode is not None and p.text is not None
+            ids = encode(p.text)
+        cap = min(spec.sampling.max_new_tokens, p.max_new_tokens or spec.sampling.max_new_tokens)
+        try:
+            check_ids(ids, model.vocab_size, where)
+        except UserError as exc:
+            raise loaded.error(("spec", "prompts", "path"), exc.message) from None
+        try:
+            check_length(len(ids), cap, context, kv, where)
+        except UserError as exc:
+            path = _blame(len(ids), context, kv, p, spec.sampling.max_new_tokens)
+            raise loaded.error(path, exc.message) from None
+
+
+def _blame(tokens: int, context: int, kv: int | None, p: Prompt, job_cap: int) -> FieldPath:
+    """The field of the job to change when a prompt does not fit."""
+    if kv is not None and kv < context and tokens < context:
+        return ("spec", "engine", "kvBudgetTokens")
+    if tokens < context and (p.max_new_tokens is None or p.max_new_tokens >= job_cap):
+        return ("spec", "sampling", "maxNewTokens")
+    return ("spec", "prompts", "path")
+
+
+def _encoder(loaded: LoadedJob, model: ModelConfig) -> Callable[[str], list[int]]:
+    """Text -> token ids as the engine server encodes it: the checkpoint's tokenizer, or the one that a
+    preset's checkpoint will get."""
+    from rollout_worker.engine.presets import preset_tokenizer
+    from rollout_worker.engine.tokenizer import TextCodec
+
+    path = Path(loaded.job.spec.model.path)
+    if (path / "config.json").exists():
+        codec = TextCodec.load(path)
+        if codec is None:
+            raise loaded.error(("spec", "prompts", "path"), f"text prompts, but {path} has no tokenizer.json")
+        return codec.encode
+    return TextCodec(_preset(loaded, preset_tokenizer)).encode
+
+
+def check_output(loaded: LoadedJob, out: Path, overridden: bool) -> None:
+    """The output directory can be written (``--output`` when given, else ``spec.output.path``)."""
+    try:
+        check_writable(out, "--output", directory=True)
+    except UserError as exc:
+        raise (exc if overridden else loaded.error(("spec", "output", "path"), exc.message)) from None
 
 
 def _preset(loaded: LoadedJob, read: Callable[[str], T]) -> T:

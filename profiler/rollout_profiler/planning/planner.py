@@ -258,15 +258,19 @@ def _plan(model: LatencyModel, snap: PodSnapshot, policy: PlannerPolicy, pred: L
                 if c < nv[s]:
                     nv[s], row[s] = c, t
         v = nv
-    triggers, s = [], 0
+    triggers: list[Trigger] = []
+    s = 0
     for j in range(m):
         t = choice[j][s]
-        if t:
+        at_most = round(float(n_tot[j]))
+        if t and triggers and triggers[-1].unfinished_at_most == at_most:
+            s = t  # a second switch at one threshold would never fire (Plan.fire): one per threshold
+        elif t:
             ms, mig = cost[(s, t)]
             meth: KVMethod = "migrate" if mig[j] else "recompute"
             triggers.append(
                 Trigger(
-                    unfinished_at_most=round(float(n_tot[j])),
+                    unfinished_at_most=at_most,
                     layout=states[t],
                     method=meth,
                     steps_ahead=round(float(k[j])),

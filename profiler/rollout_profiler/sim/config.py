@@ -42,7 +42,11 @@ class SimConfig:
         if self.admission not in ADMISSIONS:
             raise UserError(f"must be one of {ADMISSIONS}, got {self.admission!r}", "admission")
         if self.initial_layout not in ("auto", "smallest"):
-            Layout.parse(self.initial_layout, "initial_layout")
+            lay = Layout.parse(self.initial_layout, "initial_layout")
+            if lay.world != self.gpus:
+                raise UserError(
+                    f"{lay} has {lay.world} ranks, the pod has {self.gpus} GPUs", "initial_layout"
+                )
 
 
 @dataclass(slots=True)

@@ -20,6 +20,7 @@ import math
 from collections.abc import Callable
 
 import numpy as np
+from rollout_worker.api.errors import UserError
 from rollout_worker.api.layout import Layout
 
 from rollout_profiler.planning.planner import (
@@ -167,7 +168,10 @@ def start_layout(sim: Simulator, policy: PlannerPolicy, prior: Prior | None) -> 
     if choice == "smallest":
         return min(policy.candidates, key=lambda lay: lay.tp)
     if choice != "auto":
-        return Layout.parse(choice, "initial_layout")
+        lay = Layout.parse(choice, "initial_layout")
+        if not sim.fits(lay):
+            raise UserError(f"a request does not fit one replica of {lay} (KV capacity)", "initial_layout")
+        return lay
     n = sim.lengths.size
     rep = ReplicaState(sim.prompt[:0], sim.prompt[:0], sim.cap[:0], n)
     snap = PodSnapshot(

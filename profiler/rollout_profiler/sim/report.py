@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import io
 
 from rollout_profiler.sim.config import SimResult
 
@@ -28,8 +28,9 @@ def table(results: dict[str, SimResult]) -> str:
     return "\n".join(rows)
 
 
-def plot(results: dict[str, SimResult], path: str | Path, title: str = "") -> Path:
-    """Unfinished requests (top) and TP size (bottom) over time, one line per policy (bounds have none)."""
+def plot_png(results: dict[str, SimResult], title: str = "") -> bytes:
+    """Unfinished requests (top) and TP size (bottom) over time, one line per policy (bounds have none):
+    a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -51,7 +52,7 @@ def plot(results: dict[str, SimResult], path: str | Path, title: str = "") -> Pa
     if title:
         ax_run.set_title(title)
     fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
-    return out
+    return png.getvalue()

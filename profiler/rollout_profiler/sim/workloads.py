@@ -169,4 +169,4 @@ def load(spec: str, seed: int = 0) -> Workload:
         return synthetic(spec, seed)
     if spec.endswith(".jsonl") or Path(spec).exists():
         return load_jsonl(spec)
-    raise UserError(f"--workload: {spec!r} is neither a known workload ({', '.join(RECIPES)}) nor a file")
+    raise UserError(f"{spec!r} is neither a known workload ({', '.join(RECIPES)}) nor a file", "workload")

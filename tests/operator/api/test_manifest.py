@@ -123,3 +123,18 @@ def test_not_yaml_or_not_a_mapping() -> None:
         parse_job("a: [1, 2\nb: 3\n")
     with pytest.raises(UserError, match="expected a RolloutJob manifest"):
         parse_job("- just a list")
+
+
+def test_an_alias_bomb_is_refused_before_it_is_expanded() -> None:
+    """Nine levels of nine aliases would expand to 9**9 strings (minutes, gigabytes): refused at once."""
+    rows = ['      l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    rows += [f"      l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 9)]
+    text = GOOD + "  pod:\n    resources:\n" + "\n".join(rows) + "\n"
+    assert len(text) < 2048
+    with pytest.raises(UserError, match=r"^job.yaml:18: alias \*l0: a job file may not use anchors"):
+        parse_job(text)
+
+
+def test_a_duplicate_key_is_refused_with_its_line() -> None:
+    with pytest.raises(UserError, match=r"^job.yaml:9: duplicate key 'gpusPerPod'"):
+        parse_job(GOOD.replace("gpusPerPod: 2", "gpusPerPod: 2\n  gpusPerPod: 4"))

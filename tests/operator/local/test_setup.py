@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from rollout_operator.api.manifest import LoadedJob, parse_job
-from rollout_operator.local.setup import check_model, load_job_prompts
+from rollout_operator.local.setup import check_model, check_prompts_fit, load_job_prompts
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.prompts import ChatTemplate
 from rollout_worker.engine import presets
@@ -48,6 +48,12 @@ def test_preset_job_before_the_model_is_made(tmp_path: Path, smollm2: Path) -> N
     assert prompt.text == made.render([{"role": "user", "content": "What is 2 + 3?"}])
     assert prompt.text is not None and prompt.text.endswith("<|im_start|>assistant\n")
     assert not (tmp_path / "models").exists()  # nothing made yet
+    # the prompts are measured with the tokenizer the model will get (BPE: ~30 tokens for this rendered
+    # prompt, where a byte-level count is ~75): a context of 64 holds it with 16 new tokens
+    text = JOB.format(model=tmp_path / "models" / "smollm2", prompts=tmp_path / "p.jsonl", out=tmp_path / "o")
+    tight = parse_job(text + "  engine:\n    contextLength: 64\n  sampling:\n    maxNewTokens: 16\n")
+    check_prompts_fit(tight, [prompt], cfg)
+    assert len(prompt.text.encode()) + 16 > 64  # a byte count would not have fit
 
 
 def test_missing_wheel_says_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

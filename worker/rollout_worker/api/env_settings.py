@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
-from pydantic_settings import BaseSettings
+from pydantic_settings import BaseSettings, SettingsError
 
 from rollout_worker.api.errors import UserError, user_error
 
@@ -27,6 +28,10 @@ def load(settings: type[S], prefix: str, command: str) -> S:
         return settings()
     except ValidationError as exc:
         raise user_error(exc, lambda path: env_name(prefix, str(path[0]))) from None
+    except SettingsError as exc:  # a list or a mapping whose value is not JSON
+        found = re.search(r'field "(\w+)"', str(exc))
+        field = env_name(prefix, found.group(1)) if found else None
+        raise UserError('not valid JSON (a list is written ["a", "b"])', field) from None
 
 
 def refuse_unknown(prefix: str, fields: type[BaseModel], command: str) -> None:

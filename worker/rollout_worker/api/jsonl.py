@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_worker.api.errors import UserError
+from rollout_worker.api.files import read_text
 
 
 def iter_jsonl(path: str | Path, what: str) -> Iterator[tuple[str, int, Any]]:
@@ -15,12 +16,7 @@ def iter_jsonl(path: str | Path, what: str) -> Iterator[tuple[str, int, Any]]:
 
     ``what`` names the input (a field) in the not-found error (e.g. ``prompts``).
     """
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError as exc:
-        raise UserError(f"file not found: {path}", what) from exc
-    except (IsADirectoryError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read {path} as text ({type(exc).__name__})", what) from exc
+    text = read_text(path, what)
     for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue

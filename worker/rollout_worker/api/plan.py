@@ -8,10 +8,10 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rollout_worker.api.costs import METHODS, KVMethod, Method
-from rollout_worker.api.errors import UserError
+from rollout_worker.api.errors import FieldAt, UserError
 from rollout_worker.api.layout import Layout, LayoutField
 
 
@@ -52,6 +52,19 @@ class Plan(BaseModel):
 
     based_on_layout: LayoutField
     triggers: list[Trigger] = Field(default_factory=list, max_length=64)
+
+    @field_validator("triggers")
+    @classmethod
+    def _one_per_threshold(cls, triggers: list[Trigger]) -> list[Trigger]:
+        """Two triggers at one threshold: only one could ever fire (see :meth:`fire`), so it is refused."""
+        first: dict[int, int] = {}
+        for i, t in enumerate(triggers):
+            j = first.setdefault(t.unfinished_at_most, i)
+            if j != i:
+                raise FieldAt(
+                    (i, "unfinished_at_most"), f"{t.unfinished_at_most} is the threshold of trigger {j} too"
+                )
+        return triggers
 
     def fire(self, unfinished: int, layout: Layout) -> tuple[Trigger | None, Plan | None]:
         """The trigger that fires with ``unfinished`` requests left in ``layout`` (None: none is due, or the

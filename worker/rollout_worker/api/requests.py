@@ -54,19 +54,27 @@ class RequestSpec:
 
 def check_fits(spec: RequestSpec, context_length: int, kv_budget: int | None, where: str = "") -> None:
     """Refuse a request the engine could never run (it would otherwise wait forever)."""
+    check_length(len(spec.prompt_ids), spec.max_new_tokens, context_length, kv_budget, where)
+
+
+def check_length(
+    prompt_tokens: int, max_new_tokens: int, context_length: int, kv_budget: int | None, where: str = ""
+) -> None:
+    """Refuse a prompt of ``prompt_tokens`` that may generate ``max_new_tokens`` where it can never fit:
+    beyond the context length, or the KV budget of a replica (``kv_budget``, None: no limit)."""
     pre = f"{where}: " if where else ""
-    if spec.reserved_tokens > context_length:
-        raise UserError(
-            f"{pre}prompt ({len(spec.prompt_ids)} tokens) + max_new_tokens ({spec.max_new_tokens}) "
-            f"exceeds the context length {context_length}",
-            "max_new_tokens",
-        )
-    if kv_budget is not None and spec.reserved_tokens > kv_budget:
-        raise UserError(
-            f"{pre}prompt ({len(spec.prompt_ids)} tokens) + max_new_tokens ({spec.max_new_tokens}) "
-            f"exceeds the KV budget of a replica ({kv_budget} tokens)",
-            "max_new_tokens",
-        )
+    what = f"{pre}prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceeds"
+    if prompt_tokens + max_new_tokens > context_length:
+        raise UserError(f"{what} the context length {context_length}", "max_new_tokens")
+    if kv_budget is not None and prompt_tokens + max_new_tokens > kv_budget:
+        raise UserError(f"{what} the KV budget of a replica ({kv_budget} tokens)", "max_new_tokens")
+
+
+def check_ids(ids: list[int] | tuple[int, ...], vocab_size: int, where: str, what: str = "token id") -> None:
+    """Every id of ``ids`` is in the model's vocabulary."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise UserError(f"{where}: {what} {bad} out of range [0, {vocab_size})")
 
 
 def parse_request(obj: Any, where: str, encode: Any, vocab_size: int) -> RequestSpec:
@@ -89,9 +97,7 @@ def parse_request(obj: Any, where: str, encode: Any, vocab_size: int) -> Request
         ids = obj["input_ids"]
         if not isinstance(ids, list) or not ids or not all(_is_int(t) for t in ids):
             raise UserError(f"{where}: field 'input_ids' must be a non-empty list of integers")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise UserError(f"{where}: token id {bad[0]} out of range [0, {vocab_size})")
+    check_ids(ids, vocab_size, where)
     max_new = obj.get("max_new_tokens")
     if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
         raise UserError(f"{where}: field 'max_new_tokens' must be an integer >= 1")
@@ -111,9 +117,7 @@ def parse_request(obj: Any, where: str, encode: Any, vocab_size: int) -> Request
     stops = obj.get("stop_token_ids", [])
     if not isinstance(stops, list) or not all(_is_int(t) for t in stops):
         raise UserError(f"{where}: field 'stop_token_ids' must be a list of integers")
-    bad = [t for t in stops if not 0 <= t < vocab_size]
-    if bad:
-        raise UserError(f"{where}: stop token id {bad[0]} out of range [0, {vocab_size})")
+    check_ids(stops, vocab_size, where, "stop token id")
     return RequestSpec(
         id=rid,
         prompt_ids=tuple(ids),

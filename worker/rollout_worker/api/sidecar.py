@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.sampling import sample_seed
@@ -22,18 +22,29 @@ from rollout_worker.api.state import EngineState
 Mode = Literal["job", "service"]
 
 
+def _nonempty(stops: list[str]) -> list[str]:
+    if any(not s for s in stops):
+        raise ValueError("stop strings must not be empty")
+    return stops
+
+
+Stops = Annotated[list[str], AfterValidator(_nonempty), Field(max_length=64)]  # a job's stop strings
+
+
 class SamplingSettings(BaseModel):
     """A job's sampling: the RolloutJob's ``spec.sampling`` (the operator's ``SamplingSpec`` is this model
     with the manifest's camelCase names) and the sidecar's settings of the same names."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     temperature: float = Field(1.0, ge=0.0, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, description="-1 = off.")
     max_new_tokens: int = Field(1024, ge=1)
-    seed: int = Field(0, ge=0, description="Each sample's seed is a fixed hash of (seed, prompt id, index).")
-    stop: list[str] = Field(default_factory=list)
+    seed: int = Field(
+        0, ge=0, lt=2**63, description="Each sample's seed is a fixed hash of (seed, prompt id, index)."
+    )
+    stop: Stops = Field(default_factory=list)
     ignore_eos: bool = Field(False, description="Generate past end-of-sequence (replaying recorded lengths).")
 
     def sampling_params(

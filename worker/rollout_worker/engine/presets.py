@@ -6,10 +6,13 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.prompts import RANDOM_MODEL_TOKENIZER_CONFIG
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 _LLAMA: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu"}
 
@@ -174,6 +177,18 @@ def preset_tokenizer_config(name: str) -> dict[str, Any]:
 
         return open_gguf(GGUF_PRESETS[name].path()).tokenizer_config()
     return RANDOM_MODEL_TOKENIZER_CONFIG
+
+
+def preset_tokenizer(name: str) -> Tokenizer:
+    """The tokenizer the preset's checkpoint gets (a GGUF preset's built from its file)."""
+    _known(name)
+    if name in GGUF_PRESETS:
+        from rollout_worker.engine.gguf_convert import open_gguf
+
+        return open_gguf(GGUF_PRESETS[name].path()).tokenizer()
+    from rollout_worker.engine.tokenizer import byte_level_tokenizer
+
+    return byte_level_tokenizer(int(PRESETS[name]["vocab_size"]))
 
 
 def preset_origin(name: str) -> str:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from rollout_worker.api.costs import CostModel
+from rollout_worker.api.errors import UserError
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.engine.checkpoint import CheckpointReader, parse_dtype
@@ -89,13 +90,20 @@ class RankState:
             self.faults.check(phase, self.rank)
 
 
+def require_cuda(field: str = "device") -> int:
+    """The number of CUDA devices visible; UserError naming ``field`` when there is none (checked before
+    any rank starts, and by each rank)."""
+    n = torch.cuda.device_count()
+    if n == 0:
+        raise UserError("cuda: no CUDA device is visible (use cpu)", field)
+    return n
+
+
 def device_for(rank: int, cfg: EngineConfig) -> tuple[torch.device, str, bool]:
     """(device, backend, stage collectives through CPU). Several ranks may share one GPU over gloo."""
     if cfg.engine.device == "cpu":
         return torch.device("cpu"), "gloo", False
-    n = torch.cuda.device_count()
-    if n == 0:
-        raise RuntimeError("device cuda: no CUDA device is visible")
+    n = require_cuda()
     dev = torch.device("cuda", rank % n)
     torch.cuda.set_device(dev)
     if cfg.world <= n:

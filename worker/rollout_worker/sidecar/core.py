@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from rollout_worker.api.errors import UserError
+from rollout_worker.api.files import check_writable
 from rollout_worker.api.sidecar import NotSubmitted, Progress, SamplesPage, SidecarState
 from rollout_worker.api.state import EngineState
 from rollout_worker.sidecar.engine import EngineClient
@@ -36,6 +37,8 @@ class Sidecar:
         before a port is bound or the engine called."""
         token = s.bearer_token()
         prompts = shard(s) if s.mode == "job" else []
+        if s.output_file is not None:
+            check_writable(s.output_file, "output_dir")
         client = EngineClient(s.engine_url, s.engine_secret(), s.max_in_flight)
         watch = EngineWatch(client, s.poll_seconds, s.engine_wait_seconds, s.engine_timeout_seconds)
         side = cls(s, token, client, watch, SidecarMetrics())

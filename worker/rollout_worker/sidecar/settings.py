@@ -18,7 +18,6 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
-    field_validator,
     model_validator,
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -27,13 +26,13 @@ from rollout_worker.api.env_settings import describe as describe_settings
 from rollout_worker.api.env_settings import env_name as env_var
 from rollout_worker.api.env_settings import load
 from rollout_worker.api.errors import FieldAt, UserError, user_error
-from rollout_worker.api.sidecar import SamplingSettings, output_file
+from rollout_worker.api.sidecar import SamplingSettings, Stops, output_file
 
 ENV_PREFIX = "ROLLOUT_SIDECAR_"
 
 
 class SidecarFields(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     # the engine
     engine_url: str = Field(
@@ -64,7 +63,7 @@ class SidecarFields(BaseModel):
     seed: int = Field(
         0, ge=0, lt=2**63, description="Job seed; each sample's seed is a hash of (seed, prompt id, index)."
     )
-    stop: list[str] = Field(default_factory=list, max_length=64, description="Stop strings (JSON list).")
+    stop: Stops = Field(default_factory=list, description="Stop strings (JSON list).")
     ignore_eos: bool = Field(
         False, description="Generate past the end-of-sequence token (replaying recorded lengths, benchmarks)."
     )
@@ -94,13 +93,6 @@ class SidecarFields(BaseModel):
         description="Stop (as on SIGTERM) when the process that started the sidecar ends, SIGKILL included.",
     )
     access_log: bool = Field(False, description="Log one line per HTTP request.")
-
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, v: list[str]) -> list[str]:
-        if any(not s for s in v):
-            raise ValueError("stop strings must not be empty")
-        return v
 
     @model_validator(mode="after")
     def _rules(self) -> SidecarFields:

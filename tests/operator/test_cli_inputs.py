@@ -1,0 +1,93 @@
+"""Flags of `make-model`, `generate`, `profile` and the sidecar's variables (in-process): a bad value or an
+output path that cannot be written is refused before any work starts, naming the flag or the variable."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from rollout_operator.cli.args import as_flags
+from rollout_operator.cli.main import app
+from rollout_worker.api.errors import UserError
+from typer.testing import CliRunner
+
+UNWRITABLE = {"under-a-file": "{file}/x", "proc": "/proc/rollout-x", "a-directory": "{dir}"}
+
+
+def refusal(*args: str, env: dict[str, str] | None = None) -> str:
+    """The error `rolloutctl ARGS` prints (as main() prints a UserError); fails when it did not refuse."""
+    r = CliRunner().invoke(app, list(args), env=env)
+    assert isinstance(r.exception, UserError), (r.exception, r.output)
+    return str(as_flags(r.exception))
+
+
+def unwritable(kind: str, tmp_path: Path) -> str:
+    (tmp_path / "file").write_text("x")
+    return UNWRITABLE[kind].format(file=tmp_path / "file", dir=tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["under-a-file", "proc"])
+def test_make_model_out_that_cannot_be_written(tmp_path: Path, kind: str) -> None:
+    err = refusal("make-model", "--preset", "tiny", "--out", unwritable(kind, tmp_path))
+    assert err.startswith("--out: "), err
+
+
+@pytest.fixture()
+def prompts(tmp_path: Path) -> Path:
+    p = tmp_path / "in.jsonl"
+    p.write_text(json.dumps({"id": "a", "prompt": "hi", "max_new_tokens": 4}) + "\n")
+    return p
+
+
+@pytest.mark.parametrize("kind", sorted(UNWRITABLE))
+def test_generate_out_that_cannot_be_written(tmp_path: Path, tiny64: Path, prompts: Path, kind: str) -> None:
+    out = unwritable(kind, tmp_path)
+    err = refusal("generate", "--model", str(tiny64), "--prompts", str(prompts), "--out", out)
+    assert err.startswith("--out: "), err
+
+
+def test_generate_refuses_two_reconfigurations_at_one_threshold(
+    tmp_path: Path, tiny64: Path, prompts: Path
+) -> None:
+    args = ["--model", str(tiny64), "--ranks", "2", "--prompts", str(prompts), "--out", str(tmp_path / "o")]
+    err = refusal("generate", *args, "--reconfigure", "3:2:auto", "--reconfigure", "3:1:auto")
+    assert err.startswith("--reconfigure[1]: 3 is the threshold of trigger 0 too"), err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--ranks", "0"], "--ranks: must be >= 1, got 0"),
+        (["--steps", "0"], "--steps: must be >= 1, got 0"),
+        (["--shard-equivalent", "--gpus", "0"], "--gpus: must be >= 1, got 0"),
+        (["--device", "tpu"], "--device: must be one of cpu, cuda"),
+        (["--db", "bogus://"], "database URL"),
+        (["--no-db", "--out", "{unwritable}"], "--out: "),
+    ],
+)
+def test_profile_refuses_before_measuring(tmp_path: Path, flags: list[str], message: str) -> None:
+    flags = [f.format(unwritable=unwritable("under-a-file", tmp_path)) for f in flags]
+    err = refusal("profile", "--preset", "tiny", "--work", str(tmp_path / "models"), *flags)
+    assert err.startswith(message) or message in err, err
+    assert not (tmp_path / "models").exists()  # nothing made, nothing measured
+
+
+def test_profile_cuda_without_a_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    err = refusal("profile", "--preset", "tiny", "--device", "cuda", "--no-db", "--work", str(tmp_path))
+    assert err.startswith("--device: cuda: no CUDA device is visible"), err
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"STOP": "notjson"}, "ROLLOUT_SIDECAR_STOP: not valid JSON"),
+        ({"OUTPUT_DIR": "/proc/rollout-x"}, "ROLLOUT_SIDECAR_OUTPUT_DIR: cannot create files in /proc"),
+    ],
+)
+def test_sidecar_variables(tmp_path: Path, prompts: Path, env: dict[str, str], message: str) -> None:
+    base = {"TOKEN": "t", "PROMPTS_PATH": str(prompts), "OUTPUT_DIR": str(tmp_path / "out")}
+    err = refusal("sidecar", env={f"ROLLOUT_SIDECAR_{k}": v for k, v in {**base, **env}.items()})
+    assert err.startswith(message), err
