@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollout_operator.local.result import RunResult
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def switch_rows(r: RunResult) -> list[dict[str, Any]]:
@@ -39,6 +42,7 @@ def as_dict(r: RunResult) -> dict[str, Any]:
         "generation_seconds": round(r.seconds, 3),
         "samples": r.samples,
         "tokens": r.tokens,
+        "generated_tokens": r.generated_tokens,
         "tokens_per_s": round(r.tokens_per_s, 1),
         "reconfigurations": switch_rows(r),
         "decisions": r.decisions,
@@ -57,7 +61,10 @@ def lines(r: RunResult) -> list[str]:
     if r.reused:
         how = " (recorded when it ran)"
     elif r.resumed:
-        how = f" (resumed: {r.resumed} were already written; the time covers the rest)"
+        how = (
+            f" (resumed: {r.resumed} samples, {r.resumed_tokens} tokens were already written; "
+            f"the time and tok/s cover the {r.generated_tokens} tokens generated now)"
+        )
     else:
         how = ""
     out = [
@@ -86,11 +93,24 @@ def write_json(path: Path, results: list[RunResult], extra: dict[str, Any] | Non
 
 
 def timeline_png(path: Path, results: list[RunResult]) -> Path:
-    """One panel per run: running requests per pod (left axis) and TP size (right axis) over time."""
+    """The timeline (:func:`timeline_figure`) as a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = timeline_figure(results)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def timeline_figure(results: list[RunResult]) -> Figure:
+    """One panel per run: running requests per pod (left axis) and TP size (right axis) over time; both
+    axes count, so their ticks are whole numbers."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(len(results), 1, figsize=(9, 3.2 * len(results)), squeeze=False)
     for ax, r in zip(axes[:, 0], results, strict=True):
@@ -108,9 +128,8 @@ def timeline_png(path: Path, results: list[RunResult]) -> Path:
         ax.set_xlabel("seconds since generation started")
         ax.set_ylabel("running requests")
         tp_ax.set_ylabel("TP size")
+        for counts in (ax, tp_ax):
+            counts.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(loc="upper right", fontsize="small")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
