@@ -87,6 +87,7 @@ def test_the_planner_switches_honestly_and_the_outputs_equal_static(
     runner_log = (out / "logs" / "runner.log").read_text()  # the runner's own log: what it started and did
     assert "every pod is ready" in runner_log and "every sample written" in runner_log, runner_log
     assert "plan pushed: 1x2" in runner_log and "2x1 -> 1x2" in runner_log, runner_log
+    assert "plan pushed" not in got.stdout + got.stderr  # the terminal shows the progress and the report
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["samples"] == len(ALL) and [f["file"] for f in manifest["files"]] == [
         "pod-0.jsonl",
