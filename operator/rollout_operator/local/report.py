@@ -128,8 +128,8 @@ def timeline_figure(results: list[RunResult]) -> Figure:
         ax.set_xlabel("seconds since generation started")
         ax.set_ylabel("running requests")
         tp_ax.set_ylabel("TP size")
-        for counts in (ax, tp_ax):
-            counts.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+        tp_ax.set_yticks(sorted({s.tp for s in r.timeline}))  # the TP sizes it ran at (also when only one)
         ax.legend(loc="upper right", fontsize="small")
     fig.tight_layout()
     return fig

@@ -45,10 +45,16 @@ def test_a_resumed_runs_tokens_per_s_counts_only_what_it_generated(tmp_path: Pat
 
 
 def test_the_timelines_axes_have_whole_number_ticks(tmp_path: Path) -> None:
-    points = [Point(t * 0.5, "p-0", running, tp) for t, (running, tp) in enumerate([(3, 1), (2, 1), (1, 2)])]
-    fig = report.timeline_figure([_run(tmp_path, 1.5, points)])
-    axes = fig.get_axes()
-    assert [a.get_ylabel() for a in axes] == ["running requests", "TP size"]
+    """A switching run (TP 1 then 2) and a static one (TP 1 throughout, where matplotlib alone ticks
+    0.95 .. 1.05): running requests and TP sizes are whole numbers, and the TP axis ticks the sizes run at."""
+    steps = {"adaptive": [(3, 1), (2, 1), (1, 2)], "static": [(3, 1), (2, 1), (1, 1)]}
+    runs = [
+        _run(tmp_path, 1.5, [Point(t * 0.5, "p-0", running, tp) for t, (running, tp) in enumerate(pts)])
+        for pts in steps.values()
+    ]
+    axes = report.timeline_figure(runs).get_axes()
+    assert [a.get_ylabel() for a in axes] == ["running requests", "running requests", "TP size", "TP size"]
     for ax in axes:
         ticks = list(ax.get_yticks())
-        assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), (ax.get_ylabel(), ticks)
+        assert len(ticks) >= 1 and all(float(t).is_integer() for t in ticks), (ax.get_ylabel(), ticks)
+    assert [list(ax.get_yticks()) for ax in axes[2:]] == [[1, 2], [1]]
