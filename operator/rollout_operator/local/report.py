@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import io
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollout_operator.local.result import RunResult
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def switch_rows(r: RunResult) -> list[dict[str, Any]]:
@@ -39,6 +42,7 @@ def as_dict(r: RunResult) -> dict[str, Any]:
         "generation_seconds": round(r.seconds, 3),
         "samples": r.samples,
         "tokens": r.tokens,
+        "generated_tokens": r.generated_tokens,
         "tokens_per_s": round(r.tokens_per_s, 1),
         "reconfigurations": switch_rows(r),
         "decisions": r.decisions,
@@ -57,7 +61,10 @@ def lines(r: RunResult) -> list[str]:
     if r.reused:
         how = " (recorded when it ran)"
     elif r.resumed:
-        how = f" (resumed: {r.resumed} were already written; the time covers the rest)"
+        how = (
+            f" (resumed: {r.resumed} samples, {r.resumed_tokens} tokens were already written; "
+            f"the time and tok/s cover the {r.generated_tokens} tokens generated now)"
+        )
     else:
         how = ""
     out = [
@@ -83,11 +90,24 @@ def report_json(results: list[RunResult], extra: dict[str, Any] | None = None) -
 
 
 def timeline_png(results: list[RunResult]) -> bytes:
-    """One panel per run: running requests per pod (left axis) and TP size (right axis) over time (PNG)."""
+    """The timeline (:func:`timeline_figure`) as PNG bytes."""
+    import matplotlib.pyplot as plt
+
+    fig = timeline_figure(results)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
+    plt.close(fig)
+    return png.getvalue()
+
+
+def timeline_figure(results: list[RunResult]) -> Figure:
+    """One panel per run: running requests per pod (left axis) and TP size (right axis) over time; both
+    axes count, so their ticks are whole numbers."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(len(results), 1, figsize=(9, 3.2 * len(results)), squeeze=False)
     for ax, r in zip(axes[:, 0], results, strict=True):
@@ -105,9 +125,8 @@ def timeline_png(results: list[RunResult]) -> bytes:
         ax.set_xlabel("seconds since generation started")
         ax.set_ylabel("running requests")
         tp_ax.set_ylabel("TP size")
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+        tp_ax.set_yticks(sorted({s.tp for s in r.timeline}))  # the TP sizes it ran at (also when only one)
         ax.legend(loc="upper right", fontsize="small")
     fig.tight_layout()
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=110)
-    plt.close(fig)
-    return png.getvalue()
+    return fig

@@ -44,10 +44,18 @@ class RunResult:
     resumed: int = 0  # samples already in the outputs when this run started
     reused: bool = False  # a finished run reported again, nothing generated
     service: bool = False  # samples = requests the engines finished; tokens unknown
+    resumed_tokens: int = 0  # the completion tokens of the ``resumed`` samples (in ``tokens``, not generated)
+
+    @property
+    def generated_tokens(self) -> int:
+        """The tokens this run generated: ``tokens`` counts every sample in the outputs."""
+        return self.tokens - self.resumed_tokens
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
+        """Generation speed of this run: the tokens it generated over its seconds (a resumed run's
+        ``seconds`` cover only what it generated)."""
+        return self.generated_tokens / self.seconds if self.seconds else 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -60,6 +68,7 @@ class RunResult:
             "decisions": self.decisions,
             "timeline": [asdict(p) for p in self.timeline],
             "resumed": self.resumed,
+            "resumed_tokens": self.resumed_tokens,
         }
 
     @classmethod
@@ -76,6 +85,7 @@ class RunResult:
             [Point(**p) for p in d["timeline"]],
             int(d.get("resumed", 0)),
             reused=True,
+            resumed_tokens=int(d.get("resumed_tokens", 0)),
         )
 
 

@@ -22,7 +22,7 @@ from rollout_profiler.planning.planner import PlannerPolicy
 from rollout_profiler.planning.predictor import Prior
 from rollout_worker.api.errors import EngineError
 from rollout_worker.api.layout import Layout
-from rollout_worker.api.sidecar import Progress, output_files, read_outputs
+from rollout_worker.api.sidecar import Progress, Sample, output_files, read_outputs
 from rollout_worker.proc import free_port
 from rollout_worker.sidecar.outputs import write_manifest
 
@@ -32,6 +32,9 @@ from rollout_operator.control.loop import Outcome, PlannerLoop, Recorder
 from rollout_operator.local.pods import PodProcesses, build_pods
 from rollout_operator.local.processes import LocalPods
 from rollout_operator.local.result import Point, RunResult, record
+
+log = logging.getLogger(__name__)
+log.propagate = False  # the runner's own lines go to its log file only: the terminal shows the live progress
 
 TICK_S = 0.25
 LATEST = 2**62  # as since_step: no finished lengths, only the counts
@@ -119,7 +122,7 @@ async def run_pods(
     service = spec.mode == "service"
     run.out_dir.mkdir(parents=True, exist_ok=True)
     secrets_dir, token = _secrets(run.out_dir / ".secrets")
-    resumed = len(read_outputs(run.out_dir))
+    before = read_outputs(run.out_dir)
     ports = [free_port() for _ in range(3 * spec.pods)]
     # the engines price a switch with the planner's (the profile's) costs
     costs = run.planning.model.profile.costs if run.planning is not None else None
@@ -128,6 +131,15 @@ async def run_pods(
     )
     local = LocalPods(pods, run.out_dir / "logs")
     log_file = _log_to(run.out_dir / "logs" / "runner.log")
+    log.info(
+        "%s: %s, %d pod(s) from %s, starting as %s; %d sample(s) already written",
+        run.loaded.job.metadata.name,
+        run.policy,
+        spec.pods,
+        run.loaded.file,
+        run.layout,
+        len(before),
+    )
     links = [SidecarLink(p.name, p.api_url, p.admin_url, token) for p in pods]
     plan = run.planning
     loop = PlannerLoop(list(links), plan.model, plan.policy, plan.prior, plan.recorder) if plan else None
@@ -139,10 +151,13 @@ async def run_pods(
     for sig in (signal.SIGINT, signal.SIGTERM):
         aio.add_signal_handler(sig, stop.set)
     info = _endpoints(pods, secrets_dir, run.out_dir)
+    for p in pods:
+        log.info("%s: engine %s, sidecar %s (admin %s)", p.name, p.engine_url, p.api_url, p.admin_url)
     local.start()
     try:
         await _until(local.wait_ready(), stop)
         t0 = time.monotonic()
+        log.info("every pod is ready; generation starts")
         if service:
             _serving(info, echo)
 
@@ -157,19 +172,22 @@ async def run_pods(
         def done() -> bool:
             if local.dead():
                 c = local.dead()[0]
+                log.error("%s exited with code %s: stopping every pod", c.name, c.proc.returncode)
                 raise EngineError(f"{c.name} exited with code {c.proc.returncode}:\n{c.tail()}")
             return not service and len(progress) == len(links) and all(p.done for p in progress.values())
 
         while not done() and not stop.is_set():
             await poll()
             if loop is not None:
-                decisions += [_decision_row(o) for o in await loop.run_once() if o.pushed]
+                decisions += _pushed(await loop.run_once())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), TICK_S)
         if stop.is_set() and not service:
+            log.info("interrupted (Ctrl-C or SIGTERM): stopping every pod")
             raise Interrupted
         await poll()
         seconds = time.monotonic() - t0
+        log.info("%s after %.2f s", "stopped serving" if service else "every sample written", seconds)
         events = {link.name: await link.events() for link in links}
         served = 0
         if service:  # the engines' own count, live (the sidecars' progress lags by a poll)
@@ -187,45 +205,67 @@ async def run_pods(
         for link in links:
             await link.aclose()
         local.stop()
-        logging.getLogger("rollout_operator").removeHandler(log_file)
-        log_file.close()
-    files = output_files(run.out_dir)
-    samples = read_outputs(run.out_dir)
-    tokens = sum(s.completion_tokens for s in samples)
+        log.info("every pod stopped")
+        _unlog(log_file)
+    result = RunResult(run.policy, run.layout, run.out_dir, seconds, 0, 0, events, decisions, timeline)
     if service:
-        n, tokens = served, 0
+        result.samples, result.service = served, True
     else:
-        n = len(samples)
-        write_manifest(run.out_dir, files, {"job": run.loaded.job.metadata.name, "policy": run.policy})
-    result = RunResult(
-        run.policy,
-        run.layout,
-        run.out_dir,
-        seconds,
-        n,
-        tokens,
-        events,
-        decisions,
-        timeline,
-        resumed,
-        False,
-        service,
-    )
-    if not service:
+        _tally(result, before)
+        write_manifest(
+            run.out_dir,
+            output_files(run.out_dir),
+            {"job": run.loaded.job.metadata.name, "policy": run.policy},
+        )
         record(result)
     return result
 
 
+def _tally(result: RunResult, before: list[Sample]) -> None:
+    """Count a job-mode run's samples and tokens from its outputs; those of ``before`` (written by an
+    earlier, interrupted run) were not generated now."""
+    samples = read_outputs(result.out_dir)
+    result.samples, result.tokens = len(samples), sum(s.completion_tokens for s in samples)
+    result.resumed, result.resumed_tokens = len(before), sum(s.completion_tokens for s in before)
+
+
+def _pushed(outcomes: list[Outcome]) -> list[dict[str, Any]]:
+    """The decisions a planner tick pushed, as report rows, each also in the runner's log."""
+    rows = [_decision_row(o) for o in outcomes if o.pushed]
+    for row in rows:
+        log.info(
+            "%(pod)s: plan pushed: %(to)s (%(method)s), gain %(gain_ms).1f ms, "
+            "cost %(cost_ms).1f ms: %(reason)s",
+            row,
+        )
+    for o in outcomes:
+        for e in o.new_events:
+            log.info("%s: %s -> %s (%s) at step %d: %s", o.pod, e.src, e.dst, e.method, e.step, e.outcome)
+    return rows
+
+
+# the runner's own lines (which do not propagate), and the code it runs: the loop, links, the planner
+LOGGERS = (__name__, "rollout_operator", "rollout_profiler")
+
+
 def _log_to(path: Path) -> logging.Handler:
-    """The runner's own log, in full (the planner's warnings with their tracebacks), beside the pods' logs."""
+    """The runner's own log, in full (what it starts, the planner's decisions and warnings with their
+    tracebacks, the switches, how it ends), beside the pods' logs."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path)
     handler.setLevel(logging.DEBUG)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logger = logging.getLogger("rollout_operator")
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
+    for name in LOGGERS:
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
     return handler
+
+
+def _unlog(handler: logging.Handler) -> None:
+    for name in LOGGERS:
+        logging.getLogger(name).removeHandler(handler)
+    handler.close()
 
 
 async def _until(work: Any, stop: asyncio.Event) -> None:

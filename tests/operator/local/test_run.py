@@ -23,6 +23,7 @@ import pytest
 from rollout_profiler.profile import Profile
 from rollout_profiler.store import engine as db_engine
 from rollout_profiler.store import runs
+from rollout_worker.api.sidecar import read_outputs
 from sqlalchemy.orm import Session
 
 from tests.conftest import run_cli
@@ -83,6 +84,10 @@ def test_the_planner_switches_honestly_and_the_outputs_equal_static(
     report = json.loads((tmp_path / "report.json").read_text())["runs"][0]
     committed = [e for e in report["reconfigurations"] if e["outcome"] == "committed"]
     assert committed and all(e["reason"].startswith("plan: unfinished") for e in committed)
+    runner_log = (out / "logs" / "runner.log").read_text()  # the runner's own log: what it started and did
+    assert "every pod is ready" in runner_log and "every sample written" in runner_log, runner_log
+    assert "plan pushed: 1x2" in runner_log and "2x1 -> 1x2" in runner_log, runner_log
+    assert "plan pushed" not in got.stdout + got.stderr  # the terminal shows the progress and the report
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["samples"] == len(ALL) and [f["file"] for f in manifest["files"]] == [
         "pod-0.jsonl",
@@ -156,12 +161,21 @@ def test_a_run_killed_mid_way_resumes_to_the_uninterrupted_outputs(
     assert f"error: {victim} exited with code" in log, log
     assert "Traceback" not in log
     wait_until(lambda: not alive(family), what="every process of the failed run to end", timeout=30)
+    assert f"{victim} exited with code" in (out / "logs" / "runner.log").read_text()
+    written_tokens = sum(s.completion_tokens for s in read_outputs(out))
 
-    again = subprocess.run(rolloutctl("run", *args), capture_output=True, text=True, timeout=300)
+    report = tmp_path / "report.json"
+    again = subprocess.run(
+        rolloutctl("run", *args, "--report", str(report)), capture_output=True, text=True, timeout=300
+    )
     assert again.returncode == 0, again.stdout + again.stderr
     assert "resumed:" in again.stdout
     assert sorted_lines(out) == sorted_lines(reference)  # byte for byte: nothing lost, nothing twice
     assert len(sorted_lines(out)) == len(ALL) == 12 * SAMPLES
+    # tokens/s counts the tokens this run generated, not those the killed run had written
+    got = json.loads(report.read_text())["runs"][0]
+    assert 0 < written_tokens < got["tokens"] and got["generated_tokens"] == got["tokens"] - written_tokens
+    assert got["tokens_per_s"] == pytest.approx(got["generated_tokens"] / got["generation_seconds"], abs=0.2)
 
 
 def _decoding(out: Path, since: float) -> bool:
