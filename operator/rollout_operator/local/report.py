@@ -4,9 +4,10 @@ time per pod, switches marked)."""
 
 from __future__ import annotations
 
-import io
 import json
 from typing import TYPE_CHECKING, Any
+
+from rollout_profiler.plot import count_ticks, png, pyplot
 
 from rollout_operator.local.result import RunResult
 
@@ -91,25 +92,13 @@ def report_json(results: list[RunResult], extra: dict[str, Any] | None = None) -
 
 def timeline_png(results: list[RunResult]) -> bytes:
     """The timeline (:func:`timeline_figure`) as PNG bytes."""
-    import matplotlib.pyplot as plt
-
-    fig = timeline_figure(results)
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=110)
-    plt.close(fig)
-    return png.getvalue()
+    return png(timeline_figure(results))
 
 
 def timeline_figure(results: list[RunResult]) -> Figure:
     """One panel per run: running requests per pod (left axis) and TP size (right axis) over time; both
     axes count, so their ticks are whole numbers."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    fig, axes = plt.subplots(len(results), 1, figsize=(9, 3.2 * len(results)), squeeze=False)
+    fig, axes = pyplot().subplots(len(results), 1, figsize=(9, 3.2 * len(results)), squeeze=False)
     for ax, r in zip(axes[:, 0], results, strict=True):
         tp_ax = ax.twinx()
         for pod in sorted({s.pod for s in r.timeline}):
@@ -125,8 +114,7 @@ def timeline_figure(results: list[RunResult]) -> Figure:
         ax.set_xlabel("seconds since generation started")
         ax.set_ylabel("running requests")
         tp_ax.set_ylabel("TP size")
-        ax.yaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
-        tp_ax.set_yticks(sorted({s.tp for s in r.timeline}))  # the TP sizes it ran at (also when only one)
+        count_ticks(ax, tp_ax, (s.tp for s in r.timeline))
         ax.legend(loc="upper right", fontsize="small")
     fig.tight_layout()
     return fig

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import io
+from typing import TYPE_CHECKING
 
+from rollout_profiler.plot import count_ticks, png, pyplot
 from rollout_profiler.sim.config import SimResult
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def table(results: dict[str, SimResult]) -> str:
@@ -29,14 +33,13 @@ def table(results: dict[str, SimResult]) -> str:
 
 
 def plot_png(results: dict[str, SimResult], title: str = "") -> bytes:
-    """Unfinished requests (top) and TP size (bottom) over time, one line per policy (bounds have none):
-    a PNG."""
-    import matplotlib
+    """:func:`plot_figure` as PNG bytes."""
+    return png(plot_figure(results, title))
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, (ax_run, ax_tp) = plt.subplots(2, 1, sharex=True, figsize=(9, 6), height_ratios=(3, 1))
+def plot_figure(results: dict[str, SimResult], title: str = "") -> Figure:
+    """Unfinished requests (top) and TP size (bottom) over time, one line per policy (bounds have none)."""
+    fig, (ax_run, ax_tp) = pyplot().subplots(2, 1, sharex=True, figsize=(9, 6), height_ratios=(3, 1))
     for name, r in results.items():
         if not r.timeline:
             continue
@@ -51,8 +54,6 @@ def plot_png(results: dict[str, SimResult], title: str = "") -> bytes:
     ax_tp.set_xlabel("time (s)")
     if title:
         ax_run.set_title(title)
+    count_ticks(ax_run, ax_tp, (x[2] for r in results.values() for x in r.timeline))
     fig.tight_layout()
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=110)
-    plt.close(fig)
-    return png.getvalue()
+    return fig
