@@ -30,9 +30,17 @@ def _health(s: Served) -> int:
     return httpx.get(s.url + "/health", timeout=2).status_code
 
 
+def _running_requests(s: Served) -> list[dict[str, Any]]:
+    return [r for rep in s.get("/v1/state").json()["replicas"] for r in rep["running"]]
+
+
+def _running(s: Served) -> int:
+    return len(_running_requests(s))
+
+
 def _decoding(s: Served) -> bool:
     """One request on a replica, with tokens generated."""
-    running = [r for rep in s.get("/v1/state").json()["replicas"] for r in rep["running"]]
+    running = _running_requests(s)
     return len(running) == 1 and running[0]["generated"] > 0
 
 
@@ -61,6 +69,9 @@ def test_a_killed_rank_fails_the_server_cleanly(tiny64: Path, tmp_path: Path) ->
     for t in threads:
         t.start()
     wait_until(lambda: len(chunks) >= 3, what="3 streamed chunks", timeout=20)
+    # both requests in the engine before the kill (under load the plain one could still be on its way, and
+    # then be refused with 503 rather than aborted)
+    wait_until(lambda: _running(s) == 2, what="both requests running", timeout=20)
     os.kill(pids[1], signal.SIGKILL)
     wait_until(lambda: _health(s) == 503, what="/health to answer 503", timeout=5)
     for t in threads:
