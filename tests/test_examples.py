@@ -1,9 +1,11 @@
 """The shipped examples: every job file is a valid RolloutJob whose files exist, the prompt files are the
-ones their scripts write, and the VeRL Parquet job runs end to end with VeRL's fields passed through."""
+ones their scripts write (the math problems: distinct, with their answers), and the VeRL Parquet job runs end
+to end with VeRL's fields passed through, a reward on every sample and the report's rollout lines."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -13,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from rollout_operator.api.manifest import load_job
 from rollout_worker.api.prompts import RANDOM_MODEL_TOKENIZER_CONFIG, ChatTemplate
+from rollout_worker.api.reward import reward_of, score
 
 ROOT = Path(__file__).parents[1]
 JOBS = sorted((ROOT / "examples").glob("*.yaml"))
@@ -29,7 +32,11 @@ def test_every_example_job_is_valid_and_its_files_exist(path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("script", "made"),
-    [("make_longtail.py", "longtail.jsonl"), ("make_verl_parquet.py", "verl-gsm8k-mini.parquet")],
+    [
+        ("make_longtail.py", "longtail.jsonl"),
+        ("make_math.py", "math.jsonl"),
+        ("make_math.py", "math.parquet"),
+    ],
 )
 def test_the_prompt_files_are_what_their_scripts_write(script: str, made: str, tmp_path: Path) -> None:
     shutil.copy(ROOT / "examples" / script, tmp_path / script)
@@ -40,6 +47,17 @@ def test_the_prompt_files_are_what_their_scripts_write(script: str, made: str, t
         )
     else:
         assert (tmp_path / made).read_text() == (ROOT / "examples" / made).read_text()
+
+
+def test_the_math_problems_are_distinct_and_carry_their_answers() -> None:
+    jsonl = [json.loads(x) for x in (ROOT / "examples/math.jsonl").read_text().splitlines()]
+    rows = pq.read_table(ROOT / "examples/math.parquet").to_pylist()
+    assert len(jsonl) == len(rows) >= 64
+    assert len({r["prompt"][0]["content"] for r in jsonl}) == len(jsonl)  # distinct problems
+    for line, row in zip(jsonl, rows, strict=True):
+        assert line["prompt"] == row["prompt"] and line["id"] == str(row["extra_info"]["index"])
+        assert line["ground_truth"] == row["reward_model"]["ground_truth"] == row["extra_info"]["answer"]
+        assert score(f"#### {line['ground_truth']}", line["ground_truth"]) == 1.0
 
 
 @pytest.mark.multiproc
@@ -55,11 +73,13 @@ def test_the_verl_parquet_job_runs_with_its_fields_passed_through(tmp_path: Path
         timeout=300,
     )
     assert got.returncode == 0, got.stdout + got.stderr
-    rows = pq.read_table(ROOT / "examples/verl-gsm8k-mini.parquet").to_pylist()
+    rows = pq.read_table(ROOT / "examples/math.parquet").to_pylist()
     recs = [json.loads(x) for x in (tmp_path / "build/verl-job/pod-0.jsonl").read_text().splitlines()]
-    assert sorted((r["prompt_id"], r["sample"]) for r in recs) == [
+    assert sorted((r["prompt_id"], r["sample"]) for r in recs) == sorted(
         (str(i), s) for i in range(8) for s in range(4)
-    ]
+    )
+    assert re.search(r"lengths: p50 \d+, p90 \d+, p99 \d+, max \d+ tokens; \d+ of 32 samples", got.stdout)
+    assert re.search(r"rewards: mean [\d.]+ over 32 samples .*; pass@4 [\d.]+ \(\d+ of 8 prompts", got.stdout)
     template = ChatTemplate.of_config(RANDOM_MODEL_TOKENIZER_CONFIG)
     assert template is not None
     for r in recs:
@@ -68,3 +88,4 @@ def test_the_verl_parquet_job_runs_with_its_fields_passed_through(tmp_path: Path
         for key in ("data_source", "ability", "reward_model", "extra_info"):
             assert r[key] == row[key]
         assert 0 < r["completion_tokens"] <= 64
+        assert r["reward"] == reward_of(row, r["output_text"])  # from reward_model.ground_truth

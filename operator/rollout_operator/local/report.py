@@ -1,6 +1,6 @@
 """The report of a local run: generation seconds, tokens/s, every switch with its predicted and actual cost,
-where the outputs are; as printed lines, as JSON, and as a timeline PNG (running requests and TP size over
-time per pod, switches marked)."""
+where the outputs are, what the samples say (lengths, rewards, pass@k: :mod:`rollout_stats`); as printed
+lines, as JSON, and as a timeline PNG (running requests and TP size over time per pod, switches marked)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 from rollout_profiler.plot import count_ticks, png, pyplot
 
+from rollout_worker.api.sidecar import read_outputs
+
 from rollout_operator.local.result import RunResult
+from rollout_operator.local.rollout_stats import RolloutStats, stats_of
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -35,7 +38,13 @@ def switch_rows(r: RunResult) -> list[dict[str, Any]]:
     ]
 
 
+def rollout_stats(r: RunResult) -> RolloutStats | None:
+    """What the run's samples say (None in service mode, or when its outputs are gone)."""
+    return None if r.service else stats_of(read_outputs(r.out_dir))
+
+
 def as_dict(r: RunResult) -> dict[str, Any]:
+    stats = rollout_stats(r)
     return {
         "policy": r.policy,
         "initial_layout": str(r.layout),
@@ -49,16 +58,17 @@ def as_dict(r: RunResult) -> dict[str, Any]:
         "decisions": r.decisions,
         "resumed_samples": r.resumed,
         "reused": r.reused,
+        "rollout": stats.to_dict() if stats is not None else None,
     }
 
 
 def lines(r: RunResult) -> list[str]:
-    d = as_dict(r)
+    switches = _switches(switch_rows(r))
     if r.service:
         out = [
             f"{r.policy} (service): {r.samples} requests served in {r.seconds:.2f} s, starting as {r.layout}"
         ]
-        return out + _switches(d)
+        return out + switches
     if r.reused:
         how = " (recorded when it ran)"
     elif r.resumed:
@@ -72,12 +82,13 @@ def lines(r: RunResult) -> list[str]:
         f"{r.policy}: {r.samples} samples, {r.tokens} tokens in {r.seconds:.2f} s "
         f"({r.tokens_per_s:.0f} tok/s){how}, starting as {r.layout}; outputs in {r.out_dir}"
     ]
-    return out + _switches(d)
+    stats = rollout_stats(r)
+    return out + switches + (stats.lines() if stats is not None else [])
 
 
-def _switches(d: dict[str, Any]) -> list[str]:
+def _switches(rows: list[dict[str, Any]]) -> list[str]:
     out = []
-    for e in d["reconfigurations"]:
+    for e in rows:
         out.append(
             f"  {e['pod']}: {e['from']} -> {e['to']} ({e['method']}) at step {e['step']}, "
             f"t={e['time_s']:.2f} s: predicted {e['predicted_ms']:.1f} ms, took {e['actual_ms'] or 0:.1f} ms "

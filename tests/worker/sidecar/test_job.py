@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from rollout_worker.api.prompts import ChatTemplate
+from rollout_worker.api.reward import reward_of
 from rollout_worker.api.sampling import sample_seed
 from rollout_worker.api.sidecar import Progress, Sample, SamplesPage, SidecarState
 
@@ -83,6 +84,7 @@ def test_every_prompt_and_sample_once_with_its_fields(reference: Path, engine: S
         assert s.layouts == ["2x1"] and s.weight_version == "default"
         assert s.sampling_seed == sample_seed(SEED, s.prompt_id, s.sample)
         assert rec["data_source"] == "arith" and rec["reward_model"] == {"ground_truth": str(2 * i)}
+        assert s.reward == reward_of(rec, s.output_text) and s.reward in (0.0, 1.0)
         assert rec["extra_info"] == {"index": i}
         if i % 3 == 0:
             assert s.prompt == f"What is {i} + {i}?"

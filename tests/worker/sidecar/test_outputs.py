@@ -119,6 +119,7 @@ def test_a_sample_the_sidecar_writes_round_trips_through_the_one_reader_in_the_f
     (got,) = read_samples(w.path)
     assert got == sample and read_outputs(tmp_path) == [sample]
     assert got.extra_fields() == extra and got.sampling_seed == sample_seed(7, "q1", 1)
+    assert got.reward == 1.0 and Job._record(prompt, 1, params, ANSWER | {"text": "5"}).reward == 0.0
     # the bytes on disk: the record's keys in the order the sidecar always wrote them, compact JSON
     old = {
         "prompt_id": "q1",
@@ -133,6 +134,7 @@ def test_a_sample_the_sidecar_writes_round_trips_through_the_one_reader_in_the_f
         "layouts": ["2x1", "1x2"],
         "weight_version": "v2",
         "sampling_seed": sample_seed(7, "q1", 1),
+        "reward": 1.0,  # the answer "4" is the ground truth
         **extra,
     }
     assert w.path.read_bytes() == json.dumps(old, separators=(",", ":")).encode() + b"\n"

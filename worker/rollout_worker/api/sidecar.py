@@ -85,6 +85,11 @@ class Sample(BaseModel):
     layouts: list[str] = Field(description="Every layout DxT the request ran on, in order.")
     weight_version: str
     sampling_seed: int = Field(description="Fixed hash of (sampling.seed, prompt id, sample index).")
+    reward: float | None = Field(
+        None,
+        description="1 when the response's answer (after `####`, else its last number) equals the prompt's "
+        "ground truth (`reward_model.ground_truth`, else `ground_truth`), else 0; null without one.",
+    )
 
     def extra_fields(self) -> dict[str, Any]:
         """The prompt's pass-through fields."""

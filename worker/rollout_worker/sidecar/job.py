@@ -18,6 +18,7 @@ from typing import Any
 
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.prompts import ChatTemplate, Prompt, load_prompts
+from rollout_worker.api.reward import reward_of
 from rollout_worker.api.sampling import sample_seed
 from rollout_worker.api.sglang import GenerateRequest, SamplingParams
 from rollout_worker.api.sidecar import SAMPLE_FIELDS, NotSubmitted, Sample
@@ -207,6 +208,7 @@ class Job:
             layouts=meta.get("layouts", []),
             weight_version=meta.get("weight_version", "default"),
             sampling_seed=params.sampling_seed,
+            reward=reward_of(prompt.extra, out["text"]),
             **prompt.extra,
         )
 
