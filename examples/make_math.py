@@ -1,5 +1,7 @@
-"""Writes the math prompts: 64 GSM8K-style word problems, each from one of 16 templates with its numbers drawn
-at random (seeded) and its answer computed, so every prompt carries its ground truth.
+"""Writes the math prompts: 64 GSM8K-style word problems, each from one of 16 templates (8 of one step, 8 of
+two or three) with its numbers drawn at random (seeded) and its answer computed, so every prompt carries its
+ground truth. The instruction asks for GSM8K's answer format ("#### 72"); VeRL's own ("Let's think step by
+step ...") sends a 135M model into long detours.
 
 - examples/math.jsonl (the quickstart's): `id`, `prompt` (chat messages), `ground_truth`, `data_source`;
 - examples/math.parquet (VeRL's RL dataset format, as its examples/data_preprocess/gsm8k.py writes it, for
@@ -19,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 N, SEED = 64, 16
-INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+INSTRUCTION = 'Answer with the final number after "####".'
 PEOPLE = [
     ("Natalia", "she", "her"),
     ("James", "he", "his"),
@@ -34,6 +36,53 @@ Problem = tuple[str, int]
 Template = Callable[[random.Random, str, str, str], Problem]
 
 
+# one step each: a 135M model gets about half of them right
+def apples(r: random.Random, n: str, s: str, p: str) -> Problem:
+    a, b = r.randint(5, 40), r.randint(2, 20)
+    q = f"{n} has {a} apples. {s.capitalize()} buys {b} more apples."
+    return f"{q} How many apples does {n} have now?", a + b
+
+
+def stickers(r: random.Random, n: str, s: str, p: str) -> Problem:
+    a = r.randint(15, 60)
+    b = r.randint(2, a - 5)
+    q = f"{n} had {a} stickers. {s.capitalize()} gave {b} stickers to {p} friend."
+    return f"{q} How many stickers does {n} have left?", a - b
+
+
+def pencils(r: random.Random, n: str, s: str, p: str) -> Problem:
+    a, b = r.randint(3, 12), r.randint(2, 9)
+    return f"A box holds {a} pencils. How many pencils are in {b} boxes?", a * b
+
+
+def marbles(r: random.Random, n: str, s: str, p: str) -> Problem:
+    a, b = r.randint(2, 12), r.randint(2, 8)
+    q = f"{n} has {a * b} marbles and shares them equally among {b} friends."
+    return f"{q} How many marbles does each friend get?", a
+
+
+def reading(r: random.Random, n: str, s: str, p: str) -> Problem:
+    a, b = r.randint(4, 25), r.randint(2, 9)
+    return f"{n} reads {a} pages every day. How many pages does {s} read in {b} days?", a * b
+
+
+def farm(r: random.Random, n: str, s: str, p: str) -> Problem:
+    a, b = r.randint(5, 40), r.randint(3, 30)
+    return f"A farmer has {a} cows and {b} pigs. How many animals does the farmer have?", a + b
+
+
+def hourly(r: random.Random, n: str, s: str, p: str) -> Problem:
+    a, b = r.randint(8, 30), r.randint(2, 9)
+    return f"{n} earns ${a} an hour. How much does {s} earn in {b} hours?", a * b
+
+
+def students(r: random.Random, n: str, s: str, p: str) -> Problem:
+    a = r.randint(20, 45)
+    b = r.randint(5, a - 5)
+    return f"There are {a} students in a class. {b} of them are boys. How many girls are there?", a - b
+
+
+# two or three steps (GSM8K's own kind)
 def clips(r: random.Random, n: str, s: str, p: str) -> Problem:
     a = 2 * r.randint(10, 60)
     q = f"{n} sold clips to {a} of {p} friends in April, and then {s} sold half as many clips in May."
@@ -56,13 +105,6 @@ def eggs(r: random.Random, n: str, s: str, p: str) -> Problem:
     return f"{q} How many dollars does {s} make every day at the market?", (a - b - c) * price
 
 
-def robe(r: random.Random, n: str, s: str, p: str) -> Problem:
-    a = 2 * r.randint(1, 9)
-    return f"A robe takes {a} bolts of blue fiber and half that much white fiber. How many bolts in total?", (
-        a + a // 2
-    )
-
-
 def pages(r: random.Random, n: str, s: str, p: str) -> Problem:
     a = r.randint(8, 30)
     total = 3 * a + r.randint(10, 90)
@@ -78,21 +120,9 @@ def change(r: random.Random, n: str, s: str, p: str) -> Problem:
 
 
 def train(r: random.Random, n: str, s: str, p: str) -> Problem:
-    v, h, w, k = r.randint(4, 9) * 10, r.randint(2, 5), r.randint(3, 8) * 10, r.randint(1, 4)
+    v, h, w, k = r.randint(4, 9) * 10, r.randint(2, 5), r.randint(3, 8) * 10, r.randint(2, 4)
     q = f"A train travels at {v} miles per hour for {h} hours, then at {w} miles per hour for {k} hours."
     return f"{q} How many miles does it travel in total?", v * h + w * k
-
-
-def sprints(r: random.Random, n: str, s: str, p: str) -> Problem:
-    a, b, m = r.randint(2, 5), r.randint(2, 4), r.randint(4, 12) * 10
-    q = f"{n} decides to run {a} sprints {b} times a week. {s.capitalize()} runs {m} meters each sprint."
-    return f"{q} How many total meters does {s} run a week?", a * b * m
-
-
-def sale(r: random.Random, n: str, s: str, p: str) -> Problem:
-    price, off = 20 * r.randint(1, 10), r.choice([10, 20, 25, 50])
-    q = f"A jacket costs ${price}. {n} buys it on sale for {off}% off."
-    return f"{q} How many dollars does {s} pay for the jacket?", price * (100 - off) // 100
 
 
 def candies(r: random.Random, n: str, s: str, p: str) -> Problem:
@@ -100,41 +130,6 @@ def candies(r: random.Random, n: str, s: str, p: str) -> Problem:
     a = k * b + c + r.randint(3, 20)
     q = f"{n} has {a} candies. {s.capitalize()} gives {b} to each of {p} {k} friends and eats {c}."
     return f"{q} How many candies does {s} have left?", a - k * b - c
-
-
-def cookies(r: random.Random, n: str, s: str, p: str) -> Problem:
-    t, c, size = r.randint(2, 5), r.randint(6, 12), r.choice([3, 4, 6])
-    eaten = (t * c) % size + size * r.randint(0, 2)
-    q = (
-        f"{n} bakes {t} trays of cookies with {c} cookies on each tray. {p.capitalize()} family eats {eaten} "
-        f"cookies, and {s} packs the rest into bags of {size}."
-    )
-    return f"{q} How many bags does {s} fill?", (t * c - eaten) // size
-
-
-def age(r: random.Random, n: str, s: str, p: str) -> Problem:
-    a, b, c = 2 * r.randint(4, 20), r.randint(2, 9), r.randint(2, 10)
-    q = f"{n} is {a} years old. {p.capitalize()} cousin is {b} years older than half of {n}'s age."
-    return f"{q} How old will the cousin be in {c} years?", a // 2 + b + c
-
-
-def savings(r: random.Random, n: str, s: str, p: str) -> Problem:
-    a, w = r.randint(5, 25), r.randint(4, 12)
-    b = r.randint(10, a * w - 1)
-    q = f"{n} saves ${a} every week. After {w} weeks, {s} spends ${b} on a bike."
-    return f"{q} How much money does {s} have left?", a * w - b
-
-
-def garden(r: random.Random, n: str, s: str, p: str) -> Problem:
-    rows, per, died = r.randint(3, 12), r.randint(4, 15), r.randint(1, 10)
-    q = f"{n} plants {rows} rows of tomatoes with {per} plants in each row. Then {died} of the plants die."
-    return f"{q} How many tomato plants are left?", rows * per - died
-
-
-def pizza(r: random.Random, n: str, s: str, p: str) -> Problem:
-    big, small, bs, ss = r.randint(1, 4), r.randint(1, 4), r.choice([12, 16]), r.choice([6, 8])
-    q = f"{n} buys {big} large and {small} small pizzas. A large pizza has {bs} slices and a small one {ss}."
-    return f"{q} How many slices does {s} have in all?", big * bs + small * ss
 
 
 def jelly(r: random.Random, n: str, s: str, p: str) -> Problem:
@@ -146,9 +141,9 @@ def jelly(r: random.Random, n: str, s: str, p: str) -> Problem:
     return f"{q} How many pounds does the box hold now?", (3 * a + add) * 2
 
 
-TEMPLATES: list[Template] = [
-    clips, wage, eggs, robe, pages, change, train, sprints,
-    sale, candies, cookies, age, savings, garden, pizza, jelly,
+TEMPLATES: list[Template] = [  # the one-step ones first: the quickstart takes the first 8 problems
+    apples, stickers, pencils, marbles, reading, farm, hourly, students,
+    clips, wage, eggs, pages, change, train, candies, jelly,
 ]  # fmt: skip
 
 

@@ -194,7 +194,7 @@ class _Database:
         if r is not None and not r.reused:
             for s in read_outputs(r.out_dir):
                 lengths.append(s.completion_tokens)
-                capped.append((s.finish_reason or {}).get("type") == "length")
+                capped.append(s.capped)
         end_job(self.engine, self.job_id, outcome, r.seconds if r is not None else None, lengths, capped)
 
 

@@ -8,7 +8,6 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from rollout_profiler.plot import count_ticks, png, pyplot
-
 from rollout_worker.api.sidecar import read_outputs
 
 from rollout_operator.local.result import RunResult

@@ -74,7 +74,7 @@ def stats_of(samples: list[Sample]) -> RolloutStats | None:
         p90=int(percentile(lengths, 0.9)),
         p99=int(percentile(lengths, 0.99)),
         max=int(max(lengths)),
-        at_cap=sum(1 for s in samples if (s.finish_reason or {}).get("type") == "length"),
+        at_cap=sum(1 for s in samples if s.capped),
         rewarded=len(rewards),
         mean_reward=sum(rewards) / len(rewards) if rewards else None,
         k=max(sizes.values()),

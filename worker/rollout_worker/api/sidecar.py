@@ -91,6 +91,11 @@ class Sample(BaseModel):
         "ground truth (`reward_model.ground_truth`, else `ground_truth`), else 0; null without one.",
     )
 
+    @property
+    def capped(self) -> bool:
+        """Stopped at its max_new_tokens (SGLang's finish reason "length")."""
+        return (self.finish_reason or {}).get("type") == "length"
+
     def extra_fields(self) -> dict[str, Any]:
         """The prompt's pass-through fields."""
         return dict(self.model_extra or {})
