@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -79,3 +80,14 @@ def empty_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
                 pytest.skip(f"{exc} [ROLLOUT_SKIP_POSTGRES=1]")
             pytest.fail(str(exc))
         yield url
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored() -> Iterator[None]:
+    """A command run in process (serve, run) installs its own SIGTERM/SIGINT handlers for its process's life;
+    put the test process's back, so that later tests' fork children are not left with them."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for sig, handler in saved.items():
+        if handler is not None and signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)

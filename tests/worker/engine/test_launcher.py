@@ -18,6 +18,13 @@ from rollout_worker.engine.launcher import RankProcesses
 from tests.waiting import wait_until
 
 
+def _sleeping_rank() -> None:
+    """A rank that only sleeps, with the default SIGTERM (a fork child inherits the test process's handler,
+    and an in-process CLI test earlier in the session may have left a no-op one there)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    time.sleep(120)
+
+
 class FakeRanks(RankProcesses):
     """Three sleeping processes as ranks (no engine, no torch) and the report pipe they would write to."""
 
@@ -25,7 +32,7 @@ class FakeRanks(RankProcesses):
         ctx = mp.get_context("fork")
         self._reader, self.writer = ctx.Pipe(duplex=False)
         self._writer = ctx.Pipe(duplex=False)[1]
-        self.procs = [ctx.Process(target=time.sleep, args=(120,)) for _ in range(3)]
+        self.procs = [ctx.Process(target=_sleeping_rank) for _ in range(3)]
         self.inboxes = []
         self._guard = threading.Lock()
         self._exits, self.deaths, self.reported = {}, [], set()
@@ -46,8 +53,9 @@ def _kill(ranks: FakeRanks, rank: int, sig: int = signal.SIGKILL) -> None:
     assert pid is not None
     fd = os.pidfd_open(pid)
     os.kill(pid, sig)
-    select.select([fd], [], [], 60)
+    exited = select.select([fd], [], [], 60)[0]
     os.close(fd)
+    assert exited, f"rank {rank} did not exit on signal {sig}"
 
 
 def test_a_killed_rank_is_reported_as_soon_as_it_exits(ranks: FakeRanks) -> None:
