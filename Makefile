@@ -24,9 +24,10 @@ setup-engine: $(BIN)/.installed-engine
 
 setup: $(BIN)/.installed-dev
 
-# The main job (examples/quickstart.yaml; embedded SQLite database): one pod of 2 CPU ranks starts as two
-# TP=1 replicas, the planner moves it to TP=2 when the shipped profile says it pays, and the same job runs
-# again as static replicas to compare time and check every token. tests/test_readme.py runs this command.
+# The main job (examples/quickstart.yaml; embedded SQLite database): a real rollout of SmolLM2-135M-Instruct
+# on math problems, one pod of 2 CPU ranks starting as two TP=1 replicas; the planner moves it to TP=2 when
+# the shipped profile says it pays (on 2 cores it never does, and the report says why), and the same job
+# runs again as static replicas to compare time and tokens. tests/test_readme.py runs this command.
 run: setup-engine
 	$(BIN)/rolloutctl run examples/quickstart.yaml --compare static
 
@@ -69,6 +70,7 @@ bench-serve: setup
 # the engine against Hugging Face transformers generate, same model, requests and cores
 bench-peer: setup
 	$(BIN)/rolloutctl bench peer --preset small --cores 1,2 --runs 3 --json build/bench-peer-small.json
+	$(BIN)/rolloutctl bench peer --preset smollm2-135m --cores 1,2 --runs 3 --json build/bench-peer-smollm2.json
 
 clean:
 	rm -rf build .pytest_cache .mypy_cache .ruff_cache

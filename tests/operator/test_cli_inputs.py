@@ -74,6 +74,29 @@ def test_profile_refuses_before_measuring(tmp_path: Path, flags: list[str], mess
     assert not (tmp_path / "models").exists()  # nothing made, nothing measured
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--requests", "7"], "--requests: must be >= 8 (four switches per chain), got 7"),
+        (
+            ["--max-new-tokens", "31"],
+            "--max-new-tokens: must be >= 2 x --requests (caps apart), got 31 for 16",
+        ),
+        (["--prompts", "{missing}"], "--prompts: prompts file not found: "),
+        (["--json", "{unwritable}"], "--json: "),
+        (["--preset", "huge"], "--preset: unknown preset 'huge'"),
+    ],
+)
+def test_bench_lossless_refuses_before_making_anything(
+    tmp_path: Path, flags: list[str], message: str
+) -> None:
+    fill = {"missing": str(tmp_path / "none.jsonl"), "unwritable": unwritable("under-a-file", tmp_path)}
+    flags = [f.format(**fill) for f in flags]
+    err = refusal("bench", "lossless", "--preset", "tiny", "--work", str(tmp_path / "models"), *flags)
+    assert err.startswith(message), err
+    assert not (tmp_path / "models").exists()
+
+
 def test_profile_cuda_without_a_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     err = refusal("profile", "--preset", "tiny", "--device", "cuda", "--no-db", "--work", str(tmp_path))

@@ -29,6 +29,7 @@ SAMPLES: dict[str, Any] = {
     "device": "cpu",  # the only device this machine has; its flag and variable are still parsed
     "max_batch": 7,
     "kv_budget_tokens": 4000,
+    "page_size": 8,
     "max_prefill_tokens": 300,
     "context_length": 1500,
     "collective_timeout_seconds": 33.5,

@@ -1,4 +1,4 @@
-"""`rolloutctl make-model`, `rolloutctl generate`, `rolloutctl bench engine`."""
+"""`rolloutctl make-model`, `rolloutctl generate`, `rolloutctl bench engine|peer|lossless`."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ def register(app: typer.Typer) -> None:
     bench = bench_group(app)
     bench.command("engine")(needs_engine(bench_engine_cmd))
     bench.command("peer")(needs_engine(bench_peer_cmd))
+    bench.command("lossless")(needs_engine(bench_lossless_cmd))
 
 
 def make_model_cmd(
@@ -250,13 +251,57 @@ def bench_peer_cmd(
     runs: Annotated[int, typer.Option(help="Alternated runs per set and core count.")] = 3,
     work: Annotated[Path, typer.Option(help="Where checkpoints are cached.")] = Path("build/models"),
     json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON here.")] = None,
+    chat_prompts: Annotated[
+        Path, typer.Option(help="A chat model's natural set: these prompts, EOS honoured (first 16).")
+    ] = Path("examples/math.jsonl"),
 ) -> None:
     """The engine against Hugging Face transformers generate (float32, batched, greedy), same model,
-    requests and cores: equal lengths and a long-tailed set, whole commands and generation alone."""
+    requests and cores: equal lengths, a long-tailed set and, for a chat model, natural lengths (chat
+    prompts, EOS honoured); whole commands and generation alone."""
     try:
         import transformers  # noqa: F401
     except ImportError:
         raise UserError("needs the transformers package (pip install transformers)", "--preset") from None
     from rollout_worker.engine.bench_peer import run_peer_bench
 
-    run_peer_bench(preset, int_list(cores, "--cores"), runs, work, json_out, typer.echo)
+    chat = chat_prompts if chat_prompts.is_file() else None
+    run_peer_bench(preset, int_list(cores, "--cores"), runs, work, json_out, typer.echo, chat)
+
+
+def bench_lossless_cmd(
+    preset: Annotated[
+        str, typer.Option(help="Model preset (made under --work if missing).")
+    ] = "smollm2-135m",
+    dtype: Annotated[Dtype, typer.Option(help="The dtype measured (float64 is checked too).")] = "float32",
+    prompts: Annotated[
+        Path, typer.Option(help="Chat prompts (JSONL or Parquet), rendered with the model's template.")
+    ] = Path("examples/math.jsonl"),
+    requests: Annotated[int, typer.Option(help="Requests (the first N prompts).")] = 16,
+    max_new_tokens: Annotated[
+        int, typer.Option(help="The longest request's cap (the shortest: an eighth).")
+    ] = 48,
+    work: Annotated[Path, typer.Option(help="Where checkpoints are cached.")] = Path("build/models"),
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON here.")] = None,
+) -> None:
+    """Every layout of 2 and 4 ranks and two chains of switches mid-decode against the static TP=1 run:
+    the samples that differ and where, in DTYPE; fails when float64 differs anywhere or a switch did not
+    happen as planned."""
+    from rollout_worker.engine.bench import ensure_model
+    from rollout_worker.engine.bench_lossless import MIN_REQUESTS, run_lossless_bench
+    from rollout_worker.engine.presets import preset_config
+
+    if requests < MIN_REQUESTS:
+        raise UserError(f"must be >= {MIN_REQUESTS} (four switches per chain), got {requests}", "--requests")
+    if max_new_tokens < 2 * requests:
+        raise UserError(
+            f"must be >= 2 x --requests (caps apart), got {max_new_tokens} for {requests}", "--max-new-tokens"
+        )
+    if not prompts.is_file():
+        raise UserError(f"prompts file not found: {prompts}", "--prompts")
+    if json_out is not None:
+        check_writable(json_out, "--json")
+    preset_config(preset)  # an unknown preset is refused before anything is made
+    model = ensure_model(preset, work)
+    report = run_lossless_bench(model, preset, prompts, requests, max_new_tokens, dtype, json_out, typer.echo)
+    if report["failures"]:
+        raise typer.Exit(1)

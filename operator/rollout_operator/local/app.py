@@ -199,7 +199,8 @@ class _Database:
 
 
 def outputs_equal(a: Path, b: Path) -> tuple[bool, str]:
-    """Both runs' samples, sorted by (prompt, sample): the same output ids?"""
+    """Both runs' samples, sorted by (prompt, sample): the same output ids? The detail names the differing
+    samples and the token position where each first differs."""
 
     def load(d: Path) -> dict[tuple[str, int], list[int]]:
         return {(s.prompt_id, s.sample): s.output_ids for s in read_outputs(d)}
@@ -207,5 +208,15 @@ def outputs_equal(a: Path, b: Path) -> tuple[bool, str]:
     x, y = load(a), load(b)
     if x.keys() != y.keys():
         return False, f"{len(x)} vs {len(y)} samples"
-    diff = [k for k in x if x[k] != y[k]]
-    return not diff, f"{len(x)} samples, {len(diff)} differ" if diff else f"{len(x)} samples, identical"
+    diff = sorted(k for k in x if x[k] != y[k])
+    if not diff:
+        return True, f"{len(x)} samples, identical"
+    where = [f"{p}/{i} at token {first_difference(x[(p, i)], y[(p, i)])}" for p, i in diff]
+    shown = ", ".join(where[:8]) + (f", and {len(where) - 8} more" if len(where) > 8 else "")
+    return False, f"{len(x)} samples, {len(diff)} differ: {shown}"
+
+
+def first_difference(x: list[int], y: list[int]) -> int:
+    """The first position where two token lists differ (the shorter one's length when one extends the
+    other)."""
+    return next((i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), min(len(x), len(y)))

@@ -55,6 +55,7 @@ def as_dict(r: RunResult) -> dict[str, Any]:
         "tokens_per_s": round(r.tokens_per_s, 1),
         "reconfigurations": switch_rows(r),
         "decisions": r.decisions,
+        "closest_calls": r.closest,
         "resumed_samples": r.resumed,
         "reused": r.reused,
         "rollout": stats.to_dict() if stats is not None else None,
@@ -62,7 +63,7 @@ def as_dict(r: RunResult) -> dict[str, Any]:
 
 
 def lines(r: RunResult) -> list[str]:
-    switches = _switches(switch_rows(r))
+    switches = _switches(switch_rows(r)) + _stayed(r)
     if r.service:
         out = [
             f"{r.policy} (service): {r.samples} requests served in {r.seconds:.2f} s, starting as {r.layout}"
@@ -83,6 +84,18 @@ def lines(r: RunResult) -> list[str]:
     ]
     stats = rollout_stats(r)
     return out + switches + (stats.lines() if stats is not None else [])
+
+
+def _stayed(r: RunResult) -> list[str]:
+    """Why the planner kept each pod that never switched: its closest call."""
+    out = []
+    for pod, c in sorted(r.closest.items()):
+        if not r.events.get(pod):
+            out.append(
+                f"  {pod}: stayed {r.layout}: the planner's closest call, at step {c['step']} with "
+                f"{c['unfinished']} unfinished: {c['reason']}"
+            )
+    return out
 
 
 def _switches(rows: list[dict[str, Any]]) -> list[str]:

@@ -45,6 +45,9 @@ class RunResult:
     reused: bool = False  # a finished run reported again, nothing generated
     service: bool = False  # samples = requests the engines finished; tokens unknown
     resumed_tokens: int = 0  # the completion tokens of the ``resumed`` samples (in ``tokens``, not generated)
+    closest: dict[str, dict[str, Any]] = field(
+        default_factory=dict
+    )  # per pod: the kept decision nearest a switch
 
     @property
     def generated_tokens(self) -> int:
@@ -69,6 +72,7 @@ class RunResult:
             "timeline": [asdict(p) for p in self.timeline],
             "resumed": self.resumed,
             "resumed_tokens": self.resumed_tokens,
+            "closest": self.closest,
         }
 
     @classmethod
@@ -86,6 +90,7 @@ class RunResult:
             int(d.get("resumed", 0)),
             reused=True,
             resumed_tokens=int(d.get("resumed_tokens", 0)),
+            closest=dict(d.get("closest", {})),
         )
 
 

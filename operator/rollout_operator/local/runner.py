@@ -145,6 +145,7 @@ async def run_pods(
     loop = PlannerLoop(list(links), plan.model, plan.policy, plan.prior, plan.recorder) if plan else None
     timeline: list[Point] = []
     decisions: list[dict[str, Any]] = []
+    closest: dict[str, dict[str, Any]] = {}
     progress: dict[str, Progress] = {}
     stop = asyncio.Event()
     aio = asyncio.get_running_loop()
@@ -179,7 +180,9 @@ async def run_pods(
         while not done() and not stop.is_set():
             await poll()
             if loop is not None:
-                decisions += _pushed(await loop.run_once())
+                outcomes = await loop.run_once()
+                decisions += _pushed(outcomes)
+                _nearest(closest, outcomes)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), TICK_S)
         if stop.is_set() and not service:
@@ -208,6 +211,7 @@ async def run_pods(
         log.info("every pod stopped")
         _unlog(log_file)
     result = RunResult(run.policy, run.layout, run.out_dir, seconds, 0, 0, events, decisions, timeline)
+    result.closest = closest
     if service:
         result.samples, result.service = served, True
     else:
@@ -227,6 +231,24 @@ def _tally(result: RunResult, before: list[Sample]) -> None:
     samples = read_outputs(result.out_dir)
     result.samples, result.tokens = len(samples), sum(s.completion_tokens for s in samples)
     result.resumed, result.resumed_tokens = len(before), sum(s.completion_tokens for s in before)
+
+
+def _nearest(closest: dict[str, dict[str, Any]], outcomes: list[Outcome]) -> None:
+    """Keep, per pod, the decision to stay whose predicted gain came nearest its cost: why the planner did
+    not switch, for the report of a pod that never did."""
+    for o in outcomes:
+        d, seen = o.result.decision, o.result.inputs
+        if d.action != "keep" or d.predicted_cost_ms <= 0:
+            continue  # not weighed (cooldown, ranks not ready, a switch planned for later)
+        best = closest.get(o.pod)
+        if best is None or d.predicted_gain_ms - d.predicted_cost_ms > best["gain_ms"] - best["cost_ms"]:
+            closest[o.pod] = {
+                "step": seen["step"],
+                "unfinished": seen["running"] + seen["waiting"],
+                "gain_ms": d.predicted_gain_ms,
+                "cost_ms": d.predicted_cost_ms,
+                "reason": d.reason,
+            }
 
 
 def _pushed(outcomes: list[Outcome]) -> list[dict[str, Any]]:

@@ -71,7 +71,7 @@ def start_run(*args: str, log: Path) -> subprocess.Popen[bytes]:
 
 
 def records(out: Path) -> list[dict[str, Any]]:
-    return [json.loads(x) for f in sorted(out.glob("pod-*.jsonl")) for x in f.read_text().splitlines()]
+    return [json.loads(x) for f in sorted(out.glob("pod-*.jsonl")) for x in f.read_text().split("\n") if x]
 
 
 def sorted_lines(out: Path) -> list[bytes]:

@@ -1,15 +1,22 @@
 """The report of a local run: a resumed run's tokens/s counts only the tokens it generated (not the samples an
-earlier run had written), and the timeline's axes count whole requests and whole TP sizes."""
+earlier run had written), the timeline's axes count whole requests and whole TP sizes, and a pod the planner
+never switched says why (its closest call)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
+from rollout_operator.control.loop import Outcome
 from rollout_operator.local import report
+from rollout_operator.local.app import first_difference, outputs_equal
 from rollout_operator.local.result import Point, RunResult
-from rollout_operator.local.runner import _tally
+from rollout_operator.local.runner import _nearest, _tally
+from rollout_profiler.planning.planner import Decision
+from rollout_profiler.planning.tick import TickResult
 from rollout_worker.api.layout import Layout
+from rollout_worker.api.plan import ReconfigEvent
 from rollout_worker.api.sidecar import Sample, output_file, read_outputs
 
 from tests.worker.sidecar.test_outputs import rec
@@ -58,3 +65,56 @@ def test_the_timelines_axes_have_whole_number_ticks(tmp_path: Path) -> None:
         ticks = list(ax.get_yticks())
         assert len(ticks) >= 1 and all(float(t).is_integer() for t in ticks), (ax.get_ylabel(), ticks)
     assert [list(ax.get_yticks()) for ax in axes[2:]] == [[1, 2], [1]]
+
+
+def _outcome(step: int, unfinished: int, action: str, gain: float, cost: float, reason: str) -> Outcome:
+    decision = Decision(action, Layout.parse("2x1"), None, gain, cost, reason)
+    inputs = {"step": step, "running": unfinished, "waiting": 0}
+    return Outcome("p-0", TickResult(decision, None, inputs), pushed=False, new_events=[])
+
+
+def test_a_pod_that_never_switched_reports_the_planners_closest_call(tmp_path: Path) -> None:
+    """The report says why the planner kept a pod: the weighed decision whose gain came nearest its cost
+    (decisions not weighed, such as a cooldown, are not calls); a pod that switched reports its switch."""
+    closest: dict[str, dict[str, Any]] = {}
+    ticks = [
+        _outcome(5, 32, "keep", 0.0, 0.0, "ranks not ready: [1]"),
+        _outcome(40, 20, "keep", 100.0, 900.0, "far"),
+        _outcome(90, 6, "keep", 700.0, 800.0, "near"),
+        _outcome(120, 2, "keep", 50.0, 800.0, "farther"),
+    ]
+    for o in ticks:
+        _nearest(closest, [o])
+    assert closest["p-0"] == {
+        "step": 90,
+        "unfinished": 6,
+        "gain_ms": 700.0,
+        "cost_ms": 800.0,
+        "reason": "near",
+    }
+    result = _run(tmp_path, 1.0)
+    result.closest = closest
+    assert (
+        "  p-0: stayed 2x1: the planner's closest call, at step 90 with 6 unfinished: near"
+        in report.lines(result)
+    )
+    assert RunResult.from_json(result.to_json(), tmp_path).closest == closest
+    switch = ReconfigEvent.model_validate(
+        {"step": 100, "time_s": 1.0, "src": "2x1", "dst": "1x2", "requested": "auto", "method": "migrate",
+         "reason": "plan"}
+    )  # fmt: skip
+    result.events = {"p-0": [switch]}
+    assert not any("closest call" in line for line in report.lines(result))
+
+
+def test_compared_outputs_name_each_differing_sample_and_where_it_first_differs(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    same = [_sample(i, 2) for i in range(3)]
+    _write(a, same)
+    assert outputs_equal(a, a) == (True, "3 samples, identical")
+    changed = [same[0], same[1].model_copy(update={"output_ids": [1, 9]}), same[2]]
+    changed[2] = changed[2].model_copy(update={"output_ids": [1, 2, 3]})  # extends the other: differs at 2
+    _write(b, changed)
+    assert outputs_equal(a, b) == (False, "3 samples, 2 differ: p1/0 at token 1, p2/0 at token 2")
+    assert first_difference([1, 2], [1, 2]) == 2 and first_difference([], [4]) == 0

@@ -54,6 +54,14 @@ def test_jsonl_errors_name_line_and_field(tmp_path: Path, line: dict[str, object
         load_prompts(p)
 
 
+def test_a_line_ends_at_newline_only(tmp_path: Path) -> None:
+    """JSON leaves U+2028, U+2029, U+0085 unescaped (ensure_ascii=False); str.splitlines cuts there."""
+    p = tmp_path / "p.jsonl"
+    texts = ["a\u2028b", "c\u2029d", "e\x85f"]
+    p.write_text("".join(json.dumps({"prompt": t}, ensure_ascii=False) + "\r\n" for t in texts))
+    assert [g.text for g in load_prompts(p)] == texts
+
+
 def test_duplicates_and_missing(tmp_path: Path) -> None:
     p = tmp_path / "p.jsonl"
     p.write_text(json.dumps({"id": 1, "prompt": "a"}) + "\n" + json.dumps({"id": "1", "prompt": "b"}) + "\n")

@@ -14,7 +14,7 @@ from rollout_worker.api.requests import RequestSpec, parse_request
 from rollout_worker.engine.batch import BatchResult, run_batch
 from rollout_worker.engine.checkpoint import CheckpointReader
 from rollout_worker.engine.config import EngineConfig
-from rollout_worker.engine.kvcache import KVSlab
+from rollout_worker.engine.kvcache import KVPool, single_row
 from rollout_worker.engine.model import Decoder
 from rollout_worker.engine.parallel import SINGLE
 from rollout_worker.engine.weights import load_shard
@@ -58,7 +58,7 @@ def run(
 
 
 def tokens(res: BatchResult) -> dict[str, list[int]]:
-    return {o["id"]: o["output_ids"] for o in res.outputs}
+    return res.tokens()
 
 
 def decoder_logits(model_dir: Path, ids: list[int], dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -67,9 +67,10 @@ def decoder_logits(model_dir: Path, ids: list[int], dtype: torch.dtype = torch.f
     cfg = ModelConfig.load(model_dir)
     w = load_shard(CheckpointReader(model_dir, cfg), cfg, 1, 0, dtype, torch.device("cpu"))
     dec = Decoder(cfg, w, SINGLE)
-    slab = KVSlab(cfg.num_layers, 1, cfg.num_kv_heads, len(ids), cfg.head_dim, dtype, torch.device("cpu"))
-    slab.ensure(1, len(ids))
+    n = len(ids)
+    pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 1, n, 1, n, dtype, torch.device("cpu"))
+    table = single_row(pool, n)
     toks = torch.tensor([ids])
-    pos = torch.arange(len(ids))[None]
-    dec.forward(toks[:, :-1], pos[:, :-1], slab, torch.tensor([len(ids) - 2]))
-    return dec.forward(toks[:, -1:], pos[:, -1:], slab, torch.tensor([0]))[0]
+    pos = torch.arange(n)[None]
+    dec.hidden(toks[:, :-1], pos[:, :-1], pool, table[:, :-1], table[:, :-1])
+    return dec.logits(dec.hidden(toks[:, -1:], pos[:, -1:], pool, table[:, -1:], table)[:, 0])[0]

@@ -84,6 +84,26 @@ def test_min_new_tokens_defers_stop_strings() -> None:
     assert book.on_step(report(0, [("a", 1)]), 1.0).aborts  # token 3: now it counts
 
 
+def test_a_stop_string_check_that_fails_aborts_that_request_alone() -> None:
+    def decode(ids: list[int]) -> str:
+        if 99 in ids:
+            raise ValueError("token 99 is not in the tokenizer")
+        return "".join(chr(65 + i) for i in ids)
+
+    book = Book(Layout(1, 1), decode=decode)
+    book.add(spec("bad"), ("Z",), 0.0)
+    book.add(spec("good"), ("Z",), 0.0)
+    book.dispatch()
+    out = book.on_step(report(0, [("bad", 99), ("good", 1)]), 1.0)
+    ((replica, rid, finish),) = out.aborts  # the rank is told to stop it, the driver finished it
+    assert (replica, rid) == (0, "bad") and isinstance(finish, FinishAbort)
+    assert "ValueError: token 99 is not in the tokenizer" in finish.message
+    assert [u.finish for u in out.updates if u.rid == "bad" and u.finish] == [finish]
+    assert list(book.reqs) == ["good"] and book.aborted == 1
+    out = book.on_step(report(0, [("good", 25)]), 2.0)  # "BZ": the other request carries on
+    assert out.aborts == [(0, "good", FinishStop("Z"))]
+
+
 def test_trigger_fires_once_lowest_reached_first() -> None:
     book = Book(Layout(4, 1))
     for i in range(10):

@@ -123,7 +123,7 @@ def test_greedy_matches_transformers_on_20_chat_prompts(smollm2: Path, reference
     assert codec is not None and template is not None
     prompts = [codec.encode(template.render(m)) for m in _conversations()]
     specs = [RequestSpec(f"p{i}", tuple(p), NEW_TOKENS, Sampling()) for i, p in enumerate(prompts)]
-    ours = {o["id"]: o["output_ids"] for o in run_batch(EngineConfig.load(str(smollm2), 1), specs).outputs}
+    ours = run_batch(EngineConfig.load(str(smollm2), 1), specs).tokens()
     width = max(map(len, prompts))  # left-padded batch, as transformers generates a batch
     ids = torch.tensor([[2] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])

@@ -19,10 +19,11 @@ from rollout_worker.engine.measure import probe_logits
 from tests.worker.engine.engine_util import requests, run, tokens
 
 
-def _tiny_on_cuda(dtype: torch.dtype, max_batch: int = 16) -> tuple[Any, Any]:
-    """A tiny TP=1 decoder with random weights on the GPU and a slab whose K/V hold random values."""
+def _tiny_on_cuda(dtype: torch.dtype, max_batch: int = 16) -> tuple[Any, Any, list[list[int]]]:
+    """A tiny TP=1 decoder with random weights on the GPU and a KV pool whose first ``max_batch`` token-table
+    rows each hold pages of 600 tokens of random K/V (returned: decoder, pool, each row's pages)."""
     from rollout_worker.api.model_config import ModelConfig
-    from rollout_worker.engine.kvcache import KVSlab
+    from rollout_worker.engine.kvcache import KVPool
     from rollout_worker.engine.model import Decoder
     from rollout_worker.engine.parallel import SINGLE
     from rollout_worker.engine.presets import preset_config
@@ -31,12 +32,23 @@ def _tiny_on_cuda(dtype: torch.dtype, max_batch: int = 16) -> tuple[Any, Any]:
     cfg = ModelConfig.from_dict(preset_config("tiny"), where="tiny")
     dev = torch.device("cuda")
     dec = Decoder(cfg, random_shard(cfg, 1, 0, dtype, dev), SINGLE)
-    slab = KVSlab(cfg.num_layers, max_batch, cfg.num_kv_heads, 2048, cfg.head_dim, dtype, dev)
-    slab.ensure(max_batch, 600)
+    pool = KVPool(
+        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, max_batch * 64, max_batch, 2048, dtype, dev
+    )
+    rows: list[list[int]] = []
+    for b in range(max_batch):
+        pages: list[int] = []
+        assert pool.reserve(pages, 600)
+        pool.bind(b, pages)
+        rows.append(pages)
     gen = torch.Generator(device=dev).manual_seed(0)
-    for c in (*slab.k, *slab.v):
+    for c in (*pool.k, *pool.v):
         c.copy_(torch.randn(c.shape, generator=gen, device=dev, dtype=dtype))
-    return dec, slab
+    return dec, pool, rows
+
+
+def _col(xs: list[int]) -> torch.Tensor:
+    return torch.tensor(xs, device="cuda")[:, None]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -45,25 +57,18 @@ def test_graph_replay_is_the_eager_step_bit_for_bit(dtype: torch.dtype) -> None:
     unpadded batch (other GEMM shapes) the logits agree to rounding and every argmax is the same."""
     from rollout_worker.engine.cudagraph import DecodeGraphs, pad_step
 
-    dec, slab = _tiny_on_cuda(dtype)
+    dec, pool, rows = _tiny_on_cuda(dtype)
     graphs = DecodeGraphs(16)
-    dev = torch.device("cuda")
     for n in (1, 3, 8, 13, 16):
         toks = [(7 * i + n) % 500 for i in range(n)]
         pos = [(37 * i + 11 * n) % 590 for i in range(n)]
-        p = pad_step(toks, pos, graphs.buckets, slab.capacity)
-        padded = dec.step_logits(
-            torch.tensor(p.tokens, device=dev)[:, None],
-            torch.tensor(p.positions, device=dev)[:, None],
-            slab,
-            p.span,
-        )[:n].clone()
-        unpadded = dec.step_logits(
-            torch.tensor(toks, device=dev)[:, None], torch.tensor(pos, device=dev)[:, None], slab, p.span
-        ).clone()
-        replayed = graphs.decode(dec, slab, toks, pos).clone()
+        write = [pool.slot(rows[b], pos[b]) for b in range(n)]
+        p = pad_step(toks, pos, graphs.buckets, pool.capacity, write)
+        padded = dec.step_logits(_col(p.tokens), _col(p.positions), pool, _col(p.write), p.span)[:n].clone()
+        unpadded = dec.step_logits(_col(toks), _col(pos), pool, _col(write), p.span).clone()
+        replayed = graphs.decode(dec, pool, toks, pos, write).clone()
         captured = graphs.captures
-        again = graphs.decode(dec, slab, toks, pos).clone()
+        again = graphs.decode(dec, pool, toks, pos, write).clone()
         assert graphs.captures == captured  # the second call replays without capturing
         assert torch.equal(replayed, padded), (n, (replayed - padded).abs().max().item())
         assert torch.equal(again, replayed)
@@ -73,34 +78,33 @@ def test_graph_replay_is_the_eager_step_bit_for_bit(dtype: torch.dtype) -> None:
     assert graphs.captures == len(graphs) >= 4  # one capture per (bucket, key span), never twice
 
 
-def test_graphs_are_dropped_when_the_slab_or_weights_change() -> None:
-    """A grown (reallocated) slab or a new decoder invalidates every graph: the next step recaptures and
-    still equals the eager step on the new memory."""
+def test_graphs_are_dropped_when_the_pool_or_weights_change() -> None:
+    """A grown (reallocated) token table or storage, or a new decoder, invalidates every graph: the next
+    step recaptures and still equals the eager step on the new memory."""
     from rollout_worker.engine.cudagraph import DecodeGraphs, key_span
     from rollout_worker.engine.model import Decoder
     from rollout_worker.engine.weights import random_shard
 
-    dec, slab = _tiny_on_cuda(torch.float32)
+    dec, pool, rows = _tiny_on_cuda(torch.float32)
     graphs = DecodeGraphs(16)
     toks, pos = [1, 2, 3, 4], [5, 50, 500, 10]
-    graphs.decode(dec, slab, toks, pos)
+    write = [pool.slot(rows[b], pos[b]) for b in range(4)]
+    graphs.decode(dec, pool, toks, pos, write)
     assert len(graphs) == 1
-    old_k = slab.k[0]
-    slab.ensure(16, 1500)  # grows the capacity: new tensors, old contents copied
-    assert slab.k[0] is not old_k
-    got = graphs.decode(dec, slab, toks, pos)
+    old_table, old_k = pool.table, pool.k[0]
+    pool.ensure_table(16, 1500)  # grows the table: a new tensor, old contents copied
+    assert pool.table is not old_table
+    got = graphs.decode(dec, pool, toks, pos, write)
     assert graphs.captures == 2 and len(graphs) == 1
-    dev = torch.device("cuda")
-    eager = dec.step_logits(
-        torch.tensor(toks, device=dev)[:, None],
-        torch.tensor(pos, device=dev)[:, None],
-        slab,
-        key_span(500, slab.capacity),
-    )
+    eager = dec.step_logits(_col(toks), _col(pos), pool, _col(write), key_span(500, pool.capacity))
     assert torch.equal(got, eager)
-    new = Decoder(dec.cfg, random_shard(dec.cfg, 1, 1, dec.dtype, dev), dec.ps)
-    graphs.decode(new, slab, toks, pos)
-    assert graphs.captures == 3 and len(graphs) == 1
+    pool.grow_storage(pool.held + 1)  # new K/V storage
+    assert pool.k[0] is not old_k
+    graphs.decode(dec, pool, toks, pos, write)
+    assert graphs.captures == 3
+    new = Decoder(dec.cfg, random_shard(dec.cfg, 1, 1, dec.dtype, torch.device("cuda")), dec.ps)
+    graphs.decode(new, pool, toks, pos, write)
+    assert graphs.captures == 4 and len(graphs) == 1
 
 
 def test_generation_with_graphs_equals_eager_generation(tiny64: Path) -> None:

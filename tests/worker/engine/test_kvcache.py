@@ -1,46 +1,78 @@
-"""The KV slab grows as requests need it and keeps what it held."""
+"""The paged KV pool: pages from the allocator, storage that grows and keeps its contents, the running
+batch's token table, and whole-page extract/insert (migration)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from rollout_worker.engine.kvcache import KVSlab
+from rollout_worker.engine.kvcache import KVPool
+
+CPU = torch.device("cpu")
 
 
-def test_slab_grows_and_keeps_contents() -> None:
-    slab = KVSlab(2, 64, 2, 4096, 8, torch.float64, torch.device("cpu"))
-    assert slab.nbytes == 0
-    slab.ensure(3, 100)
-    assert (slab.slots, slab.capacity) == (8, 256)
-    slab.k[1][2, 1, 99, 0] = 7.0
-    slab.ensure(9, 300)  # more slots and tokens: reallocated, contents copied
-    assert (slab.slots, slab.capacity) == (16, 512) and float(slab.k[1][2, 1, 99, 0]) == 7.0
-    slab.ensure(4, 10)  # fits: nothing changes
-    assert slab.capacity == 512
-    with pytest.raises(ValueError, match="cannot hold"):
-        slab.ensure(65, 10)
-    slab.release()
-    assert slab.nbytes == 0 and slab.slots == 0
+def _pool(pages: int = 16, page_size: int = 4, rows: int = 8, row_tokens: int = 64) -> KVPool:
+    return KVPool(2, 2, 3, page_size, pages, rows, row_tokens, torch.float64, CPU)
 
 
-def test_more_slots_do_not_grow_the_tokens() -> None:
-    """A batch sweep at one context (the profiler's grid, a serving batch that fills up) grows the slots
-    geometrically and leaves the tokens alone: the slab ends at the size the largest batch needs."""
-    slab = KVSlab(1, 64, 1, 4096, 1, torch.float32, torch.device("cpu"))
-    for batch in (1, 2, 4, 8, 16, 32, 64):
-        slab.ensure(batch, 320)
-    assert (slab.slots, slab.capacity) == (64, 512)
-    slab.ensure(64, 600)  # more tokens only: the slots stay
-    assert (slab.slots, slab.capacity) == (64, 1024)
-    slab.ensure(3, 2000)
-    assert (slab.slots, slab.capacity) == (64, 2048)
+def test_reserve_grows_storage_and_keeps_contents() -> None:
+    pool = _pool()
+    assert pool.nbytes == 0 and pool.tokens == 64
+    a: list[int] = []
+    assert pool.reserve(a, 5)  # 2 pages of 4
+    assert a == [1, 2] and pool.held == 3  # the null page and two pages
+    pool.k[1][pool.slot(a, 6)] = 7.0
+    b: list[int] = []
+    assert pool.reserve(b, 16)  # 4 more pages: storage grows (doubling), contents copied
+    assert b == [3, 4, 5, 6] and pool.held >= 7
+    assert float(pool.k[1][pool.slot(a, 6), 0, 0]) == 7.0
+    assert pool.reserve(a, 8) and a == [1, 2]  # already held: nothing taken
+    assert pool.used_tokens == 24
 
 
-def test_slot_growth_is_geometric() -> None:
-    slab = KVSlab(1, 1000, 1, 256, 1, torch.float32, torch.device("cpu"))
-    sizes = []
-    for batch in range(1, 201):
-        slab.ensure(batch, 10)
-        sizes.append(slab.slots)
-    assert len(set(sizes)) <= 6  # 8, 16, 32, 64, 128, 256: few copies for 200 arrivals
-    assert slab.slots == 256
+def test_exhausted_pool_refuses_and_freed_pages_are_reused() -> None:
+    pool = _pool(pages=4)
+    a: list[int] = []
+    b: list[int] = []
+    assert pool.reserve(a, 12)
+    assert not pool.reserve(b, 8) and b == []  # 1 free page, 2 needed: nothing taken
+    pool.free(a)
+    assert a == [] and pool.allocator.free == 4
+    assert pool.reserve(b, 16) and b == [1, 2, 3, 4]
+    with pytest.raises(RuntimeError, match="in use"):
+        pool.release()
+    pool.free(b)
+    pool.release()
+    assert pool.nbytes == 0 and pool.held == 0
+
+
+def test_token_table_rows_address_pages_and_null_elsewhere() -> None:
+    pool = _pool(page_size=2)
+    pages: list[int] = []
+    other: list[int] = []
+    pool.reserve(other, 2)
+    pool.reserve(pages, 5)  # pages [2, 3, 4]: slots 4..9
+    pool.bind(1, pages)
+    assert pool.table[1, :8].tolist() == [4, 5, 6, 7, 8, 9, 0, 0]
+    assert pool.table[0].abs().sum() == 0 and pool.table.shape[1] >= 6
+    pool.move_row(1, 0)
+    assert pool.table[0, :6].tolist() == [4, 5, 6, 7, 8, 9] and pool.table[1].abs().sum() == 0
+    with pytest.raises(ValueError, match="token table"):
+        pool.ensure_table(9, 10)  # more rows than max_batch
+
+
+def test_extract_insert_moves_whole_pages_between_pools() -> None:
+    src, dst = _pool(page_size=4), _pool(page_size=4)
+    a: list[int] = []
+    src.reserve(a, 6)
+    for c in (*src.k, *src.v):
+        c.copy_(torch.randn(c.shape, dtype=c.dtype))
+    b: list[int] = []
+    dst.reserve(b, 16)
+    dst.free(b)
+    dst.reserve(b, 6)  # other page ids than the source's
+    dst.insert(b, (1, 2), src.extract(a, (1, 2)))
+    for s, d in zip((*src.k, *src.v), (*dst.k, *dst.v), strict=True):
+        assert torch.equal(s[src.slots(a), 1:2], d[dst.slots(b), 1:2])
+        assert d[dst.slots(b), 0:1].abs().sum() == 0  # only the heads asked for
+    with pytest.raises(ValueError, match="expected"):
+        dst.insert(b, (0, 2), src.extract(a, (1, 2)))

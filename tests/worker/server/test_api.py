@@ -151,6 +151,44 @@ def test_prefill_only_with_prompt_logprobs(server: Served) -> None:
     assert [t[0] for t in got] == pytest.approx([t[0] for t in want], abs=1e-12)
 
 
+def test_a_one_token_prompt_with_logprobs_from_0_is_answered_as_sglang_does(server: Served) -> None:
+    """What sglang's frontend sends for gen(..., return_logprob=True) on a one-token prompt (it failed
+    rank 0 and took the server down): SGLang answers input_token_logprobs [[null, token, text]] (the
+    first token has no logprob) and the output's logprobs as usual."""
+    body = {
+        "text": "x",
+        "sampling_params": {"max_new_tokens": 3, **GREEDY},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 2,
+        "return_text_in_logprobs": True,
+    }
+    one = gen(server, body)
+    meta = one["meta_info"]
+    tok = meta["input_token_logprobs"][0][1]
+    assert meta["prompt_tokens"] == 1 and meta["finish_reason"] == {"type": "length", "length": 3}
+    assert meta["input_token_logprobs"] == [[None, tok, "x"]] and meta["input_top_logprobs"] == [None]
+    plain = gen(server, {"text": "x", "sampling_params": {"max_new_tokens": 3, **GREEDY}})
+    assert one["output_ids"] == plain["output_ids"]  # asking for logprobs changes no token
+    # the first output token's logprob is the logprob of that token after "x" as a prompt scores it
+    first = one["output_ids"][0]
+    scored = gen(
+        server,
+        {
+            "input_ids": [tok, first],
+            "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        },
+    )["meta_info"]["input_token_logprobs"]
+    assert scored[0] == [None, tok, None] and scored[1][1] == first
+    assert meta["output_token_logprobs"][0][0] == pytest.approx(scored[1][0], abs=1e-12)
+    assert meta["output_top_logprobs"][0][0][:2] == meta["output_token_logprobs"][0][:2]  # greedy: the top
+    ids = gen(server, {**body, "text": None, "input_ids": [tok]})  # the same by ids, and the server serves on
+    assert ids["meta_info"]["input_token_logprobs"] == meta["input_token_logprobs"]
+    assert server.get("/health").status_code == 200
+
+
 def test_stop_token_and_stop_string(server: Served) -> None:
     base = gen(server, {"input_ids": [9, 9, 9], "sampling_params": {"max_new_tokens": 12, **GREEDY}})
     ids = base["output_ids"]
@@ -238,18 +276,18 @@ BAD = [
     ({"input_ids": [1], "sampling_params": {"top_p": 1.5}}, "sampling_params.top_p", ""),
     ({"input_ids": [1], "sampling_params": {"top_k": -2}}, "sampling_params.top_k", ""),
     ({"input_ids": [1], "sampling_params": {"temprature": 1}}, "sampling_params.temprature", "Extra inputs"),
-    ({"input_ids": [1], "sampling_params": {"regex": "a+"}}, "sampling_params", "regex"),
+    ({"input_ids": [1], "sampling_params": {"regex": "a+"}}, "sampling_params.regex", "not supported"),
     (
         {"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}},
-        "sampling_params",
-        "frequency_penalty",
+        "sampling_params.frequency_penalty",
+        "not supported",
     ),
     (
         {"input_ids": [1], "sampling_params": {"stop_token_ids": [70000]}},
         "sampling_params.stop_token_ids",
         "out of range",
     ),
-    ({"input_ids": [1], "lora_path": "x"}, "body", "lora_path"),
+    ({"input_ids": [1], "lora_path": "x"}, "lora_path", "not supported"),
     ({"input_ids": [[1], [2]], "rid": ["a"]}, "rid", "1 rid(s) for 2 prompt(s)"),
     # issue 15: strict types as SGLang's msgspec, lone surrogates, min above max
     (
@@ -260,6 +298,12 @@ BAD = [
     ({"input_ids": [1], "sampling_params": {"temperature": True}}, "sampling_params.temperature", "number"),
     ({"input_ids": [1], "sampling_params": {"ignore_eos": 1}}, "sampling_params.ignore_eos", "boolean"),
     ({"input_ids": [1], "return_logprob": "yes"}, "return_logprob", "boolean"),
+    # issue 17: as SGLang, prompt logprobs cannot start at or past the prompt's end
+    (
+        {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 2},
+        "logprob_start_len",
+        "not below the prompt's length (2 tokens)",
+    ),
     (
         {"input_ids": [1], "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 4}},
         "sampling_params.min_new_tokens",
@@ -342,6 +386,8 @@ def test_info_endpoints(server: Served) -> None:
     info = server.get("/get_server_info").json()
     assert (info["tp_size"], info["dp_size"], info["layout"]) == (1, 2, "2x1")
     assert isinstance(info["internal_states"], list) and info["version"]
+    # no KV budget: one replica's pool holds max_batch (64) requests of context_length + 1 tokens, pages of 1
+    assert info["page_size"] == 1 and info["max_total_num_tokens"] == 64 * (info["context_length"] + 1)
     assert server.get("/server_info").json()["tp_size"] == 1
     model = server.get("/get_model_info").json()
     assert model["model_path"] and model["is_generation"] is True

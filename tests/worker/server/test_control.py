@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,36 +17,10 @@ from rollout_worker.engine.checkpoint import make_model
 from rollout_worker.engine.config import EngineConfig
 
 from tests.waiting import wait_until
-from tests.worker.server.served import Served, start
+from tests.worker.server.served import Served
 
 pytestmark = pytest.mark.multiproc
 LONG = {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Two checkpoints of the same shape (different seeds) under one weights root."""
-    root = tmp_path_factory.mktemp("weights")
-    make_model("tiny", 0, root / "a", "float64")
-    make_model("tiny", 5, root / "b", "float64")
-    return root
-
-
-@pytest.fixture(scope="module")
-def ctl(root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    s = start(
-        root / "a",
-        tmp_path_factory.mktemp("ctl"),
-        "--ranks",
-        "2",
-        "--dtype",
-        "float64",
-        "--weights-root",
-        str(root),
-        key="s3cret-key",
-    )
-    yield s
-    s.stop()
 
 
 def test_api_key_guards_every_route_but_health_and_metrics(ctl: Served) -> None:

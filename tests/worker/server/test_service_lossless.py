@@ -186,7 +186,7 @@ def _logits64(model_dir: Path, ids: list[int]) -> np.ndarray:
     transformers is no float64 reference here: its RMSNorm computes in float32 whatever the dtype."""
     from rollout_worker.api.model_config import ModelConfig
     from rollout_worker.engine.checkpoint import CheckpointReader
-    from rollout_worker.engine.kvcache import KVSlab
+    from rollout_worker.engine.kvcache import KVPool, single_row
     from rollout_worker.engine.model import Decoder
     from rollout_worker.engine.parallel import SINGLE
     from rollout_worker.engine.weights import load_shard
@@ -194,12 +194,13 @@ def _logits64(model_dir: Path, ids: list[int]) -> np.ndarray:
     cfg = ModelConfig.load(model_dir)
     w = load_shard(CheckpointReader(model_dir, cfg), cfg, 1, 0, torch.float64, torch.device("cpu"))
     dec = Decoder(cfg, w, SINGLE)
-    slab = KVSlab(
-        cfg.num_layers, 1, cfg.num_kv_heads, len(ids), cfg.head_dim, torch.float64, torch.device("cpu")
+    n = len(ids)
+    pool = KVPool(
+        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 1, n, 1, n, torch.float64, torch.device("cpu")
     )
-    slab.ensure(1, len(ids))
+    table = single_row(pool, n)
     with torch.no_grad():
-        x = dec.hidden(torch.tensor([ids]), torch.arange(len(ids))[None], slab)
+        x = dec.hidden(torch.tensor([ids]), torch.arange(n)[None], pool, table, table)
         return dec.logits(x[0]).numpy()
 
 

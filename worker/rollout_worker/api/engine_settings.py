@@ -42,8 +42,12 @@ class EngineSettings(BaseModel):
     )
     max_batch: int = Field(64, ge=1, le=4096, description="Running requests per replica.")
     kv_budget_tokens: int | None = Field(
-        None, ge=2, description="Reserved (prompt + max_new_tokens) KV tokens per replica (none: no limit)."
+        None,
+        ge=2,
+        description="KV pool of a replica in tokens, rounded up to whole pages (none: room for max_batch "
+        "requests of context_length tokens).",
     )
+    page_size: int = Field(1, ge=1, le=16, description="Tokens per page of the KV pool.")
     max_prefill_tokens: int = Field(
         8192, ge=1, description="Tokens prefilled in one step (a longer prompt is prefilled alone)."
     )

@@ -17,7 +17,9 @@ def iter_jsonl(path: str | Path, what: str) -> Iterator[tuple[str, int, Any]]:
     ``what`` names the input (a field) in the not-found error (e.g. ``prompts``).
     """
     text = read_text(path, what)
-    for n, line in enumerate(text.splitlines(), start=1):
+    # Lines end at "\n" only (JSON Lines): str.splitlines would also cut at U+2028, U+0085 and other
+    # characters a JSON string may hold unescaped. A "\r" before the "\n" is JSON whitespace.
+    for n, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         where = f"{path}:{n}"

@@ -99,6 +99,7 @@ class ReconfigEvent(BaseModel):
     requests_waiting: int = Field(0, description="Unfinished requests that wait in the new layout.")
     requests_mid_decode: int = Field(0, description="Carried requests that had generated tokens.")
     kv_bytes_moved: int = 0
+    kv_pages_moved: int = 0
     kv_tokens_recomputed: int = 0
     weights: dict[str, int] = Field(default_factory=dict, description="sliced, gathered, bytes_received")
     predicted_ms: float = Field(0.0, description="Whole switch, by the cost model, before it ran.")

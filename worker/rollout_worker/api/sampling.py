@@ -14,12 +14,14 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+GREEDY_BELOW = 1e-6  # SGLang's _SAMPLING_EPS: a temperature below it samples greedily (as top_k 1)
+
 
 @dataclass(frozen=True, slots=True)
 class Sampling:
     """One request's sampling as the engine's ranks run it (``top_k`` <= 0: off)."""
 
-    temperature: float = 0.0  # 0: greedy
+    temperature: float = 0.0  # below GREEDY_BELOW (0 included): greedy
     top_p: float = 1.0  # in (0, 1]
     top_k: int = 0  # <= 0: off
     min_p: float = 0.0  # in [0, 1]; 0: off
@@ -27,7 +29,8 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Greedy: top_k 1, or a temperature below SGLang's epsilon (dividing logits by 5e-324 overflows)."""
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
 
 def default_seed(rid: str) -> int:

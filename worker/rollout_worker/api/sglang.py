@@ -1,7 +1,9 @@
 """SGLang's native request bodies, as real clients send them (SGLang 0.4.6 / 0.5 field names and defaults).
 
-Keys SGLang has that this engine does not implement (constrained decoding, penalties, images, LoRA, ...)
-are accepted only when absent or at their neutral value; anything else is refused with the key named.
+Every key of SGLang's ``GenerateReqInput`` and ``SamplingParams`` (``sglang_surface.json``, see
+``rollout_worker.api.neutral``) is accepted: a key this engine does not implement (constrained decoding,
+penalties, images, LoRA, ...) only when absent or at its neutral value, anything else refused with the key
+named. A ``null`` is the key's default, as in SGLang.
 Types are strict, as SGLang's msgspec structs are: an integer must be a JSON integer (not ``"5"`` nor
 ``5.0``), a number a JSON number (an integer will do, ``true`` will not), a flag ``true`` or ``false``.
 Every string of a body must be Unicode text (a lone surrogate such as ``"\ud800"`` is refused, naming
@@ -10,47 +12,13 @@ where it is).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from rollout_worker.api.errors import FieldAt, FieldPath
+from rollout_worker.api.neutral import drop_nulls, sglang_neutral, strip_neutral
 from rollout_worker.api.sampling import Sampling
-
-# key -> its neutral value (what a client that does not use the feature sends)
-_NEUTRAL_SAMPLING: dict[str, Any] = {
-    "regex": None,
-    "json_schema": None,
-    "ebnf": None,
-    "structural_tag": None,
-    "stop_regex": None,
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "logit_bias": None,
-    "custom_params": None,
-    "stream_interval": None,
-}
-_NEUTRAL_GENERATE: dict[str, Any] = {
-    "image_data": None,
-    "audio_data": None,
-    "video_data": None,
-    "input_embeds": None,
-    "lora_path": None,
-    "lora_id": None,
-    "session_params": None,
-    "custom_logit_processor": None,
-    "return_hidden_states": False,
-    "token_ids_logprob": None,
-    "modalities": None,
-    "data_parallel_rank": None,
-    "bootstrap_host": None,
-    "bootstrap_port": None,
-    "bootstrap_room": None,
-    "log_metrics": True,
-    "stream_output": None,
-    "priority": None,
-}
 
 
 def _not_text(data: Any, path: FieldPath = ()) -> FieldPath | None:
@@ -92,17 +60,6 @@ class Body(BaseModel):
         if bad is not None:
             raise FieldAt(bad, "not Unicode text (a lone surrogate escape such as \\ud800)")
         return data
-
-
-def _check_neutral(data: Any, neutral: dict[str, Any]) -> Any:
-    if isinstance(data, dict):
-        for key, value in neutral.items():
-            if key in data and data[key] != value and not (value is None and data[key] in ([], {})):
-                raise ValueError(
-                    f"{key}={data[key]!r} is not supported by this engine (only {value!r} or absent)"
-                )
-        return {k: v for k, v in data.items() if k not in neutral}
-    return data
 
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's, also for max_new_tokens: null
@@ -147,7 +104,7 @@ class SamplingParams(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _neutral(cls, data: Any) -> Any:
-        return _check_neutral(data, _NEUTRAL_SAMPLING)
+        return strip_neutral(drop_nulls(data), NEUTRAL_SAMPLING)
 
     @field_validator("stop")
     @classmethod
@@ -188,7 +145,7 @@ class GenerateRequest(Body):
     @model_validator(mode="before")
     @classmethod
     def _neutral(cls, data: Any) -> Any:
-        return _check_neutral(data, _NEUTRAL_GENERATE)
+        return strip_neutral(drop_nulls(data), NEUTRAL_GENERATE)
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
@@ -215,6 +172,14 @@ class GenerateRequest(Body):
                 raise ValueError(f"a list field has {len(value)} item(s) for {len(self.prompts())} prompt(s)")
             return value[i]
         return default if value is None else value
+
+
+# what this engine does not implement of SGLang's surface (``sglang_surface.json``), at neutral values only;
+# log_metrics false (health checks send it) and no_logs true change nothing here: no request is logged
+NEUTRAL_SAMPLING = sglang_neutral("sampling", SamplingParams.model_fields)
+NEUTRAL_GENERATE = sglang_neutral(
+    "generate", GenerateRequest.model_fields, {"log_metrics": (False,), "no_logs": (True,)}
+)
 
 
 class AbortRequest(Body):
@@ -247,7 +212,34 @@ class UpdateWeightsRequest(Body):
         return v
 
 
-class MemoryRequest(Body):
+class UpdateTensorRequest(Body):
+    """``POST /update_weights_from_tensor`` (``rollout_worker.server.tensor_update`` reads the tensors)."""
+
     model_config = ConfigDict(extra="ignore")
 
-    tags: list[Literal["weights", "kv_cache"]] | None = None
+    serialized_named_tensors: list[str] = Field(min_length=1)
+    load_format: None = Field(None, description="Only the default (full named tensors) is implemented.")
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+MemoryTag = Literal["weights", "kv_cache", "cuda_graph"]
+MEMORY_TAGS: tuple[MemoryTag, ...] = get_args(MemoryTag)
+
+
+class MemoryRequest(Body):
+    """``/release_memory_occupation``, ``/resume_memory_occupation``; no tags: all of them."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    tags: list[MemoryTag] | None = None
+
+
+class WeightVersionRequest(Body):
+    """``POST /update_weight_version``: name the weights being served (SGLang aborts by default)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    new_version: str = Field(min_length=1)
+    abort_all_requests: bool = True

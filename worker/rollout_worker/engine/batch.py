@@ -77,6 +77,10 @@ class BatchResult:
     wall_s: float  # the whole call: ranks started, weights loaded, generation, shutdown
     gen_s: float = 0.0  # first request submitted -> last request finished
 
+    def tokens(self) -> dict[str, list[int]]:
+        """Each request's output ids, by request id."""
+        return {o["id"]: o["output_ids"] for o in self.outputs}
+
 
 class Interrupted(EngineError):
     """Stopped before every request finished; ``partial`` holds the ones that had."""

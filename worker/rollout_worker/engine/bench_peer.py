@@ -2,7 +2,9 @@
 greedy), side by side in one run on the same model, requests and cores.
 
 * request sets: equal lengths (every request the same number of new tokens) and a long-tailed set (a few
-  long requests among many short ones), prompts of the same length;
+  long requests among many short ones), prompts of the same length; with a chat model and ``--chat-prompts``
+  (default examples/math.jsonl) also ``natural``: those prompts rendered with its chat template, EOS
+  honoured, up to 256 new tokens, so the lengths are the model's own (greedy: loops run to the cap);
 * cores: ``c`` cores = our engine with ``c`` rank processes as ``c x 1`` (one torch thread each) against
   transformers with ``torch.set_num_threads(c)`` in one process;
 * whole commands: ``rolloutctl generate ...`` against ``python -m rollout_worker.engine.bench_peer hf ...``
@@ -52,21 +54,41 @@ def request_sets(
     }
 
 
+NATURAL_CAP = 256
+
+
+def natural_set(model: Path, chat_prompts: Path, n: int = 16) -> list[dict[str, Any]]:
+    """The first ``n`` chat prompts, rendered and tokenized as a job renders them, EOS honoured."""
+    from rollout_worker.api.prompts import ChatTemplate, load_prompts
+    from rollout_worker.engine.tokenizer import load_tokenizer
+
+    template = ChatTemplate.of_model(model)
+    assert template is not None
+    tok = load_tokenizer(model)
+    return [
+        {"id": f"n{i}", "input_ids": tok.encode(p.text or "", add_special_tokens=False).ids,
+         "max_new_tokens": NATURAL_CAP}
+        for i, p in enumerate(load_prompts(chat_prompts, n, template))
+    ]  # fmt: skip
+
+
 def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def _ours_steady(model: Path, rows: list[dict[str, Any]], cores: int) -> tuple[float, dict[str, list[int]]]:
+def _ours_steady(
+    model: Path, rows: list[dict[str, Any]], cores: int, ignore_eos: bool = True
+) -> tuple[float, dict[str, list[int]]]:
     from rollout_worker.engine.batch import run_batch
     from rollout_worker.engine.config import EngineConfig
 
     cfg = EngineConfig.load(str(model), cores)
     specs = [
-        RequestSpec(r["id"], tuple(r["input_ids"]), r["max_new_tokens"], Sampling(), ignore_eos=True)
+        RequestSpec(r["id"], tuple(r["input_ids"]), r["max_new_tokens"], Sampling(), ignore_eos=ignore_eos)
         for r in rows
     ]
     res = run_batch(cfg, specs)
-    return res.gen_s, {o["id"]: o["output_ids"] for o in res.outputs}
+    return res.gen_s, res.tokens()
 
 
 def _timed(cmd: list[str]) -> tuple[float, str]:
@@ -79,19 +101,28 @@ def _timed(cmd: list[str]) -> tuple[float, str]:
 
 
 def run_peer_bench(
-    preset: str, cores: list[int], runs: int, work: Path, json_out: Path | None, echo: Echo
+    preset: str,
+    cores: list[int],
+    runs: int,
+    work: Path,
+    json_out: Path | None,
+    echo: Echo,
+    chat_prompts: Path | None = None,
 ) -> dict[str, Any]:
     from rollout_worker.api.model_config import ModelConfig
+    from rollout_worker.api.prompts import ChatTemplate
     from rollout_worker.engine.bench import ensure_model
 
     model = ensure_model(preset, work)
     sets = request_sets(ModelConfig.load(model).vocab_size)
+    if chat_prompts is not None and ChatTemplate.of_model(model) is not None:
+        sets["natural"] = natural_set(model, chat_prompts)
     tmp = Path(tempfile.mkdtemp())
     results: list[dict[str, Any]] = []
     for name, rows in sets.items():
         prompts = tmp / f"{name}.jsonl"
         _write_jsonl(prompts, rows)
-        tokens = sum(r["max_new_tokens"] for r in rows)
+        natural = name == "natural"
         for c in cores:
             ours_cmd = [
                 *rolloutctl(),
@@ -120,6 +151,7 @@ def run_peer_bench(
                 str(tmp / "hf.jsonl"),
                 "--threads",
                 str(c),
+                *(["--eos"] if natural else []),
             ]
             samples: dict[str, list[float]] = {"ours_cmd": [], "hf_cmd": [], "ours_gen": [], "hf_gen": []}
             agree: list[float] = []
@@ -128,7 +160,7 @@ def run_peer_bench(
                 for who in order:
                     if who == "ours":
                         samples["ours_cmd"].append(_timed(ours_cmd)[0])
-                        gen_s, ours_ids = _ours_steady(model, rows, c)
+                        gen_s, ours_ids = _ours_steady(model, rows, c, ignore_eos=not natural)
                         samples["ours_gen"].append(gen_s)
                     else:
                         wall, out = _timed(hf_cmd)
@@ -136,10 +168,12 @@ def run_peer_bench(
                         samples["hf_gen"].append(json.loads(out.strip().splitlines()[-1])["generate_s"])
                 hf_ids = {
                     json.loads(x)["id"]: json.loads(x)["output_ids"]
-                    for x in (tmp / "hf.jsonl").read_text().splitlines()
+                    for x in (tmp / "hf.jsonl").read_text().split("\n")
+                    if x
                 }
                 agree.append(_agreement(ours_ids, hf_ids))
             med = {k: statistics.median(v) for k, v in samples.items()}
+            tokens = sum(len(x) for x in ours_ids.values())  # natural: the lengths our engine drew
             row = {
                 "set": name,
                 "cores": c,
@@ -157,7 +191,10 @@ def run_peer_bench(
                 f"{med['hf_cmd']:.2f} s ({row['speedup_cmd']:.2f}x); generation {med['ours_gen']:.2f} s vs "
                 f"{med['hf_gen']:.2f} s ({row['speedup_gen']:.2f}x)"
             )
-    echo(f"\n{preset}, float32, greedy, 16 requests, prompts of 32 tokens; median of {runs} alternated runs")
+    echo(
+        f"\n{preset}, float32, greedy, 16 requests (equal, tail: random prompts of 32 tokens; natural: chat "
+        f"prompts, EOS honoured, cap {NATURAL_CAP}); median of {runs} alternated runs"
+    )
     echo(
         "| set | cores | tokens | whole command: ours / transformers | speed-up "
         "| generation: ours / transformers | speed-up | same tokens |"
@@ -198,12 +235,13 @@ def hf_main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompts", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--eos", action="store_true", help="stop each row at the model's EOS")
     a = ap.parse_args(argv)
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(a.threads)
-    rows = [json.loads(x) for x in Path(a.prompts).read_text().splitlines() if x.strip()]
+    rows = [json.loads(x) for x in Path(a.prompts).read_text().split("\n") if x.strip()]
     model = AutoModelForCausalLM.from_pretrained(a.model, torch_dtype=torch.float32)
     model.eval()
     width = max(len(r["input_ids"]) for r in rows)
@@ -213,27 +251,33 @@ def hf_main(argv: list[str] | None = None) -> None:
         ids[i, width - len(r["input_ids"]) :] = torch.tensor(r["input_ids"])
         mask[i, width - len(r["input_ids"]) :] = 1
     longest = max(r["max_new_tokens"] for r in rows)
+    eos = model.generation_config.eos_token_id if a.eos else None
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(  # type: ignore[misc]
             input_ids=ids,
             attention_mask=mask,
             max_new_tokens=longest,
-            min_new_tokens=longest,
+            min_new_tokens=None if a.eos else longest,
             do_sample=False,
-            eos_token_id=None,
+            eos_token_id=model.generation_config.eos_token_id if a.eos else None,
             pad_token_id=0,
         )
     gen_s = time.perf_counter() - t0
     with Path(a.out).open("w") as f:
         for i, r in enumerate(rows):
             f.write(
-                json.dumps(
-                    {"id": r["id"], "output_ids": out[i, width : width + r["max_new_tokens"]].tolist()}
-                )
-                + "\n"
+                json.dumps({"id": r["id"], "output_ids": _until_eos(out[i, width:].tolist(), r, eos)}) + "\n"
             )
     print(json.dumps({"generate_s": gen_s}))
+
+
+def _until_eos(ids: list[int], row: dict[str, Any], eos: int | list[int] | None) -> list[int]:
+    """A row's output as our engine reports it: its cap, and through its first EOS (the rest is padding)."""
+    ids = ids[: row["max_new_tokens"]]
+    stops = {eos} if isinstance(eos, int) else set(eos or ())
+    end = next((i + 1 for i, t in enumerate(ids) if t in stops), len(ids))
+    return ids[:end]
 
 
 if __name__ == "__main__":

@@ -163,11 +163,21 @@ class Book:
             out.itl_s.append(now - t.last_token_at)
         t.last_token_at = now
         out.updates.append(Update(tok.rid, tokens=(tok,)))
-        matched = self._stop_matched(t)
-        if matched is not None and t.replica is not None:
-            finish = FinishStop(matched)
+        finish = self._stop_finish(t)
+        if finish is not None and t.replica is not None:
             out.aborts.append((t.replica, tok.rid, finish))
             out.updates.append(self.finalize(tok.rid, finish, now))
+
+    def _stop_finish(self, t: Tracked) -> Finish | None:
+        """A stop string matched; or the output could not be decoded to check (the request's own failure:
+        it is aborted, the engine carries on)."""
+        try:
+            matched = self._stop_matched(t)
+        except Exception as exc:
+            return FinishAbort(
+                f"request failed: decoding the output for stop strings: {type(exc).__name__}: {exc}"
+            )
+        return None if matched is None else FinishStop(matched)
 
     def _stop_matched(self, t: Tracked) -> str | None:
         """The first stop string the output now contains (checked on a tail that covers the newest token)."""

@@ -30,6 +30,7 @@ from rollout_worker.api.errors import EngineError, Unavailable, UserError
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.plan import Plan, ReconfigEvent
 from rollout_worker.api.requests import RequestSpec, check_fits
+from rollout_worker.api.sglang import MEMORY_TAGS
 from rollout_worker.api.state import EngineState
 from rollout_worker.engine import messages as m
 from rollout_worker.engine import snapshot
@@ -181,6 +182,11 @@ class Engine:
         bad = [t for t in spec.stop_token_ids if not 0 <= t < vocab]
         if bad:
             raise UserError(f"token id {bad[0]} out of range [0, {vocab})", "sampling_params.stop_token_ids")
+        if spec.return_logprob and spec.logprob_start_len >= len(spec.prompt_ids):  # as SGLang refuses it
+            raise UserError(
+                f"{spec.logprob_start_len} is not below the prompt's length ({len(spec.prompt_ids)} tokens)",
+                "logprob_start_len",
+            )
         check_fits(spec, cfg.engine.context_length, cfg.engine.kv_budget_tokens)
 
     def submit(self, spec: RequestSpec, stop: tuple[str, ...] = ()) -> None:
@@ -283,6 +289,15 @@ class Engine:
                     self._hold = False
                     self._dispatch()
 
+    def set_weight_version(self, version: str, abort_all: bool = False) -> None:
+        """Name the weights being served (what ``meta_info.weight_version`` reports), aborting every
+        request first with ``abort_all``."""
+        if abort_all:
+            self.abort(None, "aborted for a weight version update")
+        with self._lock:
+            self._life.status.check_serving()
+            self._weight_version = version
+
     def release_memory(self, tags: tuple[str, ...]) -> None:
         self._memory(m.ReleaseMemory, tags)
 
@@ -290,9 +305,9 @@ class Engine:
         self._memory(m.ResumeMemory, tags)
 
     def _memory(self, kind: type[m.ReleaseMemory] | type[m.ResumeMemory], tags: tuple[str, ...]) -> None:
-        bad = [t for t in tags if t not in m.MEMORY_TAGS]
+        bad = [t for t in tags if t not in MEMORY_TAGS]
         if bad:
-            raise UserError(f"unknown tag {bad[0]!r}; choose from {', '.join(m.MEMORY_TAGS)}", "tags")
+            raise UserError(f"unknown tag {bad[0]!r}; choose from {', '.join(MEMORY_TAGS)}", "tags")
         with self._global:
             with self._lock:
                 self._life.status.check_serving()

@@ -1,99 +1,185 @@
-"""A per-replica KV cache: one dense slab per layer, ``[slots, kv_heads_local, capacity, head_dim]``.
+"""A per-replica paged KV pool: per layer, K and V of every token slot, ``[slots, kv_heads_local, head_dim]``,
+in fixed-size pages of ``page_size`` slots (page p holds slots ``p*page_size .. (p+1)*page_size - 1``).
 
-Running requests occupy slots 0..B-1 in batch order (the scheduler keeps them compact), so the decode
-step attends over a view ``slab[:B, :, :max_len]`` with no copy. The slab grows when a request needs more
-slots or tokens than it has (a copy into a larger slab, amortised by growing in steps); the scheduler's
-admission limits (max batch, KV budget, context length) bound it.
+A request holds a page table (``Sequence.pages``), the pages of its positions in order, taken from the
+pool's :class:`~rollout_worker.api.pages.PageAllocator` and given back when it finishes, is aborted or is
+retracted. The pool also keeps the *token table* of the running batch, ``table[row, position]`` = the
+token slot of that position for the request in ``row`` (0, the null page's first slot, where the row holds
+no page): a forward pass writes K/V at ``table[rows, positions]`` and attention gathers
+``storage[table[rows, :keys]]`` into the step's batch (positions past a request's length are masked). Rows
+of requests not running are all null, so a padded batch row reads and writes only the null page.
+
+Storage is allocated lazily and grows (a copy, amortised by doubling) up to the highest page handed out:
+the allocator hands out the lowest free page, so the pool's memory follows the most pages held at once.
 """
 
 from __future__ import annotations
 
 import torch
 
-_TOKEN_STEP = 256  # capacity grows in multiples of this
-_SLOT_STEP = 8
+from rollout_worker.api.pages import PageAllocator, pages_for
+
+_ROW_STEP = 8  # the token table grows in multiples of these
+_TOKEN_STEP = 256
 
 
 def _round_up(n: int, step: int) -> int:
     return -(-n // step) * step
 
 
-class KVSlab:
+class KVPool:
     def __init__(
         self,
         layers: int,
-        max_slots: int,
         kv_heads: int,
-        max_capacity: int,
         head_dim: int,
+        page_size: int,
+        pages: int,
+        max_rows: int,
+        row_tokens: int,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
-        self.max_slots, self.max_capacity = max_slots, max_capacity
+        self.page_size = page_size
+        self.allocator = PageAllocator(pages)
+        self.max_rows, self.row_tokens = max_rows, _round_up(row_tokens, page_size)
         self.dtype, self.device = dtype, device
-        self.slots = self.capacity = 0
+        self.held = 0  # pages of storage, the null page included
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
+        self.table = torch.zeros((0, 0), dtype=torch.long, device=device)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the pool holds when full (SGLang's ``max_total_num_tokens``)."""
+        return self.allocator.pages * self.page_size
+
+    @property
+    def used_tokens(self) -> int:
+        return self.allocator.used * self.page_size
+
+    @property
+    def capacity(self) -> int:
+        """Positions a row of the token table addresses now."""
+        return int(self.table.shape[1])
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
-    def ensure(self, slots: int, capacity: int) -> None:
-        """Room for ``slots`` requests of ``capacity`` tokens each; existing contents are kept."""
-        if slots <= self.slots and capacity <= self.capacity:
+    # -- pages -----------------------------------------------------------------------------------------
+    def reserve(self, pages: list[int], tokens: int) -> bool:
+        """Extend the page table ``pages`` (in place) to hold ``tokens`` tokens; False, and nothing
+        taken, when the pool has too few free pages."""
+        need = pages_for(tokens, self.page_size) - len(pages)
+        if need <= 0:
+            return True
+        got = self.allocator.alloc(need)
+        if got is None:
+            return False
+        pages.extend(got)
+        self.grow_storage(got[-1] + 1)
+        return True
+
+    def free(self, pages: list[int]) -> None:
+        """Give a request's pages back (its page table is emptied)."""
+        self.allocator.release(pages)
+        pages.clear()
+
+    def grow_storage(self, held: int) -> None:
+        if held <= self.held:
             return
-        # Each dimension grows only when it is short, then geometrically (amortised copies): a batch that
-        # outgrows the slots must not double the tokens too (that multiplied the slab's memory per growth).
-        new_slots, new_cap = self.slots, self.capacity
-        if slots > self.slots:
-            new_slots = min(max(_round_up(slots, _SLOT_STEP), 2 * self.slots), self.max_slots)
-        if capacity > self.capacity:
-            new_cap = min(max(_round_up(capacity, _TOKEN_STEP), 2 * self.capacity), self.max_capacity)
-        if new_slots < slots or new_cap < capacity:
-            raise ValueError(
-                f"KV slab cannot hold {slots} slots x {capacity} tokens (limits {self.max_slots} x "
-                f"{self.max_capacity})"
-            )
-        shape = (new_slots, self.kv_heads, new_cap, self.head_dim)
-        old_k, old_v, s, c = self.k, self.v, self.slots, self.capacity
+        new = min(max(held, 2 * self.held), self.allocator.pages + 1)
+        shape = (new * self.page_size, self.kv_heads, self.head_dim)
+        old = (*self.k, *self.v)
         self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
         self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
-        if s and c:
-            for new, old in zip((*self.k, *self.v), (*old_k, *old_v), strict=True):
-                new[:s, :, :c] = old
-        self.slots, self.capacity = new_slots, new_cap
+        if old:
+            n = self.held * self.page_size
+            for dst, src in zip((*self.k, *self.v), old, strict=True):
+                dst[:n] = src
+        self.held = new
+
+    def slots(self, pages: list[int]) -> torch.Tensor:
+        """Token slots of every position ``pages`` hold, in order (on the pool's device)."""
+        ps = self.page_size
+        base = torch.tensor(pages, dtype=torch.long, device=self.device)[:, None] * ps
+        return (base + torch.arange(ps, device=self.device)).reshape(-1)
+
+    def slot(self, pages: list[int], position: int) -> int:
+        return pages[position // self.page_size] * self.page_size + position % self.page_size
+
+    # -- the running batch's token table ---------------------------------------------------------------
+    def ensure_table(self, rows: int, tokens: int) -> None:
+        """Room in the token table for ``rows`` rows of ``tokens`` positions; contents are kept."""
+        r, c = self.table.shape
+        if rows <= r and tokens <= c:
+            return
+        new_r = min(max(_round_up(rows, _ROW_STEP), 2 * r), self.max_rows) if rows > r else r
+        new_c = min(max(_round_up(tokens, _TOKEN_STEP), 2 * c), self.row_tokens) if tokens > c else c
+        if new_r < rows or new_c < tokens:
+            raise ValueError(
+                f"KV token table cannot hold {rows} rows x {tokens} tokens (limits {self.max_rows} x "
+                f"{self.row_tokens})"
+            )
+        table = torch.zeros((new_r, new_c), dtype=torch.long, device=self.device)
+        table[:r, :c] = self.table
+        self.table = table
+
+    def bind(self, row: int, pages: list[int]) -> None:
+        """Row ``row`` of the token table addresses ``pages`` (the rest of the row: the null page)."""
+        n = len(pages) * self.page_size
+        self.ensure_table(row + 1, n)
+        self.table[row] = 0
+        if pages:
+            self.table[row, :n] = self.slots(pages)
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.table[dst] = self.table[src]
+        self.table[src] = 0
+
+    def clear_row(self, row: int) -> None:
+        if row < self.table.shape[0]:
+            self.table[row] = 0
 
     def release(self) -> None:
-        """Free the memory (``/release_memory_occupation``); the next ``ensure`` allocates again."""
-        self.k, self.v = [], []
-        self.slots = self.capacity = 0
+        """Free the memory (``/release_memory_occupation``; no request holds a page); it grows again."""
+        if self.allocator.used:
+            raise RuntimeError(f"cannot release a KV pool with {self.allocator.used} page(s) in use")
+        self.k, self.v, self.held = [], [], 0
+        self.table = torch.zeros((0, 0), dtype=torch.long, device=self.device)
 
-    def move(self, src: int, dst: int, length: int) -> None:
-        """Copy a request's cache from slot ``src`` to ``dst`` (compaction after a request finishes)."""
-        for cache in (*self.k, *self.v):
-            cache[dst, :, :length] = cache[src, :, :length]
-
-    def extract(self, slot: int, heads: tuple[int, int], length: int) -> torch.Tensor:
-        """K and V of local heads [lo, hi) for ``length`` tokens, flattened (for migration)."""
+    # -- migration -------------------------------------------------------------------------------------
+    def extract(self, pages: list[int], heads: tuple[int, int]) -> torch.Tensor:
+        """K and V of local heads [lo, hi) of whole ``pages``, flattened (what migration sends)."""
         lo, hi = heads
-        parts = [
-            c[slot, lo:hi, :length].reshape(-1) for pair in zip(self.k, self.v, strict=True) for c in pair
-        ]
-        return torch.cat(parts)
+        idx = self.slots(pages)
+        return torch.cat(
+            [c[idx, lo:hi].reshape(-1) for pair in zip(self.k, self.v, strict=True) for c in pair]
+        )
 
-    def insert(self, slot: int, heads: tuple[int, int], length: int, flat: torch.Tensor) -> None:
+    def insert(self, pages: list[int], heads: tuple[int, int], flat: torch.Tensor) -> None:
         lo, hi = heads
-        n = (hi - lo) * length * self.head_dim
+        idx = self.slots(pages)
+        n = len(idx) * (hi - lo) * self.head_dim
         if flat.numel() != 2 * self.layers * n:
             raise ValueError(f"KV buffer of {flat.numel()} elements, expected {2 * self.layers * n}")
-        self.ensure(slot + 1, length)
         off = 0
         for pair in zip(self.k, self.v, strict=True):
             for c in pair:
-                c[slot, lo:hi, :length] = flat[off : off + n].view(hi - lo, length, -1)
+                c[idx, lo:hi] = flat[off : off + n].view(len(idx), hi - lo, self.head_dim)
                 off += n
+
+
+def single_row(pool: KVPool, tokens: int) -> torch.Tensor:
+    """Pages for one request of ``tokens`` tokens in row 0: its token table ``[1, tokens]`` (for callers
+    that run the decoder outside a replica: probes and tests)."""
+    pages: list[int] = []
+    if not pool.reserve(pages, tokens):
+        raise ValueError(f"a KV pool of {pool.tokens} tokens cannot hold {tokens}")
+    pool.bind(0, pages)
+    return pool.table[:1, :tokens]
 
 
 def kv_elements(layers: int, heads: int, length: int, head_dim: int) -> int:

@@ -7,6 +7,10 @@ same commands at the same step. TP-1 replicas need no collective at all. Replica
 other, except at a *global* command (a reconfiguration, a weight load), where every rank of the pod meets.
 An idle or paused replica blocks on its inbox instead of spinning.
 
+A request that fails on its own (see :mod:`~rollout_worker.engine.replica`) is aborted by every rank of its
+replica at the same step; the same broadcast carries the leader's digest of the requests so aborted, and a
+rank whose own digest differs fails (its replica's ranks would no longer run the same batch).
+
 The rank dies with the driver: a watchdog thread waits on the driver's pidfd (any death, SIGKILL included)
 and ends the process; PR_SET_PDEATHSIG covers the parent (a forkserver on CPU) as well.
 """
@@ -14,6 +18,8 @@ and ends the process; PR_SET_PDEATHSIG covers the parent (a forkserver on CPU) a
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import logging
 import os
 import queue as queue_mod
 import signal
@@ -38,6 +44,8 @@ from rollout_worker.engine.sequence import Sequence
 from rollout_worker.engine.state import RankState, build_state, device_for, load_weights
 from rollout_worker.proc import die_with_parent, when_gone
 
+log = logging.getLogger(__name__)
+
 
 class Outbox:
     """The one pipe every rank writes to, under a lock: a message written before a collective is read by
@@ -58,6 +66,7 @@ class RankLoop:
         self.pending: list[tuple[str, Finish]] = []  # finished by a command, reported at the next report
         self.retracted: list[str] = []
         self.step_ms: list[float] = []
+        self.faulted = 0  # digest of the requests this replica aborted for their own failures
 
     @property
     def idle(self) -> bool:
@@ -81,10 +90,15 @@ class RankLoop:
             return self._drain(block)
         if st.is_leader:
             msgs = self._drain(block)
-            self.st.group_sync(len(msgs))
+            self.st.group_sync(len(msgs), self.faulted)
             return msgs
         first = [self.inbox.get()] if block else []
-        k = self.st.group_sync(0)
+        k, faulted = self.st.group_sync(0, self.faulted)
+        if faulted != self.faulted:
+            raise RuntimeError(
+                f"the ranks of replica {st.replica_index} disagree on which requests failed "
+                f"(rank {st.rank} saw a failure its leader did not, or the reverse)"
+            )
         return first + [self.inbox.get() for _ in range(k - len(first))]
 
     def _drain(self, block: bool) -> list[m.Command]:
@@ -124,6 +138,7 @@ class RankLoop:
     def reconfigure(self, cmd: m.Reconfigure) -> None:
         self.flush()  # the driver learns of everything before the switch first
         self.st, event, placements = reconfigure(self.st, cmd.target, cmd.method, cmd.reason)
+        self.faulted = 0  # every rank meets here; the new groups start agreeing afresh
         if self.st.rank == 0:
             self.outbox.send(m.Switched(cmd.ticket, event, tuple(placements), self.st.epoch, self.st.step))
         dist.barrier()  # ... and of the switch before any report of the new layout
@@ -173,8 +188,13 @@ class RankLoop:
         out = st.replica.step()
         ms = (time.perf_counter() - t0) * 1e3
         st.step += 1
+        for rid, why in out.failed:
+            self.faulted = _chain(self.faulted, rid)
+            if st.is_leader:
+                log.warning("request %s aborted at step %d: %s", rid, st.step, why)
         if not st.is_leader:
             return
+        self.retracted += out.retracted
         report = m.StepReport(
             replica=st.replica_index,
             epoch=st.epoch,
@@ -194,7 +214,7 @@ class RankLoop:
         r.finished = [*self.pending, *r.finished]
         r.retracted = tuple(self.retracted)
         r.running, r.waiting = len(rep.running), len(rep.waiting)
-        r.kv_tokens, r.kv_capacity = rep.kv_tokens, rep.slab.slots * rep.slab.capacity
+        r.kv_tokens, r.kv_capacity = rep.kv_tokens, rep.pool.tokens
         self.pending, self.retracted = [], []
         if self.st.is_leader:
             self.outbox.send(r)
@@ -202,6 +222,12 @@ class RankLoop:
     def flush(self) -> None:
         if self.pending or self.retracted:
             self.report(m.StepReport(self.st.replica_index, self.st.epoch, self.st.step, "idle", 0.0))
+
+
+def _chain(digest: int, rid: str) -> int:
+    """The digest of the failed requests so far, extended by ``rid`` (63 bits: an int64 on the wire)."""
+    h = hashlib.blake2b(f"{digest}:{rid}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") >> 1
 
 
 # -- process entry ------------------------------------------------------------------------------------

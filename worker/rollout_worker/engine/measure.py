@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from rollout_worker.api.layout import Layout
+from rollout_worker.api.pages import pages_for
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import Sampling
 from rollout_worker.engine.reconfig import reconfigure
@@ -25,7 +26,7 @@ _HEADROOM = 64  # decode steps a measurement may run past its context
 
 def _switch(st: RankState, target: Layout) -> RankState:
     """Move the (emptied) engine to ``target`` through the real reconfiguration path."""
-    st.replica.running.clear()
+    st.replica.drop_running()
     st.replica.waiting.clear()
     if target == st.layout:
         return st
@@ -37,10 +38,13 @@ def _switch(st: RankState, target: Layout) -> RankState:
 
 def _fake_running(st: RankState, batch: int, context: int, tag: str, seed: int) -> None:
     """``batch`` running requests on this rank's replica with ``context`` cached tokens of random K/V
-    (made on the device). The slab is sized for this point alone, so a large grid does not keep the
-    largest batch's slots and the longest context's tokens at once."""
+    (made on the device). The pool's storage is sized for this point alone, so a large grid does not keep
+    the largest batch's slots and the longest context's tokens at once."""
     rep = st.replica
-    rep.running.clear()
+    rep.drop_running()
+    rep.release_kv()
+    if st.device.type == "cuda":
+        torch.cuda.empty_cache()
     d = st.replica_index
     rng = random.Random(seed * 1000 + d)
     vocab = st.model.vocab_size
@@ -53,34 +57,31 @@ def _fake_running(st: RankState, batch: int, context: int, tag: str, seed: int) 
             ignore_eos=True,
         )
         rep.running.append(Sequence(spec=spec, output=[rng.randrange(vocab)]))
-    if rep.slab.slots < batch or rep.slab.capacity < context + _HEADROOM:
-        rep.release_kv()
-        if st.device.type == "cuda":
-            torch.cuda.empty_cache()
-    rep.slab.ensure(batch, context + _HEADROOM)
+    pool = rep.pool
+    pool.grow_storage(batch * pages_for(context + _HEADROOM, pool.page_size) + 1)  # one allocation
+    pool.ensure_table(batch, context + _HEADROOM)
+    rep.hold_running_kv()
     gen = torch.Generator(device=st.device).manual_seed(seed)
-    for cache in (*rep.slab.k, *rep.slab.v):
-        view = cache[:batch, :, :context]
-        view.copy_(torch.randn(view.shape, generator=gen, device=st.device, dtype=view.dtype))
+    for cache in (*pool.k, *pool.v):
+        cache.copy_(torch.randn(cache.shape, generator=gen, device=st.device, dtype=cache.dtype))
 
 
 def kv_fits(st: RankState, batch: int, context: int) -> bool:
-    """Whether ``batch`` x ``context`` tokens of KV (as the slab would allocate them) fit in the device's
-    free memory with a 10% margin. Always true on CPU (the caller keeps the grid small there). On CUDA a
-    slab too small for the point is released first, so that its memory counts as free."""
+    """Whether ``batch`` x ``context`` tokens of KV (the pages :func:`_fake_running` takes) fit in the
+    device's free memory with a 10% margin. Always true on CPU (the caller keeps the grid small there). On
+    CUDA the pool is released first, so that its memory counts as free."""
     if st.device.type != "cuda":
         return True
     rep = st.replica
-    if rep.slab.slots >= batch and rep.slab.capacity >= context + _HEADROOM:
-        return True
     m = st.model
-    per_token = 2 * m.num_layers * rep.slab.kv_heads * m.head_dim  # this rank's KV heads
+    per_token = 2 * m.num_layers * rep.pool.kv_heads * m.head_dim  # this rank's KV heads
     per_token *= torch.empty((), dtype=st.dtype).element_size()
-    slots, tokens = -(-batch // 8) * 8, -(-(context + _HEADROOM) // 256) * 256
+    tokens = batch * pages_for(context + _HEADROOM, rep.pool.page_size) * rep.pool.page_size
+    rep.drop_running()
     rep.release_kv()
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(st.device)
-    return slots * tokens * per_token < 0.9 * free
+    return tokens * per_token < 0.9 * free
 
 
 def trimmed_mean(xs: list[float], cut: float = 0.2) -> float:
@@ -180,7 +181,7 @@ def measure_grid(st: RankState, args: dict[str, Any]) -> dict[str, Any]:
                     if breakdown and active:
                         point["breakdown"] = step_breakdown(st, min(steps, 10))
                     points.append(point)
-        st.replica.running.clear()
+        st.replica.drop_running()
     return {"points": points, "skipped": skipped}
 
 
@@ -215,16 +216,9 @@ def probe_logits(st: RankState, args: dict[str, Any]) -> dict[str, Any]:
             for i, r in enumerate(rows)
         ]
         rep.prefill(seqs, sample_fresh=False)
-        rep.slab.ensure(len(rows), max(len(r) for r in rows) + 1)
-        dev = rep.decoder.embed.device
-        logits = rep.decoder.forward(
-            torch.tensor([[r[-1]] for r in rows], device=dev),
-            torch.tensor([[len(r) - 1] for r in rows], device=dev),
-            rep.slab,
-            torch.zeros(len(rows), dtype=torch.long, device=dev),
-        )
+        logits = rep.step_logits()
         out[name] = logits.cpu().to(torch.float64).tolist()
-        rep.running.clear()
+        rep.drop_running()
     return out
 
 
@@ -245,7 +239,7 @@ def measure_prefill(st: RankState, args: dict[str, Any]) -> dict[str, Any]:
             )
             for j in range(batch)
         ]
-        st.replica.running.clear()
+        st.replica.drop_running()
         dist.barrier()
         t0 = time.perf_counter()
         if st.layout.tp > 1:
@@ -253,5 +247,5 @@ def measure_prefill(st: RankState, args: dict[str, Any]) -> dict[str, Any]:
         st.replica.prefill(seqs, sample_fresh=False)
         if i:  # the first is a warm-up
             rates.append(batch * ctx / ((time.perf_counter() - t0) * 1e3))
-    st.replica.running.clear()
+    st.replica.drop_running()
     return {"tokens_per_ms": statistics.median(rates)}

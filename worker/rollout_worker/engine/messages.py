@@ -22,19 +22,26 @@ from rollout_worker.engine.finish import Finish
 
 TopLogprobs = tuple[tuple[float, int], ...]  # (logprob, token id), best first
 PAUSE_MODES = ("abort", "retract", "in_place")
-MEMORY_TAGS = ("weights", "kv_cache")
 
 
 @dataclass(frozen=True, slots=True)
 class Faults:
-    """Test hook, kept out of the engine's configuration: rank ``rank`` fails in phase ``phase``."""
+    """Test hook, kept out of the engine's configuration: rank ``rank`` fails in phase ``phase``; or, in
+    phase ``logits``, request ``rid``'s logits are NaN from its output token ``at`` on, on rank ``rank``
+    (-1: on every rank)."""
 
-    phase: str  # migrate | commit | load
+    phase: str  # migrate | commit | load | logits
     rank: int
+    rid: str = ""
+    at: int = 0
 
     def check(self, phase: str, rank: int) -> None:
         if phase == self.phase and rank == self.rank:
             raise ReconfigurationFailed(f"injected fault in phase {phase!r}")
+
+    def poison(self, rank: int) -> tuple[str, int] | None:
+        """The request whose logits rank ``rank`` makes NaN, and from which output token, if any."""
+        return (self.rid, self.at) if self.phase == "logits" and self.rank in (-1, rank) else None
 
 
 # -- driver -> rank ---------------------------------------------------------------------------------
@@ -137,7 +144,7 @@ class StepReport:
     running: int = 0
     waiting: int = 0
     kv_tokens: int = 0  # KV tokens held by the running requests
-    kv_capacity: int = 0  # KV token slots allocated (slots x capacity)
+    kv_capacity: int = 0  # tokens of the replica's KV pool (its pages x page size)
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from rollout_worker.api.heads import kv_sources
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.api.pages import pages_for
 from rollout_worker.engine.kvcache import kv_elements
 
 
@@ -39,7 +40,8 @@ class Placement:
 
 @dataclass(frozen=True, slots=True)
 class Transfer:
-    """KV heads of one request moving from ``src`` to ``dst`` (ranks); head ranges are rank-local."""
+    """KV heads of one request moving from ``src`` to ``dst`` (ranks); head ranges are rank-local. The
+    request's first ``pages`` pages move whole (the pages holding its ``kv_len`` cached tokens)."""
 
     src: int
     dst: int
@@ -49,13 +51,18 @@ class Transfer:
     src_heads: tuple[int, int]
     dst_heads: tuple[int, int]
     kv_len: int
+    pages: int
+    page_size: int
 
 
-def place(reqs: list[Unfinished], replicas: int, max_batch: int, kv_budget: int | None) -> list[Placement]:
+def place(
+    reqs: list[Unfinished], replicas: int, max_batch: int, kv_budget: int | None, page_size: int = 1
+) -> list[Placement]:
     """Balance requests over ``replicas`` by remaining work (longest first onto the least loaded replica).
 
-    Requests that held a slot keep running if the new replica has room (batch and KV budget); the rest
-    wait there. Order inside each replica follows the input order, so slots are deterministic.
+    Requests that held a slot keep running if the new replica has room (batch, and the KV budget in
+    pages of ``page_size``: each reserves the pages of prompt + max_new_tokens, as admission does); the
+    rest wait there. Order inside each replica follows the input order, so slots are deterministic.
     """
     load = [0] * replicas
     target: dict[str, int] = {}
@@ -68,18 +75,21 @@ def place(reqs: list[Unfinished], replicas: int, max_batch: int, kv_budget: int 
     out = []
     for r in sorted(reqs, key=lambda r: (r.src_slot is None, r.src_replica, r.src_slot or 0, r.id)):
         d = target[r.id]
-        fits = slots[d] < max_batch and (kv_budget is None or reserved[d] + r.reserved <= kv_budget)
+        need = pages_for(r.reserved, page_size)
+        fits = slots[d] < max_batch and (
+            kv_budget is None or reserved[d] + need <= pages_for(kv_budget, page_size)
+        )
         if r.src_slot is not None and fits:
             out.append(Placement(r.id, r.src_replica, r.src_slot, d, slots[d], r.kv_len))
             slots[d] += 1
-            reserved[d] += r.reserved
+            reserved[d] += need
         else:
             out.append(Placement(r.id, r.src_replica, r.src_slot, d, None, r.kv_len))
     return out
 
 
 def kv_migration_plan(
-    cfg: ModelConfig, old: Layout, new: Layout, placements: list[Placement]
+    cfg: ModelConfig, old: Layout, new: Layout, placements: list[Placement], page_size: int = 1
 ) -> list[Transfer]:
     """For every running request, every destination rank gets each KV head it needs from one rank of the
     old replica that holds it: itself when it can (a local copy), else the lowest shard holding it
@@ -88,20 +98,40 @@ def kv_migration_plan(
     for p in placements:
         if p.src_slot is None or p.dst_slot is None:
             continue
+        pages = pages_for(p.kv_len, page_size)
         for dst in new.ranks_of(p.dst_replica):
             for src, src_heads, dst_heads in kv_sources(cfg.num_kv_heads, old, p.src_replica, new, dst):
-                plan.append(Transfer(src, dst, p.id, p.src_slot, p.dst_slot, src_heads, dst_heads, p.kv_len))
+                plan.append(
+                    Transfer(
+                        src,
+                        dst,
+                        p.id,
+                        p.src_slot,
+                        p.dst_slot,
+                        src_heads,
+                        dst_heads,
+                        p.kv_len,
+                        pages,
+                        page_size,
+                    )
+                )
     return plan
 
 
 def transfer_bytes(t: Transfer, cfg: ModelConfig, dtype_bytes: int) -> int:
+    """Bytes of the whole pages a transfer moves."""
     heads = t.src_heads[1] - t.src_heads[0]
-    return kv_elements(cfg.num_layers, heads, t.kv_len, cfg.head_dim) * dtype_bytes
+    return kv_elements(cfg.num_layers, heads, t.pages * t.page_size, cfg.head_dim) * dtype_bytes
 
 
 def migrate_bytes(plan: list[Transfer], cfg: ModelConfig, dtype_bytes: int) -> int:
-    """Bytes that cross between ranks (local copies are free)."""
+    """Bytes that cross between ranks (local copies are free): whole pages, the cost model's input."""
     return sum(transfer_bytes(t, cfg, dtype_bytes) for t in plan if t.src != t.dst)
+
+
+def migrate_pages(plan: list[Transfer]) -> int:
+    """Pages (of some of a request's KV heads) that cross between ranks."""
+    return sum(t.pages for t in plan if t.src != t.dst)
 
 
 def recompute_tokens(placements: list[Placement], replicas: int) -> int:

@@ -1,10 +1,11 @@
 """The decoder (Llama 3.x, Qwen2, Qwen3) as plain functions over a dict of (sharded) tensors.
 
-Attention is written out explicitly and shared by prefill and decode: both write K/V into the slab at the
-tokens' positions and attend over the slab with a causal mask. The only TP code is two all-reduces per
-layer (after o_proj and down_proj) and one all-gather of the vocab-parallel logits. A shard's width (its
-query and KV heads) comes from :mod:`~rollout_worker.engine.sharding`: whole heads, unevenly when the head
-counts do not divide TP, so each rank runs plain grouped-query attention over its own heads.
+Attention is written out explicitly and shared by prefill and decode: both write K/V into the paged pool at
+the tokens' slots and attend over the keys gathered from the pool, with a causal mask. The only TP code is
+two all-reduces per layer (after o_proj and down_proj) and one all-gather of the vocab-parallel logits. A
+shard's width (its query and KV heads) comes from :mod:`~rollout_worker.engine.sharding`: whole heads,
+unevenly when the head counts do not divide TP, so each rank runs plain grouped-query attention over its
+own heads.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout_worker.api.model_config import ModelConfig
-from rollout_worker.engine.kvcache import KVSlab
+from rollout_worker.engine.kvcache import KVPool
 from rollout_worker.engine.parallel import ParallelState
 from rollout_worker.engine.sharding import kv_head_range, q_head_range
 
@@ -118,19 +119,14 @@ class Decoder:
         rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rot * sin
 
-    def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor, slab: KVSlab, last: torch.Tensor, slot0: int = 0
-    ) -> torch.Tensor:
-        """Logits [B, vocab] at index ``last[b]`` of each row (see :meth:`hidden`)."""
-        x = self.hidden(tokens, positions, slab, slot0)
-        return self.logits(x[torch.arange(x.shape[0], device=x.device), last])
-
     def step_logits(
-        self, tokens: torch.Tensor, positions: torch.Tensor, slab: KVSlab, keys: int
+        self, tokens: torch.Tensor, positions: torch.Tensor, pool: KVPool, write: torch.Tensor, keys: int
     ) -> torch.Tensor:
-        """One decode step: logits [B, vocab] of tokens [B, 1] at positions [B, 1] (row b in slot b),
-        attending over the slab's first ``keys`` tokens. No host synchronisation: a CUDA graph captures it."""
-        return self.logits(self.hidden(tokens, positions, slab, 0, keys)[:, 0])
+        """One decode step: logits [B, vocab] of tokens [B, 1] at positions [B, 1] (row b: row b of the
+        pool's token table), K/V written at token slots ``write`` [B, 1], attending over the first ``keys``
+        positions of each row. No host synchronisation: a CUDA graph captures it."""
+        read = pool.table[: tokens.shape[0], :keys]
+        return self.logits(self.hidden(tokens, positions, pool, write, read)[:, 0])
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [N, vocab] of hidden states [N, hidden] (one all-gather under TP)."""
@@ -140,23 +136,21 @@ class Decoder:
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        slab: KVSlab,
-        slot0: int = 0,
-        keys: int | None = None,
+        pool: KVPool,
+        write: torch.Tensor,
+        read: torch.Tensor,
     ) -> torch.Tensor:
-        """Final hidden states [B, S, hidden]; K/V of row b go to slab slot ``slot0 + b``.
+        """Final hidden states [B, S, hidden].
 
         tokens, positions: [B, S] (right-padded rows; padding is written past the row's length and is
-        never attended to by its real tokens). The slab must already hold the slots and positions.
-        ``keys``: how many of the slab's tokens to attend over (masked by position); default the largest
-        position + 1 (read from the device: pass it to avoid the synchronisation).
+        never attended to by its real tokens). ``write`` [B, S]: the pool's token slot of each input
+        token's K/V; ``read`` [B, L]: the token slots of each row's positions 0..L-1 (masked by position),
+        gathered from the pool into the step's batch. The pool must already hold every slot.
         """
         bsz, seq = tokens.shape
         cos, sin = self.rope(positions)
-        max_len = int(positions.max().item()) + 1 if keys is None else keys
-        key_pos = torch.arange(max_len, device=tokens.device)
+        key_pos = torch.arange(read.shape[1], device=tokens.device)
         mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, S, L]: keys a query sees
-        rows = torch.arange(slot0, slot0 + bsz, device=tokens.device)[:, None].expand(bsz, seq)
         hd = self.cfg.head_dim
         scale = 1.0 / math.sqrt(hd)
         x = F.embedding(tokens, self.embed)
@@ -168,10 +162,10 @@ class Decoder:
             if lw.q_norm is not None and lw.k_norm is not None:
                 q, k = self.rms(q, lw.q_norm), self.rms(k, lw.k_norm)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-            slab.k[i][rows, :, positions] = k
-            slab.v[i][rows, :, positions] = v
-            k_all = slab.k[i][slot0 : slot0 + bsz, :, :max_len]  # [B, KVh, L, hd]
-            v_all = slab.v[i][slot0 : slot0 + bsz, :, :max_len]
+            pool.k[i][write] = k
+            pool.v[i][write] = v
+            k_all = pool.k[i][read].transpose(1, 2)  # [B, KVh, L, hd], gathered from the request's pages
+            v_all = pool.v[i][read].transpose(1, 2)
             attn = self._attend(q, k_all, v_all, mask, scale)
             x = x + self.ps.all_reduce(F.linear(attn, lw.wo))
             h = self.rms(x, lw.ln2)

@@ -26,6 +26,7 @@ from rollout_worker.engine.migration import (
     Unfinished,
     kv_migration_plan,
     migrate_bytes,
+    migrate_pages,
     place,
     recompute_tokens,
     transfer_bytes,
@@ -71,8 +72,9 @@ def reconfigure(
 
     t = time.perf_counter()
     reqs, outputs = _unfinished(snaps)
-    placements = place(reqs, target.replicas, st.cfg.engine.max_batch, st.cfg.engine.kv_budget_tokens)
-    transfers = kv_migration_plan(st.model, old, target, placements)
+    eng = st.cfg.engine
+    placements = place(reqs, target.replicas, eng.max_batch, eng.kv_budget_tokens, eng.page_size)
+    transfers = kv_migration_plan(st.model, old, target, placements, eng.page_size)
     elem = torch.empty((), dtype=st.dtype).element_size()
     moved = migrate_bytes(transfers, st.model, elem)
     tokens = recompute_tokens(placements, target.replicas)
@@ -107,7 +109,8 @@ def reconfigure(
         t = time.perf_counter()
         new_costs = costs
         if choice.method == "migrate":
-            event.kv_bytes_moved = moved
+            event.kv_bytes_moved, event.kv_pages_moved = moved, migrate_pages(transfers)
+            rep.hold_running_kv()
             _migrate(st, st.replica, rep, transfers)
             phases["kv_migrate_ms"] = _lap(t)
             if moved and phases["kv_migrate_ms"] > 0:
@@ -179,8 +182,6 @@ def _fill(
         if p.dst_slot is None:
             spec, out = outputs[p.id]
             rep.waiting.append(Sequence(spec=spec, output=list(out)))
-    if rep.running:
-        rep.slab.ensure(len(rep.running), max(s.kv_len for s in rep.running) + 1)
 
 
 def _migrate(st: RankState, old: Replica, new: Replica, plan: list[Transfer]) -> None:
@@ -189,11 +190,16 @@ def _migrate(st: RankState, old: Replica, new: Replica, plan: list[Transfer]) ->
     elem = torch.empty((), dtype=st.dtype).element_size()
     sends: dict[int, list[Transfer]] = {}
     recvs: dict[int, list[Transfer]] = {}
+
+    def extract(t: Transfer) -> torch.Tensor:
+        return old.pool.extract(old.running[t.src_slot].pages[: t.pages], t.src_heads)
+
+    def insert(t: Transfer, flat: torch.Tensor) -> None:
+        new.pool.insert(new.running[t.dst_slot].pages[: t.pages], t.dst_heads, flat)
+
     for t in plan:
         if t.src == me and t.dst == me:
-            new.slab.insert(
-                t.dst_slot, t.dst_heads, t.kv_len, old.slab.extract(t.src_slot, t.src_heads, t.kv_len)
-            )
+            insert(t, extract(t))
         elif t.src == me:
             sends.setdefault(t.dst, []).append(t)
         elif t.dst == me:
@@ -201,7 +207,7 @@ def _migrate(st: RankState, old: Replica, new: Replica, plan: list[Transfer]) ->
     stage = st.stage_cpu
     ops, inbox = [], {}
     for dst, ts in sorted(sends.items()):
-        buf = torch.cat([old.slab.extract(t.src_slot, t.src_heads, t.kv_len) for t in ts])
+        buf = torch.cat([extract(t) for t in ts])
         ops.append(dist.P2POp(dist.isend, buf.cpu() if stage else buf, dst))
     for src, ts in sorted(recvs.items()):
         n = sum(transfer_bytes(t, st.model, elem) for t in ts) // elem
@@ -217,7 +223,7 @@ def _migrate(st: RankState, old: Replica, new: Replica, plan: list[Transfer]) ->
         off = 0
         for t in recvs[src]:
             n = transfer_bytes(t, st.model, elem) // elem
-            new.slab.insert(t.dst_slot, t.dst_heads, t.kv_len, buf[off : off + n].to(st.device))
+            insert(t, buf[off : off + n].to(st.device))
             off += n
     if not inbox:
         st.fault("migrate")

@@ -1,31 +1,48 @@
-"""One replica as seen by each of its ranks: continuous batching over a KV slab.
+"""One replica as seen by each of its ranks: continuous batching over a paged KV pool.
 
 Every rank of a replica holds identical scheduler state and samples identically (full logits are
 all-gathered), so the ranks stay in lockstep without exchanging tokens. A step either prefills newly
-admitted requests (when any fit) or decodes every running request.
+admitted requests (when any fit) or decodes every running request. What to admit and what to retract when
+a decode step cannot get its pages are decided by :mod:`rollout_worker.api.kv_schedule` (optimistic
+admission, as SGLang); a retracted request keeps its tokens, waits at the front of the queue and is
+re-prefilled from prompt + generated tokens (sampling is counter-based, so its tokens do not change).
+
+A failure that belongs to one request (its prompt logprobs, its sampling: non-finite logits, an edge case of
+its parameters) aborts that request alone, with the error as the abort message; every rank computes it from
+the same values with the same code, so every rank aborts the same request at the same step (the loop checks
+that they agree). A failure of the forward pass (which holds the collectives) is the replica's, not a
+request's: it fails the rank.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
+from rollout_worker.api.kv_schedule import (
+    SGLANG_RATIO,
+    RatioPolicy,
+    Req,
+    admit,
+    ratio_after_retraction,
+    to_retract,
+)
 from rollout_worker.engine.cudagraph import DecodeGraphs, key_span
-from rollout_worker.engine.finish import Finish, FinishLength, FinishStop
-from rollout_worker.engine.kvcache import KVSlab
+from rollout_worker.engine.finish import Finish, FinishAbort, FinishLength, FinishStop
+from rollout_worker.engine.kvcache import KVPool
 from rollout_worker.engine.messages import PromptLogprobs
 from rollout_worker.engine.model import Decoder
-from rollout_worker.engine.sampling import Draw, prompt_logprobs, sample
+from rollout_worker.engine.sampling import Draw, Failure, prompt_logprobs, sample
 from rollout_worker.engine.sequence import Sequence
 
 
 @dataclass(frozen=True, slots=True)
 class Limits:
     max_batch: int
-    kv_budget: int | None  # reserved (prompt + max_new) tokens per replica
     max_prefill_tokens: int
 
 
@@ -33,26 +50,32 @@ class Limits:
 class StepOutput:
     kind: str  # prefill | decode | idle
     admitted: list[str] = field(default_factory=list)
+    retracted: list[str] = field(default_factory=list)
     draws: list[tuple[Sequence, Draw]] = field(default_factory=list)
     finished: list[tuple[str, Finish]] = field(default_factory=list)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    failed: list[tuple[str, str]] = field(default_factory=list)  # (rid, why) aborted by their own failure
 
 
 class Replica:
     def __init__(
         self,
         decoder: Decoder,
-        slab: KVSlab,
+        pool: KVPool,
         limits: Limits,
         eos_ids: tuple[int, ...],
         graphs: DecodeGraphs | None = None,
+        ratio: RatioPolicy = SGLANG_RATIO,
     ) -> None:
-        self.slab, self.limits, self.eos_ids = slab, limits, eos_ids
+        self.policy, self.ratio = ratio, ratio.init  # the new-token ratio: see kv_schedule
+        self.retractions = 0
+        self.pool, self.limits, self.eos_ids = pool, limits, eos_ids
         self.graphs = graphs  # decode steps replayed from CUDA graphs (None: eager)
         self._decoder = decoder
-        self.running: list[Sequence] = []  # running[i] occupies slab slot i
+        self.running: list[Sequence] = []  # running[i] occupies row i of the pool's token table
         self.waiting: deque[Sequence] = deque()
         self.prefill_tokens_per_ms: float | None = None  # last measured prefill throughput
+        self.poison: tuple[str, int] | None = None  # test hook (messages.Faults): (rid, from output token)
 
     @property
     def decoder(self) -> Decoder:
@@ -69,7 +92,7 @@ class Replica:
         """Free the KV cache's memory (and the graphs that address it)."""
         if self.graphs is not None:
             self.graphs.clear()
-        self.slab.release()
+        self.pool.release()
 
     def release_weights(self) -> None:
         """Drop the decoder's references to the weights (and the graphs that address them)."""
@@ -103,26 +126,59 @@ class Replica:
     def retract(self) -> list[str]:
         """Running requests go back to the front of the queue, their KV dropped (re-prefilled later)."""
         back = list(self.running)
-        self.running.clear()
+        self.drop_running()
         self.waiting.extendleft(reversed(back))
         return [s.spec.id for s in back]
 
+    def drop_running(self) -> None:
+        """Empty the running batch, giving back its pages (the sequences are kept by the caller)."""
+        for row, seq in enumerate(self.running):
+            self.pool.free(seq.pages)
+            self.pool.clear_row(row)
+        self.running.clear()
+
+    def hold_running_kv(self) -> None:
+        """Pages and token-table rows for the running requests' cached tokens (a new replica's requests
+        before their KV arrives by migration)."""
+        for row, seq in enumerate(self.running):
+            self._reserve(seq, seq.kv_len)
+            self.pool.bind(row, seq.pages)
+
     # -- stepping ------------------------------------------------------------------------------------
+    @staticmethod
+    def _req(seq: Sequence) -> Req:
+        return Req(len(seq.spec.prompt_ids), len(seq.output), seq.spec.max_new_tokens, len(seq.pages))
+
     def _admit(self) -> list[Sequence]:
-        admitted: list[Sequence] = []
         lim = self.limits
-        reserved, tokens = sum(s.reserved_tokens for s in self.running), 0
-        while self.waiting and len(self.running) + len(admitted) < lim.max_batch:
-            seq = self.waiting[0]
-            need = len(seq.spec.prompt_ids) + len(seq.output)
-            if lim.kv_budget is not None and reserved + seq.reserved_tokens > lim.kv_budget:
-                break
-            if admitted and tokens + need > lim.max_prefill_tokens:
-                break
-            admitted.append(self.waiting.popleft())
-            reserved += seq.reserved_tokens
-            tokens += need
-        return admitted
+        room = lim.max_batch - len(self.running)
+        if not self.waiting or room <= 0:
+            return []
+        n = admit(
+            [self._req(s) for s in self.running],
+            [self._req(s) for s in itertools.islice(self.waiting, room)],
+            self.pool.allocator.free,
+            self.pool.page_size,
+            self.ratio,
+            lim.max_batch,
+            lim.max_prefill_tokens,
+        )
+        return [self.waiting.popleft() for _ in range(n)]
+
+    def _retract_for_step(self) -> list[str]:
+        """Make room for the next decode step's pages: retract what :func:`to_retract` picks (back to the
+        front of the queue, pages freed) and re-estimate the ratio; else let the ratio decay."""
+        pick = to_retract([self._req(s) for s in self.running], self.pool.allocator.free, self.pool.page_size)
+        if not pick:
+            self.ratio = self.policy.decayed(self.ratio)
+            return []
+        seqs = [self.running[i] for i in pick]
+        for seq in seqs:
+            self._release(seq)
+        self.waiting.extendleft(reversed(seqs))
+        self.ratio = ratio_after_retraction([self._req(s) for s in self.running])
+        self.retractions += len(seqs)
+        return [s.spec.id for s in seqs]
 
     def step(self) -> StepOutput:
         """Prefill newly admitted requests if any fit, else decode every running request."""
@@ -147,7 +203,12 @@ class Replica:
             list(s.spec.prompt_ids) + s.output[:-1] if s.output else list(s.spec.prompt_ids) for s in seqs
         ]
         width = max(len(r) for r in rows)
-        self.slab.ensure(slot0 + len(rows), width + 1)
+        pool = self.pool
+        pool.ensure_table(slot0 + len(rows), width)
+        for i, (s, r) in enumerate(zip(seqs, rows, strict=True)):
+            self._reserve(s, len(r))
+            pool.bind(slot0 + i, s.pages)
+        table = pool.table[slot0 : slot0 + len(rows), :width]  # write and read slots: positions 0..width-1
         dev = self.decoder.embed.device
         tokens = torch.zeros((len(rows), width), dtype=torch.long)
         for i, r in enumerate(rows):
@@ -155,16 +216,17 @@ class Replica:
         positions = torch.arange(width).expand(len(rows), width)
         self.running.extend(seqs)
         t0 = time.perf_counter()
-        x = self.decoder.hidden(tokens.to(dev), positions.to(dev), self.slab, slot0=slot0)
+        x = self.decoder.hidden(tokens.to(dev), positions.to(dev), pool, table, table)
         last = torch.tensor([len(r) - 1 for r in rows], device=dev)
-        logits = self.decoder.logits(x[torch.arange(len(rows), device=dev), last])
+        logits = self._poisoned(self.decoder.logits(x[torch.arange(len(rows), device=dev), last]), seqs)
         out = StepOutput("prefill")
         fresh = [s for s in seqs if not s.output] if sample_fresh else []
         if fresh:
-            out.prompt_logprobs = self._prompt_logprobs(x, seqs, fresh)
+            out.prompt_logprobs = self._prompt_logprobs(x, seqs, fresh, out)
         self.prefill_tokens_per_ms = sum(len(r) for r in rows) / max((time.perf_counter() - t0) * 1e3, 1e-3)
-        only_prefill = [s for s in fresh if s.spec.max_new_tokens == 0]
-        sampled = [(i, s) for i, s in enumerate(seqs) if s in fresh and s.spec.max_new_tokens > 0]
+        live = [s for s in fresh if s.finish is None]  # (a request whose prompt logprobs failed is aborted)
+        only_prefill = [s for s in live if s.spec.max_new_tokens == 0]
+        sampled = [(i, s) for i, s in enumerate(seqs) if s in live and s.spec.max_new_tokens > 0]
         if sampled:
             draws = sample(logits[[i for i, _ in sampled]], [s for _, s in sampled], self.eos_ids)
             self._append([s for _, s in sampled], draws, out)
@@ -173,64 +235,112 @@ class Replica:
         return out
 
     def _prompt_logprobs(
-        self, x: torch.Tensor, seqs: list[Sequence], fresh: list[Sequence]
+        self, x: torch.Tensor, seqs: list[Sequence], fresh: list[Sequence], out: StepOutput
     ) -> dict[str, PromptLogprobs]:
-        """Logprob of each prompt token from ``logprob_start_len`` on, for requests that asked for it."""
+        """Logprob of each prompt token from ``logprob_start_len`` on, for requests that asked for it. Token
+        0 has none (None, as SGLang): a one-token prompt from 0 gets ``(None,)`` and needs no logits."""
         want = [(b, s) for b, s in enumerate(seqs) if s in fresh and s.spec.wants_input_logprobs]
         if not want:
             return {}
-        rows, pos, targets, spans = [], [], [], []
+        rows: list[int] = []
+        pos: list[int] = []
+        targets: list[int] = []
+        spans: list[tuple[Sequence, int, int]] = []  # (request, offset, count) into rows
         for b, s in want:
             ids, start = s.spec.prompt_ids, s.spec.logprob_start_len
             js = range(max(start, 1), len(ids))
+            spans.append((s, len(rows), len(js)))
             rows += [b] * len(js)
             pos += [j - 1 for j in js]
             targets += [ids[j] for j in js]
-            spans.append((s, start, len(js)))
-        dev = x.device
-        logits = self.decoder.logits(x[torch.tensor(rows, device=dev), torch.tensor(pos, device=dev)])
-        top_n = max(s.spec.top_logprobs_num for _, s in want)
-        vals, tops = prompt_logprobs(logits, targets, top_n)
-        out, off = {}, 0
-        for s, start, n in spans:
-            head: list[float | None] = [None] if start == 0 else []
-            k = s.spec.top_logprobs_num
-            top = None
-            if tops is not None and k > 0:
-                top = tuple([None] * len(head) + [t[:k] if t else None for t in tops[off : off + n]])
-            out[s.spec.id] = PromptLogprobs(start, (*head, *vals[off : off + n]), top)
-            off += n
-        return out
+        logits = None
+        if rows:  # (the same on every rank: the logits are a collective)
+            dev = x.device
+            at = (
+                torch.tensor(rows, dtype=torch.long, device=dev),
+                torch.tensor(pos, dtype=torch.long, device=dev),
+            )
+            logits = self.decoder.logits(x[at])
+        got: dict[str, PromptLogprobs] = {}
+        for s, off, n in spans:
+            k, start = s.spec.top_logprobs_num, s.spec.logprob_start_len
+            try:
+                vals, tops = (
+                    prompt_logprobs(logits[off : off + n], targets[off : off + n], k)
+                    if logits is not None and n
+                    else ([], [] if k > 0 else None)
+                )
+            except Exception as exc:  # this request's, not the engine's
+                self._fail(s, Failure.of(exc), out)
+                continue
+            head: list[None] = [None] if start == 0 else []
+            top = None if tops is None else (*head, *tops)
+            got[s.spec.id] = PromptLogprobs(start, (*head, *vals), top)
+        return got
+
+    def _reserve(self, seq: Sequence, tokens: int) -> None:
+        if not self.pool.reserve(seq.pages, tokens):
+            raise RuntimeError(f"KV pool of {self.pool.tokens} tokens is full")
 
     def decode(self) -> StepOutput:
+        retracted = self._retract_for_step()
         seqs = list(self.running)
-        tokens, positions = [s.output[-1] for s in seqs], [s.kv_len for s in seqs]
-        if self.graphs is not None:
-            logits = self.graphs.decode(self.decoder, self.slab, tokens, positions)
-        else:
-            logits = self.decode_logits(tokens, positions)
-        out = StepOutput("decode")
-        self._append(seqs, sample(logits, seqs, self.eos_ids), out)
+        logits = self.step_logits()
+        out = StepOutput("decode", retracted=retracted)
+        self._append(seqs, sample(self._poisoned(logits, seqs), seqs, self.eos_ids), out)
         return out
 
-    def decode_logits(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """One eager decode step over slots 0..B-1. On CUDA it attends over the same key span a graph
-        would (a multiple of 256 tokens), so eager and replayed steps compute the same function."""
+    def _poisoned(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The test hook: the poisoned request's rows become NaN (as a numerical blow-up would make them)."""
+        if self.poison is None:
+            return logits
+        rid, at = self.poison
+        rows = [i for i, s in enumerate(seqs) if s.spec.id == rid and len(s.output) >= at]
+        if rows:
+            logits = logits.clone()
+            logits[rows] = float("nan")
+        return logits
+
+    def step_logits(self) -> torch.Tensor:
+        """Logits [B, vocab] of one decode step of the running batch (each request's last token)."""
+        seqs = self.running
+        tokens, positions = [s.output[-1] for s in seqs], [s.kv_len for s in seqs]
+        pool = self.pool
+        for seq, pos in zip(seqs, positions, strict=True):
+            self._reserve(seq, pos + 1)
+        write = [pool.slot(s.pages, p) for s, p in zip(seqs, positions, strict=True)]
+        pool.ensure_table(len(seqs), max(positions) + 1)
+        dev = self.decoder.embed.device
+        write_t = torch.tensor(write, device=dev)
+        pool.table[torch.arange(len(seqs), device=dev), torch.tensor(positions, device=dev)] = write_t
+        if self.graphs is not None:
+            return self.graphs.decode(self.decoder, pool, tokens, positions, write)
+        return self.decode_logits(tokens, positions, write_t)
+
+    def decode_logits(self, tokens: list[int], positions: list[int], write: torch.Tensor) -> torch.Tensor:
+        """One eager decode step over token-table rows 0..B-1 (K/V written at slots ``write``). On CUDA it
+        attends over the same key span a graph would (a multiple of 256 tokens), so eager and replayed
+        steps compute the same function."""
         dev = self.decoder.embed.device
         top = max(positions)
-        self.slab.ensure(len(tokens), top + 1)
-        keys = key_span(top, self.slab.capacity) if dev.type == "cuda" else top + 1
+        keys = key_span(top, self.pool.capacity) if dev.type == "cuda" else top + 1
         return self.decoder.step_logits(
             torch.tensor(tokens, device=dev)[:, None],
             torch.tensor(positions, device=dev)[:, None],
-            self.slab,
+            self.pool,
+            write[:, None],
             keys,
         )
 
-    def _append(self, seqs: list[Sequence], draws: list[Draw], out: StepOutput) -> None:
-        """Record each sampled token; finish by length first, then by EOS / stop token (as SGLang)."""
+    def _append(self, seqs: list[Sequence], draws: list[Draw | Failure], out: StepOutput) -> None:
+        """Record each sampled token; finish by length first, then by EOS / stop token (as SGLang); a
+        request whose row failed is aborted."""
         done: list[tuple[Sequence, Finish]] = []
         for seq, d in zip(seqs, draws, strict=True):
+            if isinstance(d, Failure):
+                done.append((seq, _aborted(d)))
+                out.failed.append((seq.spec.id, d.message))
+                continue
             seq.output.append(d.token)
             out.draws.append((seq, d))
             spec = seq.spec
@@ -241,16 +351,28 @@ class Replica:
         for seq, finish in done:
             self._finish(seq, finish, out)
 
+    def _fail(self, seq: Sequence, failure: Failure, out: StepOutput) -> None:
+        out.failed.append((seq.spec.id, failure.message))
+        self._finish(seq, _aborted(failure), out)
+
     def _finish(self, seq: Sequence, finish: Finish, out: StepOutput) -> None:
         seq.finish = finish
         self._release(seq)
         out.finished.append((seq.spec.id, finish))
 
     def _release(self, seq: Sequence) -> None:
-        """Free the request's slot; the last running request moves into it (slots stay compact)."""
+        """Free the request's pages and row; the last running request moves into its row (rows stay
+        compact)."""
         slot = next(i for i, s in enumerate(self.running) if s is seq)
         last = len(self.running) - 1
+        self.pool.free(seq.pages)
         if slot != last:
-            self.slab.move(last, slot, self.running[last].kv_len)
+            self.pool.move_row(last, slot)
             self.running[slot] = self.running[last]
+        else:
+            self.pool.clear_row(slot)
         self.running.pop()
+
+
+def _aborted(failure: Failure) -> FinishAbort:
+    return FinishAbort(f"request failed: {failure.message}")

@@ -5,6 +5,10 @@ tokens on any replica, TP size or batch, and across reconfigurations (no generat
 Logprobs (what RL trainers use for importance weights) are the log-probability of the sampled token under
 the distribution it was drawn from: softmax(logits / temperature) cut by top-k, top-p and min-p and
 renormalised; for greedy requests the plain log-softmax. Computed in float64.
+
+A row that cannot be sampled (non-finite logits, a distribution that does not sum to a positive number, any
+error while drawing it) gives a :class:`Failure` for that request alone: every rank of a replica holds the
+same logits (all-gathered) and runs the same code, so every rank fails the same request at the same step.
 """
 
 from __future__ import annotations
@@ -26,32 +30,51 @@ class Draw:
     top: TopLogprobs | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """Why one request's row could not be processed (the request is aborted with this message)."""
+
+    message: str
+
+    @classmethod
+    def of(cls, exc: Exception) -> Failure:
+        return cls(f"{type(exc).__name__}: {exc}")
+
+
 def uniform(seed: int, index: int) -> float:
     digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
     return (int.from_bytes(digest, "little") >> 11) / float(1 << 53)
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> list[Draw]:
-    """One token per row of ``logits`` [B, V] for ``seqs`` (row b draws token ``len(seqs[b].output)``)."""
-    fast = torch.argmax(logits, dim=-1).tolist()
-    out: list[Draw] = []
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> list[Draw | Failure]:
+    """One token per row of ``logits`` [B, V] for ``seqs`` (row b draws token ``len(seqs[b].output)``), or
+    the row's :class:`Failure`."""
+    peak, fast = torch.max(logits, dim=-1)  # NaN propagates: a NaN row peaks at NaN
+    finite, fast_ids = torch.isfinite(peak).tolist(), fast.tolist()
+    out: list[Draw | Failure] = []
     for b, seq in enumerate(seqs):
-        spec, p = seq.spec, seq.spec.sampling
-        banned = _banned(seq, eos_ids)
-        if p.greedy and not banned and not spec.return_logprob:
-            out.append(Draw(int(fast[b])))
+        if not finite[b]:
+            out.append(Failure(f"the logits of output token {len(seq.output)} are not finite"))
             continue
-        row = logits[b].to(torch.float64)
-        if banned:
-            row = row.clone()
-            row[list(banned)] = float("-inf")
-        if p.greedy:
-            out.append(_greedy(row, spec.return_logprob, spec.top_logprobs_num))
-        else:
-            out.append(
-                _draw(row, p, uniform(p.seed, len(seq.output)), spec.return_logprob, spec.top_logprobs_num)
-            )
+        try:
+            out.append(_sample_row(logits[b], seq, int(fast_ids[b]), eos_ids))
+        except Exception as exc:  # this request's edge case, not the engine's
+            out.append(Failure.of(exc))
     return out
+
+
+def _sample_row(logits: torch.Tensor, seq: Sequence, fast: int, eos_ids: tuple[int, ...]) -> Draw:
+    spec, p = seq.spec, seq.spec.sampling
+    banned = _banned(seq, eos_ids)
+    if p.greedy and not banned and not spec.return_logprob:
+        return Draw(fast)
+    row = logits.to(torch.float64)
+    if banned:
+        row = row.clone()
+        row[list(banned)] = float("-inf")
+    if p.greedy:
+        return _greedy(row, spec.return_logprob, spec.top_logprobs_num)
+    return _draw(row, p, uniform(p.seed, len(seq.output)), spec.return_logprob, spec.top_logprobs_num)
 
 
 def _banned(seq: Sequence, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
@@ -81,6 +104,8 @@ def _draw(row: torch.Tensor, p: Sampling, u: float, want_logprob: bool, top_n: i
         probs = probs[probs >= p.min_p * probs[0]]
     cum = torch.cumsum(probs, dim=0)
     total = float(cum[-1])
+    if not 0.0 < total < float("inf"):
+        raise ValueError(f"the sampling distribution sums to {total} (temperature {p.temperature})")
     pick = min(
         int(torch.searchsorted(cum, torch.tensor([u * total], dtype=cum.dtype), right=True).item()),
         probs.numel() - 1,
@@ -106,6 +131,8 @@ def prompt_logprobs(
     """Plain log-softmax logprob of ``targets[i]`` under ``logits[i]`` (the prompt's own tokens)."""
     logp = torch.log_softmax(logits.to(torch.float64), dim=-1)
     idx = torch.tensor(targets, dtype=torch.long, device=logp.device)
-    vals = logp[torch.arange(len(targets), device=logp.device), idx].tolist()
+    picked = logp[torch.arange(len(targets), device=logp.device), idx]
+    if bool(torch.isnan(picked).any()):
+        raise ValueError("the prompt's logits are not finite")
     tops = [_top(logp[i], top_n) for i in range(len(targets))] if top_n > 0 else None
-    return vals, tops
+    return picked.tolist(), tops

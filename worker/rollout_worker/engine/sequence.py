@@ -10,11 +10,13 @@ from rollout_worker.engine.finish import Finish
 
 @dataclass(slots=True, eq=False)
 class Sequence:
-    """``output`` survives every reconfiguration; the KV cache may not. Compared by identity."""
+    """``output`` survives every reconfiguration; the KV cache may not. Compared by identity. ``pages``: the
+    KV pool's pages this request holds, in position order (empty while it waits)."""
 
     spec: RequestSpec
     output: list[int] = field(default_factory=list)
     finish: Finish | None = None
+    pages: list[int] = field(default_factory=list)
 
     @property
     def kv_len(self) -> int:

@@ -17,10 +17,11 @@ from rollout_worker.api.costs import CostModel
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.api.pages import pool_pages
 from rollout_worker.engine.checkpoint import CheckpointReader, parse_dtype
 from rollout_worker.engine.config import EngineConfig
 from rollout_worker.engine.cudagraph import DecodeGraphs, graphs_supported
-from rollout_worker.engine.kvcache import KVSlab
+from rollout_worker.engine.kvcache import KVPool
 from rollout_worker.engine.messages import Faults
 from rollout_worker.engine.model import Decoder
 from rollout_worker.engine.parallel import ParallelState
@@ -71,19 +72,23 @@ class RankState:
     def sync_device(self) -> torch.device:
         return self.device if self.backend == "nccl" else torch.device("cpu")
 
-    def group_sync(self, count: int) -> int:
-        """The leader's ``count`` to every rank of this replica's TP group (one small broadcast): how
-        the serving loop agrees, each step, on how many inbox commands to apply."""
-        t = torch.tensor([count], dtype=torch.int64, device=self.sync_device)
+    def group_sync(self, count: int, faulted: int = 0) -> tuple[int, int]:
+        """The leader's ``count`` and ``faulted`` to every rank of this replica's TP group (one small
+        broadcast): how the serving loop agrees, each step, on how many inbox commands to apply, and checks
+        that its ranks aborted the same requests for their own failures (``faulted``: a digest of them)."""
+        t = torch.tensor([count, faulted], dtype=torch.int64, device=self.sync_device)
         leader = self.layout.ranks_of(self.replica_index)[0]
         dist.broadcast(t, src=leader, group=self.groups[self.layout][self.replica_index])
-        return int(t.item())
+        got = t.tolist()
+        return int(got[0]), int(got[1])
 
     def pstate(self, lay: Layout) -> ParallelState:
         return parallel_state(self.rank, lay, self.groups, self.stage_cpu)
 
     def make_replica(self, lay: Layout, weights: Weights) -> Replica:
-        return make_replica(self.cfg, self.rank, lay, weights, self.groups, self.device, self.stage_cpu)
+        rep = make_replica(self.cfg, self.rank, lay, weights, self.groups, self.device, self.stage_cpu)
+        rep.poison = self.faults.poison(self.rank) if self.faults is not None else None
+        return rep
 
     def fault(self, phase: str) -> None:
         if self.faults is not None:
@@ -140,16 +145,19 @@ def make_replica(
 ) -> Replica:
     m = cfg.model
     decoder = Decoder(m, weights, parallel_state(rank, lay, groups, stage_cpu))
-    slab = KVSlab(
+    eng = cfg.engine
+    pool = KVPool(
         m.num_layers,
-        cfg.engine.max_batch,
         decoder.kv_heads,  # this shard's KV heads (uneven shards differ)
-        cfg.engine.context_length + 1,
         m.head_dim,
+        eng.page_size,
+        pool_pages(eng.kv_budget_tokens, eng.page_size, eng.max_batch, eng.context_length),
+        eng.max_batch,
+        eng.context_length + 1,
         parse_dtype(cfg.dtype),
         device,
     )
-    limits = Limits(cfg.engine.max_batch, cfg.engine.kv_budget_tokens, cfg.engine.max_prefill_tokens)
+    limits = Limits(eng.max_batch, eng.max_prefill_tokens)
     graphs = None
     if cfg.engine.cuda_graphs:
         why = graphs_supported(decoder)
@@ -158,7 +166,7 @@ def make_replica(
                 log.info("rank %d, layout %s: decode steps run eagerly: %s", rank, lay, why)
         else:
             graphs = DecodeGraphs(cfg.engine.max_batch)
-    return Replica(decoder, slab, limits, m.eos_token_ids, graphs)
+    return Replica(decoder, pool, limits, m.eos_token_ids, graphs)
 
 
 def load_weights(cfg: EngineConfig, path: str, lay: Layout, rank: int, device: torch.device) -> Weights:
@@ -175,6 +183,7 @@ def build_state(rank: int, cfg: EngineConfig, faults: Faults | None = None) -> R
     groups = create_groups(cfg, backend)
     weights = load_weights(cfg, cfg.model_dir, cfg.layout, rank, device)
     replica = make_replica(cfg, rank, cfg.layout, weights, groups, device, stage_cpu)
+    replica.poison = faults.poison(rank) if faults is not None else None
     return RankState(
         rank=rank,
         cfg=cfg,

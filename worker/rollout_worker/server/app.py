@@ -63,6 +63,7 @@ def create_app(settings: ServerSettings, cfg: EngineConfig, faults: Faults | Non
         finally:
             starting.cancel()
             await asyncio.to_thread(engine.shutdown, settings.drain_seconds)
+            state.staging.close()
 
     app = FastAPI(
         title="elastic-rollout engine",

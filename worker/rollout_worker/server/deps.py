@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ from rollout_worker.engine.tokenizer import TextCodec
 from rollout_worker.server.bridge import AsyncEngine
 from rollout_worker.server.metrics import Metrics
 from rollout_worker.server.settings import ServerSettings
+from rollout_worker.server.tensor_update import Staging
 
 
 @dataclass
@@ -28,6 +30,9 @@ class ServerState:
     metrics: Metrics
     bridge: AsyncEngine = field(default_factory=AsyncEngine)
     engine: Engine | None = None
+    weights_path: Path | None = None  # the checkpoint being served (None: --model)
+    staging: Staging = field(default_factory=Staging)  # checkpoints made of tensors a trainer sent
+    weights_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one weight update at a time
     exit_code: int | None = None
     request_exit: Callable[[int], None] = lambda code: None
 

@@ -43,7 +43,7 @@ class _Gauges(Collector):
         yield gauge("sglang:num_queue_reqs", "Waiting requests", snap.waiting)
         yield gauge("sglang:num_used_tokens", "KV tokens held by running requests", used)
         yield gauge(
-            "sglang:token_usage", "Fraction of allocated KV token slots in use", used / cap if cap else 0.0
+            "sglang:token_usage", "Fraction of the KV pool's tokens in use", used / cap if cap else 0.0
         )
         yield gauge("sglang:gen_throughput", "Generated tokens per second (last 10 s)", self.m.throughput())
         yield gauge("sglang:cache_hit_rate", "Prefix cache hit rate (no prefix cache: 0)", 0.0)

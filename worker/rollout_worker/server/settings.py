@@ -27,6 +27,11 @@ class ServerSettings(BaseModel):
         None,
         description="update_weights_from_disk loads only below this directory (default: --model itself).",
     )
+    trust_pickled_tensors: bool = Field(
+        False,
+        description="update_weights_from_tensor reads SGLang's pickled tensor handles (VeRL's adapter; same "
+        "host only) from anyone with the API key: a restricted unpickler, still a trusted surface.",
+    )
     served_model_name: str | None = Field(
         None, min_length=1, description="Model name in /v1/models (default: --model)."
     )

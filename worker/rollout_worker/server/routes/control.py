@@ -3,6 +3,7 @@ answers with a JSON body (slime calls ``.json()`` on them)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,16 @@ from fastapi.responses import JSONResponse
 
 from rollout_worker.api.errors import Forbidden, UserError
 from rollout_worker.api.model_config import ModelConfig
-from rollout_worker.api.sglang import AbortRequest, MemoryRequest, PauseRequest, UpdateWeightsRequest
+from rollout_worker.api.sglang import (
+    MEMORY_TAGS,
+    AbortRequest,
+    MemoryRequest,
+    PauseRequest,
+    UpdateTensorRequest,
+    UpdateWeightsRequest,
+    WeightVersionRequest,
+)
+from rollout_worker.server import tensor_update
 from rollout_worker.server.deps import ServerState, server_state
 
 router = APIRouter(tags=["sglang control"])
@@ -80,9 +90,11 @@ async def update_weights_from_disk(body: UpdateWeightsRequest, request: Request)
     state = server_state(request)
     path = _checkpoint_in_root(state, body.model_path)
     engine = state.ready_engine()
-    waited = await state.bridge.call(
-        engine.update_weights, str(path), body.weight_version, body.abort_all_requests
-    )
+    async with state.weights_lock:
+        waited = await state.bridge.call(
+            engine.update_weights, str(path), body.weight_version, body.abort_all_requests
+        )
+        state.weights_path = path
     return {
         "success": True,
         "message": f"weights loaded from {path} (version {engine.weight_version})",
@@ -90,8 +102,54 @@ async def update_weights_from_disk(body: UpdateWeightsRequest, request: Request)
     }
 
 
+@router.post("/update_weights_from_tensor", summary="Load named full tensors a trainer sends (VeRL)")
+async def update_weights_from_tensor(body: UpdateTensorRequest, request: Request) -> dict[str, Any]:
+    state = server_state(request)
+    engine = state.ready_engine()
+    model = state.cfg.model
+    tensors = await asyncio.to_thread(
+        tensor_update.decode, body.serialized_named_tensors, state.settings.trust_pickled_tensors
+    )
+    tensor_update.check(tensors, model)
+    async with state.weights_lock:
+        current = state.weights_path or Path(state.settings.model)
+        staged = await asyncio.to_thread(state.staging.stage, current, model, tensors)
+        version = body.weight_version or engine.weight_version  # kept unless given, as in SGLang
+        try:
+            waited = await state.bridge.call(
+                engine.update_weights, str(staged), version, body.abort_all_requests
+            )
+        except BaseException:
+            state.staging.forget_except(current)
+            raise
+        state.weights_path = staged
+        state.staging.forget_except(staged)
+    return {
+        "success": True,
+        "message": f"{len(tensors)} tensor(s) loaded (version {engine.weight_version})",
+        "num_paused_requests": waited,
+    }
+
+
+@router.get("/get_weight_version", summary="The version of the weights being served")
+async def get_weight_version(request: Request) -> dict[str, Any]:
+    return {"weight_version": server_state(request).ready_engine().weight_version}
+
+
+@router.post("/update_weight_version", summary="Name the weights being served (aborts all by default)")
+async def update_weight_version(body: WeightVersionRequest, request: Request) -> dict[str, Any]:
+    state = server_state(request)
+    engine = state.ready_engine()
+    await state.bridge.call(engine.set_weight_version, body.new_version, body.abort_all_requests)
+    return {
+        "success": True,
+        "message": f"Weight version updated to {body.new_version}",
+        "new_version": body.new_version,
+    }
+
+
 async def _memory(request: Request, body: MemoryRequest | None, release: bool) -> dict[str, Any]:
-    tags = tuple((body.tags if body else None) or ("weights", "kv_cache"))
+    tags = tuple((body.tags if body else None) or MEMORY_TAGS)  # cuda_graph: graphs go with what they address
     state = server_state(request)
     engine = state.ready_engine()
     await state.bridge.call(engine.release_memory if release else engine.resume_memory, tags)

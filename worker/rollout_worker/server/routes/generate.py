@@ -55,6 +55,8 @@ class Generation:
             changed: dict[str, Output] = {}
             for u in batch:
                 out = self.outs[u.rid]
+                if u.tokens and not out.ids:  # the weights it runs on (they change only between requests)
+                    out.weight_version = self.state.ready_engine().weight_version
                 out.add(u)
                 if u.tokens or u.finish is not None:
                     changed[u.rid] = out
@@ -85,6 +87,20 @@ async def run_generation(state: ServerState, jobs: list[Job], request: Request) 
     return list(gen.outs.values())
 
 
+# Line breaks that JSON leaves unescaped but line splitters such as Python's ``str.splitlines`` (and so
+# httpx's ``iter_lines``) break on: escaped, so every client reads one event per ``data:`` line.
+_RAW_BREAKS = ((b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"), (b"\xc2\x85", b"\\u0085"))
+
+
+def sse_event(obj: Any) -> bytes:
+    """One server-sent event carrying ``obj`` as JSON on a single line, whatever its strings hold."""
+    data = orjson.dumps(obj)
+    for raw, escaped in _RAW_BREAKS:
+        if raw in data:
+            data = data.replace(raw, escaped)
+    return b"data: " + data + b"\n\n"
+
+
 async def stream_generation(
     state: ServerState,
     jobs: list[Job],
@@ -101,7 +117,7 @@ async def stream_generation(
             try:
                 gen.start()
             except UserError as exc:  # the response has started: SGLang reports errors in the stream
-                yield b"data: " + orjson.dumps({"error": {"message": str(exc), "field": exc.field}}) + b"\n\n"
+                yield sse_event({"error": {"message": str(exc), "field": exc.field}})
                 yield b"data: [DONE]\n\n"
                 return
             async for rid, out in gen.updates():
@@ -110,10 +126,10 @@ async def stream_generation(
                     continue
                 if batch:
                     chunk["index"] = gen.index[rid]
-                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+                yield sse_event(chunk)
             last = final(list(gen.outs.values())) if final is not None else None
             if last is not None:
-                yield b"data: " + orjson.dumps(last) + b"\n\n"
+                yield sse_event(last)
             yield b"data: [DONE]\n\n"
         finally:  # also when the client disconnects: the generator is closed, the requests aborted
             gen.close()

@@ -11,8 +11,10 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from rollout_worker import __version__
+from rollout_worker.api.pages import pool_pages
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import Sampling
+from rollout_worker.api.sglang import MEMORY_TAGS
 from rollout_worker.engine.lifecycle import Status
 from rollout_worker.server.deps import ServerState, server_state
 
@@ -60,6 +62,7 @@ def _model_info(state: ServerState) -> dict[str, Any]:
     eng = state.engine
     return {
         "model_path": str(state.settings.model),
+        "served_model_name": state.model_name,
         "tokenizer_path": str(state.settings.model) if state.codec else None,
         "is_generation": True,
         "preferred_sampling_params": None,
@@ -96,6 +99,15 @@ def _server_info(state: ServerState) -> dict[str, Any]:
         "context_length": cfg.engine.context_length,
         "max_running_requests": cfg.engine.max_batch * layout.replicas,
         "kv_budget_tokens_per_replica": cfg.engine.kv_budget_tokens,
+        "page_size": cfg.engine.page_size,
+        # SGLang's field: tokens of the KV pool of one scheduler (here: of one replica)
+        "max_total_num_tokens": pool_pages(
+            cfg.engine.kv_budget_tokens, cfg.engine.page_size, cfg.engine.max_batch, cfg.engine.context_length
+        )
+        * cfg.engine.page_size,
+        "max_req_input_len": cfg.engine.context_length - 1,
+        "enable_memory_saver": True,  # release / resume_memory_occupation are supported
+        "memory_tags": list(MEMORY_TAGS),
         "disable_cuda_graph": not graphs,
         "cuda_graph_max_bs": cfg.engine.max_batch if graphs else None,
         "host": s.host,

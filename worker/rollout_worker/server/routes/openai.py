@@ -20,6 +20,7 @@ from pydantic import (
 
 from rollout_worker.api.engine_settings import dotted
 from rollout_worker.api.errors import user_error
+from rollout_worker.api.neutral import strip_neutral
 from rollout_worker.api.sglang import Body, GenerateRequest, check_lengths, check_stops
 from rollout_worker.engine.finish import matched_stop
 from rollout_worker.server.convert import Output, to_jobs
@@ -27,11 +28,14 @@ from rollout_worker.server.deps import FastJSON, ServerState, server_state
 from rollout_worker.server.routes.generate import STREAMED, run_generation, stream_generation
 
 router = APIRouter(prefix="/v1", tags=["openai"])
+# OpenAI's keys this engine does not implement, at their neutral values only (``api.neutral``)
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None,),
     "logit_bias": (None, {}),
+    "frequency_penalty": (None, 0.0),
+    "presence_penalty": (None, 0.0),
 }
 
 
@@ -54,12 +58,6 @@ class CompletionRequest(Body):
     logprobs: int | None = Field(None, ge=0, le=20)
     seed: int | None = Field(None, ge=0)
     user: str | None = None
-    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
-    presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
-    best_of: int | None = None
-    echo: bool | None = None
-    suffix: str | None = None
-    logit_bias: dict[str, float] | None = None
     top_k: int = Field(-1, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     min_tokens: int = Field(0, ge=0)
@@ -79,12 +77,10 @@ class CompletionRequest(Body):
     def _lengths(cls, v: int, info: ValidationInfo) -> int:
         return check_lengths(v, info, "max_tokens")
 
-    @model_validator(mode="after")
-    def _neutral(self) -> CompletionRequest:
-        for key, ok in _NEUTRAL.items():
-            if getattr(self, key) not in ok:
-                raise ValueError(f"{key}={getattr(self, key)!r} is not supported by this engine")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _neutral(cls, data: Any) -> Any:
+        return strip_neutral(data, _NEUTRAL)
 
     def to_generate(self) -> GenerateRequest:
         p = self.prompt

@@ -1,0 +1,28 @@
+"""An in-process TP-1 replica (no rank processes): the scheduler and the paged pool, step by step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from rollout_worker.api.kv_schedule import SGLANG_RATIO, RatioPolicy
+from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.engine.checkpoint import CheckpointReader
+from rollout_worker.engine.kvcache import KVPool
+from rollout_worker.engine.model import Decoder
+from rollout_worker.engine.parallel import SINGLE
+from rollout_worker.engine.replica import Limits, Replica
+from rollout_worker.engine.weights import load_shard
+
+
+def replica(
+    model_dir: Path, pages: int, page_size: int, ratio: RatioPolicy = SGLANG_RATIO, max_batch: int = 8
+) -> Replica:
+    cfg = ModelConfig.load(model_dir)
+    cpu = torch.device("cpu")
+    w = load_shard(CheckpointReader(model_dir, cfg), cfg, 1, 0, torch.float64, cpu)
+    dec = Decoder(cfg, w, SINGLE)
+    pool = KVPool(
+        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size, pages, max_batch, 256, torch.float64, cpu
+    )
+    return Replica(dec, pool, Limits(max_batch, 8192), cfg.eos_token_ids, None, ratio)

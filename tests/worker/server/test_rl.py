@@ -1,0 +1,245 @@
+"""What RL frameworks (slime, VeRL) call besides generation, on a real server: ``/server_info`` as SGLang
+reports it, memory release / resume with SGLang's tags, weight versions."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import sys
+import threading
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save
+
+from tests.waiting import wait_until
+from tests.worker.server.served import Served
+from tests.worker.server.test_control import LONG, _idle, _static, _stream
+
+pytestmark = pytest.mark.multiproc
+GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+
+def test_server_info_as_sglang_reports_it(ctl: Served) -> None:
+    for path in ("/server_info", "/get_server_info"):
+        info = ctl.get(path).json()
+        assert info["enable_memory_saver"] is True
+        assert (info["tp_size"], info["dp_size"], info["pp_size"]) == (1, 2, 1)
+        assert isinstance(info["max_total_num_tokens"], int) and info["max_total_num_tokens"] > 0
+        assert info["weight_version"] == ctl.get("/get_weight_version").json()["weight_version"]
+        assert set(info["memory_tags"]) == {"weights", "kv_cache", "cuda_graph"}
+        assert isinstance(info["internal_states"], list) and info["version"]
+
+
+def _gen(s: Served, body: dict[str, Any]) -> httpx.Response:
+    return s.post("/generate", body)
+
+
+def test_memory_release_and_resume_with_sglangs_tags(ctl: Served) -> None:
+    body = {"input_ids": [5, 6, 7], "sampling_params": GREEDY}
+    before = _gen(ctl, body).json()["output_ids"]
+    # slime: release everything, resume the weights (then load new ones), then the KV cache and graphs
+    assert ctl.post("/release_memory_occupation", {}).status_code == 200
+    assert _gen(ctl, body).status_code == 503
+    r = ctl.post("/resume_memory_occupation", {"tags": ["weights"]})
+    assert r.status_code == 200, r.text
+    r = _gen(ctl, body)
+    assert r.status_code == 503 and "kv_cache" in r.json()["error"]["message"]
+    r = ctl.post("/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]})
+    assert r.status_code == 200, r.text
+    assert _gen(ctl, body).json()["output_ids"] == before
+    # cuda_graph alone (a no-op without graphs), and a tag SGLang does not have
+    for verb in ("release", "resume"):
+        assert ctl.post(f"/{verb}_memory_occupation", {"tags": ["cuda_graph"]}).status_code == 200
+    assert _gen(ctl, body).json()["output_ids"] == before
+    r = ctl.post("/release_memory_occupation", {"tags": ["kv_cache", "gpu"]})
+    assert r.status_code == 400 and r.json()["error"]["field"].startswith("tags"), r.text
+
+
+def _long_request(s: Served, rid: str) -> tuple[threading.Thread, list[dict[str, Any]]]:
+    chunks: list[dict[str, Any]] = []
+    started = threading.Event()
+    body = {"input_ids": [1, 2, 3], "sampling_params": LONG, "rid": rid}
+    t = threading.Thread(target=_stream, args=(s, body, chunks, started))
+    t.start()
+    assert started.wait(30)
+    return t, chunks
+
+
+def test_weight_version(ctl: Served) -> None:
+    r = ctl.post("/update_weight_version", {"new_version": "step-1"})
+    assert r.status_code == 200 and r.json() == {
+        "success": True,
+        "message": "Weight version updated to step-1",
+        "new_version": "step-1",
+    }
+    assert ctl.get("/get_weight_version").json() == {"weight_version": "step-1"}
+    assert ctl.get("/model_info").json()["weight_version"] == "step-1"
+    assert ctl.get("/server_info").json()["weight_version"] == "step-1"
+    out = _gen(ctl, {"input_ids": [[5], [6]], "sampling_params": GREEDY}).json()
+    assert [o["meta_info"]["weight_version"] for o in out] == ["step-1", "step-1"]
+    # SGLang aborts what is running unless told not to
+    t, chunks = _long_request(ctl, "wv-abort")
+    assert ctl.post("/update_weight_version", {"new_version": "step-2"}).status_code == 200
+    t.join(30)
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    wait_until(lambda: _idle(ctl), what="no request left")
+    t, chunks = _long_request(ctl, "wv-keep")
+    body = {"new_version": "step-3", "abort_all_requests": False}
+    assert ctl.post("/update_weight_version", body).status_code == 200
+    ctl.post("/abort_request", {"rid": "wv-keep"})  # (to end it sooner; it was not aborted by the update)
+    t.join(30)
+    assert chunks[-1]["meta_info"]["finish_reason"]["message"] == "aborted by abort_request"
+    assert ctl.get("/get_weight_version").json()["weight_version"] == "step-3"
+    for bad in ({"new_version": ""}, {}, {"new_version": 3}):
+        r = ctl.post("/update_weight_version", bad)
+        assert r.status_code == 400 and r.json()["error"]["field"] == "new_version", r.text
+
+
+def test_mutating_routes_need_the_key(ctl: Served) -> None:
+    with httpx.Client(base_url=ctl.url, timeout=10) as c:
+        for path in ("/update_weight_version", "/release_memory_occupation", "/resume_memory_occupation"):
+            assert c.post(path, json={"new_version": "x"}).status_code == 401, path
+        assert c.get("/get_weight_version").status_code == 401
+    assert ctl.get("/get_weight_version").json()["weight_version"] != "x"
+
+
+# -- update_weights_from_tensor --------------------------------------------------------------------------
+
+
+@contextmanager
+def _file_system_sharing() -> Iterator[None]:
+    """Tensors pickled as handles another process can open (shared memory by name), as on a trainer."""
+    before = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        torch.multiprocessing.set_sharing_strategy(before)
+
+
+def _tensors(model: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(model / "model.safetensors"))
+
+
+def _pickled(named: list[tuple[str, Any]]) -> str:
+    """What SGLang's ``MultiprocessingSerializer.serialize(..., output_str=True)`` makes: a torch
+    multiprocessing pickle (tensors as shared-memory handles), base64."""
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(named)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+class LocalSerializedTensor:  # SGLang's wrapper (one pickled tensor per TP rank), pickled by its name
+    def __init__(self, values: list[bytes]) -> None:
+        self.values = values
+
+
+SGLANG_MODULE = "sglang.srt.model_executor.model_runner"
+LocalSerializedTensor.__module__ = SGLANG_MODULE
+
+
+def _verl_body(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The body VeRL's HttpServerAdapter posts (SGLang's weight_sync.utils.update_weights, TP 2)."""
+    per_rank = []
+    for name, t in tensors.items():
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump(t)
+        per_rank.append((name, LocalSerializedTensor([buf.getvalue(), buf.getvalue()])))
+    module = types.ModuleType(SGLANG_MODULE)
+    module.LocalSerializedTensor = LocalSerializedTensor  # type: ignore[attr-defined]
+    sys.modules[SGLANG_MODULE] = module  # (pickle finds a class through its module)
+    try:
+        payload = _pickled(per_rank)
+    finally:
+        del sys.modules[SGLANG_MODULE]
+    return {"serialized_named_tensors": [payload, payload], "load_format": None, "flush_cache": True}
+
+
+PROMPTS = [[1, 2, 3], [40, 41], [200, 100, 50, 25]]
+BATCH = {
+    "input_ids": PROMPTS,
+    "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True},
+}
+
+
+def _outputs(s: Served) -> list[list[int]]:
+    return [b["output_ids"] for b in s.post("/generate", BATCH).json()]
+
+
+def test_update_weights_from_tensor(ctl: Served, root: Path) -> None:
+    with _file_system_sharing():
+        _update_weights_from_tensor(ctl, root)
+
+
+def _update_weights_from_tensor(ctl: Served, root: Path) -> None:
+    a, b = _tensors(root / "a"), _tensors(root / "b")
+    static_a, static_b = _static(root / "a", PROMPTS), _static(root / "b", PROMPTS)
+    assert static_a != static_b
+    ctl.post("/update_weights_from_disk", {"model_path": str(root / "a"), "weight_version": "a"})
+    assert _outputs(ctl) == static_a
+    # VeRL's form, in two buckets (the first alone gives neither checkpoint's outputs)
+    names = sorted(b)
+    first, second = names[: len(names) // 2], names[len(names) // 2 :]
+    r = ctl.post("/update_weights_from_tensor", _verl_body({n: b[n] for n in first}))
+    assert r.status_code == 200 and r.json()["success"] is True, r.text
+    mixed = _outputs(ctl)
+    assert mixed not in (static_a, static_b)
+    body = {**_verl_body({n: b[n] for n in second}), "weight_version": "b-verl"}
+    assert ctl.post("/update_weights_from_tensor", body).status_code == 200
+    out = ctl.post("/generate", BATCH).json()
+    assert [o["output_ids"] for o in out] == static_b
+    assert out[0]["meta_info"]["weight_version"] == "b-verl"
+    # the safe form (safetensors bytes), back to a: the version is kept when none is given
+    body = {"serialized_named_tensors": [base64.b64encode(save(a)).decode()]}
+    assert ctl.post("/update_weights_from_tensor", body).status_code == 200
+    assert _outputs(ctl) == static_a
+    assert ctl.get("/get_weight_version").json()["weight_version"] == "b-verl"
+    # a plain list of (name, tensor) pairs in a pickle (SGLang's Engine API form) works too
+    body = {"serialized_named_tensors": [_pickled(list(b.items()))]}
+    assert ctl.post("/update_weights_from_tensor", body).status_code == 200
+    assert _outputs(ctl) == static_b
+
+
+class _Evil:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, ("true",))
+
+
+def test_a_bad_tensor_payload_is_a_400(ctl: Served, root: Path) -> None:
+    with _file_system_sharing():
+        _bad_tensor_payloads(ctl, root)
+
+
+def _bad_tensor_payloads(ctl: Served, root: Path) -> None:
+    b = _tensors(root / "b")
+    before = _outputs(ctl)
+    name = "model.norm.weight"
+    bad: list[tuple[Any, str]] = [
+        (["not base64!"], "serialized_named_tensors.0"),
+        ([base64.b64encode(b"junk bytes").decode()], "serialized_named_tensors.0"),
+        ([], "serialized_named_tensors"),
+        ([base64.b64encode(save({"no.such.tensor": b[name]})).decode()], "serialized_named_tensors"),
+        ([base64.b64encode(save({name: b[name][:3].clone()})).decode()], "serialized_named_tensors"),
+        ([base64.b64encode(save({name: b[name].long()})).decode()], "serialized_named_tensors"),
+        ([_pickled([(name, _Evil())])], "serialized_named_tensors"),
+        ([_pickled({"a": 1})], "serialized_named_tensors"),  # type: ignore[arg-type]
+        ([base64.b64encode(b"\x80\x04garbage").decode()], "serialized_named_tensors"),
+        ("x", "serialized_named_tensors"),
+    ]
+    for payload, field in bad:
+        r = ctl.post("/update_weights_from_tensor", {"serialized_named_tensors": payload})
+        assert r.status_code == 400 and r.json()["error"]["field"] == field, (payload, r.text)
+    r = ctl.post(
+        "/update_weights_from_tensor", {**_verl_body({name: b[name]}), "load_format": "flattened_bucket"}
+    )
+    assert r.status_code == 400 and r.json()["error"]["field"] == "load_format", r.text
+    assert ctl.get("/health").status_code == 200 and _outputs(ctl) == before
