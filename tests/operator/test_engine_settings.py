@@ -30,6 +30,7 @@ SAMPLES: dict[str, Any] = {
     "max_batch": 7,
     "kv_budget_tokens": 4000,
     "page_size": 8,
+    "prefix_cache": False,
     "max_prefill_tokens": 300,
     "context_length": 1500,
     "collective_timeout_seconds": 33.5,
@@ -69,7 +70,10 @@ def serve(served: list[Any], args: list[str], env: dict[str, str] | None = None)
 @pytest.mark.parametrize("name", sorted(SAMPLES))
 def test_flag_sets_the_engine_setting(name: str, served: list[Any], tiny64: Path) -> None:
     value = SAMPLES[name]
-    args = [flag(name)] if value is True else [flag(name), as_text(value)]
+    if isinstance(value, bool):  # --cuda-graphs / --no-cuda-graphs
+        args = [flag(name) if value else "--no-" + flag(name)[2:]]
+    else:
+        args = [flag(name), as_text(value)]
     assert getattr(serve(served, ["--model", str(tiny64), *args]), name) == value
 
 

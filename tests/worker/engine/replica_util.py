@@ -16,13 +16,27 @@ from rollout_worker.engine.weights import load_shard
 
 
 def replica(
-    model_dir: Path, pages: int, page_size: int, ratio: RatioPolicy = SGLANG_RATIO, max_batch: int = 8
+    model_dir: Path,
+    pages: int,
+    page_size: int,
+    ratio: RatioPolicy = SGLANG_RATIO,
+    max_batch: int = 8,
+    prefix_cache: bool = True,
 ) -> Replica:
     cfg = ModelConfig.load(model_dir)
     cpu = torch.device("cpu")
     w = load_shard(CheckpointReader(model_dir, cfg), cfg, 1, 0, torch.float64, cpu)
     dec = Decoder(cfg, w, SINGLE)
     pool = KVPool(
-        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size, pages, max_batch, 256, torch.float64, cpu
+        cfg.num_layers,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        page_size,
+        pages,
+        max_batch,
+        256,
+        torch.float64,
+        cpu,
+        prefix_cache,
     )
     return Replica(dec, pool, Limits(max_batch, 8192), cfg.eos_token_ids, None, ratio)

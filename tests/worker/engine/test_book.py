@@ -13,8 +13,9 @@ from rollout_worker.engine.finish import Finish, FinishAbort, FinishLength, Fini
 from rollout_worker.engine.messages import StepReport, Switched, TokenOut
 
 
-def spec(rid: str, max_new: int = 10, min_new: int = 0) -> RequestSpec:
-    return RequestSpec(rid, (1, 2, 3), max_new, Sampling(), min_new_tokens=min_new)
+def spec(rid: str, max_new: int = 10, min_new: int = 0, prompt: tuple[int, ...] = ()) -> RequestSpec:
+    """A request whose prompt is its own unless given (requests with one prompt are dispatched together)."""
+    return RequestSpec(rid, prompt or (1, 2, *map(ord, rid)), max_new, Sampling(), min_new_tokens=min_new)
 
 
 def report(
@@ -41,6 +42,22 @@ def test_dispatch_balances_and_refuses_duplicates() -> None:
     assert book.load() == [3, 2, 2] and book.dispatched == 7
     with pytest.raises(UserError, match="already in flight"):
         book.add(spec("r3"), (), 0.0)
+
+
+def test_samples_of_one_prompt_go_to_one_replica_within_the_slack() -> None:
+    book = Book(Layout(2, 1))
+    for i in range(12):  # 12 samples of prompt A, then 2 of prompt B
+        book.add(spec(f"a{i}", prompt=(7, 7)), (), 0.0)
+    book.add(spec("b0", prompt=(8,)), (), 0.0)
+    book.add(spec("b1", prompt=(8,)), (), 0.0)
+    placed = [d for d, _ in book.dispatch()]
+    # a0 on 0; a1..a7 join it while replica 0 is fewer than 8 busier than replica 1; a8 finds it 8 busier:
+    # the least loaded, replica 1; a9..a11 join a8 there; B goes to the least loaded (1), b1 joins b0
+    assert placed == [0] * 8 + [1, 1, 1, 1, 1, 1]
+    book.finalize("a11", FinishLength(10), 1.0)  # the latest of A gone: the next A goes by load again
+    book.finalize("a10", FinishLength(10), 1.0)
+    book.add(spec("a12", prompt=(7, 7)), (), 0.0)
+    assert [d for d, _ in book.dispatch()] == [1]
 
 
 def test_tokens_finishes_and_since_step_exactly_once() -> None:

@@ -36,7 +36,7 @@ def test_exhausted_pool_refuses_and_freed_pages_are_reused() -> None:
     assert pool.reserve(a, 12)
     assert not pool.reserve(b, 8) and b == []  # 1 free page, 2 needed: nothing taken
     pool.free(a)
-    assert a == [] and pool.allocator.free == 4
+    assert a == [] and pool.free_pages == 4
     assert pool.reserve(b, 16) and b == [1, 2, 3, 4]
     with pytest.raises(RuntimeError, match="in use"):
         pool.release()

@@ -10,11 +10,14 @@ from rollout_worker.api.layout import Layout
 from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.engine.migration import (
     Placement,
+    Shared,
     Unfinished,
     kv_migration_plan,
     migrate_bytes,
+    migrate_pages,
     place,
     recompute_tokens,
+    shared_pages,
 )
 from rollout_worker.engine.presets import preset_config
 from rollout_worker.engine.sharding import kv_head_range
@@ -45,6 +48,28 @@ def test_place_overflow_waits() -> None:
     assert sum(p.dst_slot is not None for p in placed) == 3
     placed = place(_reqs(8, 4), 1, max_batch=8, kv_budget=250)
     assert sum(p.dst_slot is not None for p in placed) == 2  # 100 reserved tokens each
+
+
+def test_shared_pages_move_once_and_stay_shared() -> None:
+    """Three samples of one prompt on old replica 0 (pages 1-3 shared, 12 tokens in pages of 4), one
+    request on replica 1 whose table also starts with page 1 (another replica's page 1: not shared), all
+    consolidated onto one replica: the later samples skip the pages they share with the first."""
+    reqs = [
+        Unfinished("a", 0, 0, 14, 40, 20, (1, 2, 3, 4)),
+        Unfinished("b", 0, 1, 15, 40, 20, (1, 2, 3, 5)),
+        Unfinished("c", 0, 2, 13, 40, 20, (1, 2, 6, 7)),  # shares 2 pages with a and b
+        Unfinished("d", 1, 0, 14, 40, 20, (1, 2, 3, 4)),
+    ]
+    placed = place(reqs, 1, max_batch=8, kv_budget=None, page_size=4)
+    shared = shared_pages(reqs, placed)
+    assert shared == {"b": Shared("a", 3), "c": Shared("a", 2)}
+    old, new = Layout.parse("2x1"), Layout.parse("1x2")
+    plan = kv_migration_plan(CFG, old, new, placed, 4, shared)
+    skips = {t.id: (t.skip, t.pages) for t in plan}
+    assert skips == {"a": (0, 4), "b": (3, 4), "c": (2, 4), "d": (0, 4)}
+    alone = kv_migration_plan(CFG, old, new, placed, 4)
+    assert migrate_pages(plan) < migrate_pages(alone)
+    assert migrate_bytes(plan, CFG, 8) * 16 == migrate_bytes(alone, CFG, 8) * 11  # 4+1+2+4 of 4x4 pages
 
 
 TRANSITIONS = [("4x1", "1x4"), ("4x1", "2x2"), ("2x2", "1x4"), ("1x4", "4x1"), ("2x2", "4x1"), ("1x4", "2x2")]

@@ -117,13 +117,13 @@ def test_abort_all(ctl: Served) -> None:
     assert all(0 < r["meta_info"]["completion_tokens"] < 1500 for r in results)
 
 
-def _aborted(server: Served) -> float:
-    line = next(
-        x
-        for x in server.get("/metrics").text.splitlines()
-        if x.startswith("sglang:num_aborted_requests_total")
-    )
+def _metric(server: Served, name: str) -> float:
+    line = next(x for x in server.get("/metrics").text.splitlines() if x.startswith(name + "{"))
     return float(line.rsplit(" ", 1)[1])
+
+
+def _aborted(server: Served) -> float:
+    return _metric(server, "sglang:num_aborted_requests_total")
 
 
 def test_client_disconnect_frees_the_slot(ctl: Served) -> None:
@@ -222,6 +222,25 @@ def test_flush_cache_only_when_idle(ctl: Served) -> None:
     wait_until(lambda: _idle(ctl), what="no request left on the replicas")
     r = ctl.post("/flush_cache")
     assert r.status_code == 200 and r.json()["success"] is True
+
+
+def test_samples_share_their_prompt_until_the_cache_is_flushed(ctl: Served) -> None:
+    """Pages of one token (the default): the 3 samples after the first find 9 of the 10 prompt tokens
+    cached, reported in meta_info and /metrics; after /flush_cache the prompt is computed again."""
+    wait_until(lambda: _idle(ctl), what="no request left on the replicas")
+    ctl.post("/flush_cache")
+    body = {"input_ids": list(range(30, 40)), "sampling_params": {"max_new_tokens": 3, "n": 4}}
+    before = _metric(ctl, "sglang:cached_tokens_total")
+    r = ctl.post("/generate", body)
+    assert r.status_code == 200, r.text
+    assert sorted(o["meta_info"]["cached_tokens"] for o in r.json()) == [0, 9, 9, 9]
+    assert _metric(ctl, "sglang:cached_tokens_total") - before == 27
+    assert _metric(ctl, "sglang:cache_hit_rate") > 0
+    again = ctl.post("/generate", {**body, "sampling_params": {"max_new_tokens": 3}})
+    assert again.json()["meta_info"]["cached_tokens"] == 9  # a later request finds the pages too
+    assert ctl.post("/flush_cache").json()["success"] is True
+    again = ctl.post("/generate", {**body, "sampling_params": {"max_new_tokens": 3}})
+    assert again.json()["meta_info"]["cached_tokens"] == 0
 
 
 def _static(model: Path, prompts: list[list[int]]) -> list[list[int]]:

@@ -48,6 +48,11 @@ class EngineSettings(BaseModel):
         "requests of context_length tokens).",
     )
     page_size: int = Field(1, ge=1, le=16, description="Tokens per page of the KV pool.")
+    prefix_cache: bool = Field(
+        True,
+        description="Requests with equal prompt prefixes share their KV pages, computed once (SGLang's "
+        "radix cache; --no-prefix-cache is its --disable-radix-cache).",
+    )
     max_prefill_tokens: int = Field(
         8192, ge=1, description="Tokens prefilled in one step (a longer prompt is prefilled alone)."
     )

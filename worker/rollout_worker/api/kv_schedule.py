@@ -54,13 +54,16 @@ SGLANG_RATIO = RatioPolicy()
 
 @dataclass(frozen=True, slots=True)
 class Req:
-    """What the scheduler knows of one request: prompt tokens, tokens generated, its ``max_new_tokens``
-    and the pages it holds (0 while waiting)."""
+    """What the scheduler knows of one request: prompt tokens, tokens generated, its ``max_new_tokens``,
+    the pages it holds (0 while waiting) and how many of them other requests hold too (a retraction does
+    not free those), and, while waiting, the tokens of its prefill the prefix cache already holds."""
 
     prompt: int
     generated: int
     max_new: int
     pages: int = 0
+    shared: int = 0
+    cached: int = 0
 
     @property
     def remaining(self) -> int:
@@ -97,11 +100,12 @@ def admit(
     for w in waiting:
         if len(running) + n >= max_batch:
             break
-        fill = w.kv_len
+        fill = w.kv_len - w.cached  # the tokens its prefill computes
         if n and prefill + fill > max_prefill_tokens:
             break
-        now = pages_for(fill, page_size)
-        first = pages_for(fill + (1 if w.remaining else 0), page_size)  # its prefill and first decode step
+        cached_pages = w.cached // page_size
+        now = pages_for(w.kv_len, page_size) - cached_pages  # the pages it takes
+        first = pages_for(w.kv_len + (1 if w.remaining else 0), page_size) - cached_pages  # and 1st decode
         grow = min(w.remaining, CLIP_MAX_NEW_TOKENS)
         alone = not running and n == 0  # an idle replica takes its first request whenever it can step
         if first > free or (not alone and now * page_size + grow + page_size >= rem):
@@ -127,7 +131,7 @@ def to_retract(running: Sequence[Req], free_pages: int, page_size: int) -> list[
         if need <= free or len(out) == len(running) - 1:
             break
         out.append(i)
-        free += running[i].pages
+        free += running[i].pages - running[i].shared
         need -= running[i].step_pages(page_size)
     return out
 

@@ -31,6 +31,7 @@ class _Out:
     logprobs: list[float | None] = field(default_factory=list)
     finish: Finish | None = None
     placements: tuple[dict[str, Any], ...] = ()
+    cached: int = 0  # prompt tokens found in the prefix cache
 
 
 class Collector:
@@ -52,6 +53,8 @@ class Collector:
                 out = self.outs.get(u.rid)
                 if out is None or out.finish is not None:
                     continue
+                if u.cached is not None:
+                    out.cached = u.cached
                 for tok in u.tokens:
                     out.output_ids.append(tok.token)
                     out.logprobs.append(tok.logprob)
@@ -97,6 +100,7 @@ def _row(spec: RequestSpec, out: _Out) -> dict[str, Any]:
         "finish_reason": finish_json(out.finish),
         "prompt_tokens": len(spec.prompt_ids),
         "completion_tokens": len(out.output_ids),
+        "cached_tokens": out.cached,
         "placements": list(out.placements),
         "layouts": list(dict.fromkeys(p["layout"] for p in out.placements)),
     }

@@ -34,6 +34,10 @@ from rollout_worker.engine.messages import PromptLogprobs, StepReport, Switched,
 
 Decode = Callable[[list[int]], str]
 FINISHED_KEPT = 8192  # finished lengths kept for the planner (the most recent ones)
+# A request goes where a request with the same prompt is (its prefix is cached there) unless that replica
+# has this many more unfinished requests than the least loaded one (sglang-router's cache-aware policy,
+# with its balance threshold).
+SAME_PROMPT_SLACK = 8
 
 
 @dataclass(eq=False, slots=True)
@@ -58,6 +62,7 @@ class Update:
     rid: str
     tokens: tuple[TokenOut, ...] = ()
     prompt: PromptLogprobs | None = None
+    cached: int | None = None  # prompt tokens found in the prefix cache (set when it is admitted)
     finish: Finish | None = None
     placements: tuple[dict[str, Any], ...] = ()  # set with the finish
     latency: tuple[float | None, float] | None = None  # (TTFT s or None, e2e s), set with the finish
@@ -86,6 +91,8 @@ class Book:
         self.step_ms: deque[float] = deque(maxlen=64)
         self.kv: dict[int, tuple[int, int]] = {}  # replica -> (KV tokens used, KV token slots allocated)
         self.prompt_tokens = self.generation_tokens = self.aborted = 0
+        self.prefill_tokens = self.reused_tokens = 0  # computed by prefills / taken from the prefix cache
+        self._same_prompt: dict[tuple[int, ...], str] = {}  # prompt -> the latest request dispatched with it
 
     # -- admission and dispatch ------------------------------------------------------------------------
     def add(self, spec: RequestSpec, stop: tuple[str, ...], now: float) -> None:
@@ -104,11 +111,21 @@ class Book:
         return out
 
     def dispatch(self) -> list[tuple[int, RequestSpec]]:
-        """Give every queued request a replica: the least loaded (lowest index on a tie)."""
+        """Give every queued request a replica: that of an unfinished request with the same prompt (the
+        samples of one prompt share its KV pages there) unless it is :data:`SAME_PROMPT_SLACK` requests
+        busier than the least loaded; else the least loaded (lowest index on a tie)."""
         load, out = self.load(), []
         while self.queued:
             t = self.reqs[self.queued.popleft()]
             d = min(range(len(load)), key=lambda i: (load[i], i))
+            kin = self.reqs.get(self._same_prompt.get(t.spec.prompt_ids, ""))
+            if (
+                kin is not None
+                and kin.replica is not None
+                and load[kin.replica] - load[d] < SAME_PROMPT_SLACK
+            ):
+                d = kin.replica
+            self._same_prompt[t.spec.prompt_ids] = t.spec.id
             load[d] += 1
             t.status, t.replica = "waiting", d
             t.placements.append({"layout": str(self.layout), "replica": d, "step": self.step})
@@ -132,10 +149,15 @@ class Book:
         current = r.epoch == self.epoch  # a report from before a switch still carries true tokens
         if current:
             self.kv[r.replica] = (r.kv_tokens, r.kv_capacity)
+        self.prefill_tokens += r.prefill_tokens
+        self.reused_tokens += r.reused_tokens
         for rid in r.admitted:
             t = self.reqs.get(rid)
             if t is not None and current:
                 t.status = "running"
+        for rid, n in r.cached.items():
+            if rid in self.reqs:
+                out.updates.append(Update(rid, cached=n))
         for rid in r.retracted:
             t = self.reqs.get(rid)
             if t is not None and current:
@@ -195,6 +217,8 @@ class Book:
         t = self.reqs.pop(rid)
         if t.status == "queued":
             self.queued.remove(rid)
+        if self._same_prompt.get(t.spec.prompt_ids) == rid:
+            del self._same_prompt[t.spec.prompt_ids]
         n = len(t.output)
         self.finished.append((self.step, n, isinstance(finish, FinishLength) and n >= t.spec.max_new_tokens))
         self.finished_total += 1

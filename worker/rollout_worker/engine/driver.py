@@ -304,25 +304,37 @@ class Engine:
     def resume_memory(self, tags: tuple[str, ...]) -> None:
         self._memory(m.ResumeMemory, tags)
 
+    def flush_cache(self) -> None:
+        """Empty every replica's prefix cache (refused while requests are in flight)."""
+        with self._global:
+            self._on_every_rank(m.FlushCache, None)
+
     def _memory(self, kind: type[m.ReleaseMemory] | type[m.ResumeMemory], tags: tuple[str, ...]) -> None:
         bad = [t for t in tags if t not in MEMORY_TAGS]
         if bad:
             raise UserError(f"unknown tag {bad[0]!r}; choose from {', '.join(MEMORY_TAGS)}", "tags")
         with self._global:
-            with self._lock:
-                self._life.status.check_serving()
-                if kind is m.ReleaseMemory and self._book.unfinished:
-                    raise UserError(
-                        f"{self._book.unfinished} request(s) in flight; abort or wait first", "tags"
-                    )
-                ticket = self._tickets.open(self.cfg.world)
-                self._procs.broadcast(kind(tags, ticket))
-            bad_replies = [d.message for d in _dones(self._await(ticket, 120.0)) if not d.ok]
-            if bad_replies:
-                raise EngineError("; ".join(bad_replies))
+            idle = "tags" if kind is m.ReleaseMemory else None
+            self._on_every_rank(lambda ticket: kind(tags, ticket), idle)
             with self._lock:
                 released = self._released
                 self._released = released | set(tags) if kind is m.ReleaseMemory else released - set(tags)
+
+    def _on_every_rank(self, make: Callable[[int], m.Command], idle_field: str | None) -> None:
+        """Send every rank the command ``make(ticket)`` and wait until each has done it; with
+        ``idle_field``, refused (naming that field) while requests are in flight. Called holding
+        ``_global``."""
+        with self._lock:
+            self._life.status.check_serving()
+            if idle_field is not None and self._book.unfinished:
+                raise UserError(
+                    f"{self._book.unfinished} request(s) in flight; abort or wait first", idle_field
+                )
+            ticket = self._tickets.open(self.cfg.world)
+            self._procs.broadcast(make(ticket))
+        bad_replies = [d.message for d in _dones(self._await(ticket, 120.0)) if not d.ok]
+        if bad_replies:
+            raise EngineError("; ".join(bad_replies))
 
     # -- internals (called with the lock held) ---------------------------------------------------------
     def _now(self) -> float:

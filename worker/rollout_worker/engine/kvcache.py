@@ -2,8 +2,11 @@
 in fixed-size pages of ``page_size`` slots (page p holds slots ``p*page_size .. (p+1)*page_size - 1``).
 
 A request holds a page table (``Sequence.pages``), the pages of its positions in order, taken from the
-pool's :class:`~rollout_worker.api.pages.PageAllocator` and given back when it finishes, is aborted or is
-retracted. The pool also keeps the *token table* of the running batch, ``table[row, position]`` = the
+pool's :class:`~rollout_worker.api.prefix.SharedPages` and given back when it finishes, is aborted or is
+retracted. Requests with equal page-aligned prefixes share those pages (the prefix cache), and a cached
+page no request holds stays until the pool needs it.
+
+The pool also keeps the *token table* of the running batch, ``table[row, position]`` = the
 token slot of that position for the request in ``row`` (0, the null page's first slot, where the row holds
 no page): a forward pass writes K/V at ``table[rows, positions]`` and attention gathers
 ``storage[table[rows, :keys]]`` into the step's batch (positions past a request's length are masked). Rows
@@ -18,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from rollout_worker.api.pages import PageAllocator, pages_for
+from rollout_worker.api.prefix import SharedPages
 
 _ROW_STEP = 8  # the token table grows in multiples of these
 _TOKEN_STEP = 256
@@ -39,10 +43,11 @@ class KVPool:
         row_tokens: int,
         dtype: torch.dtype,
         device: torch.device,
+        prefix_cache: bool = True,
     ) -> None:
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
         self.page_size = page_size
-        self.allocator = PageAllocator(pages)
+        self.shared = SharedPages(PageAllocator(pages), page_size, prefix_cache)
         self.max_rows, self.row_tokens = max_rows, _round_up(row_tokens, page_size)
         self.dtype, self.device = dtype, device
         self.held = 0  # pages of storage, the null page included
@@ -53,11 +58,16 @@ class KVPool:
     @property
     def tokens(self) -> int:
         """Tokens the pool holds when full (SGLang's ``max_total_num_tokens``)."""
-        return self.allocator.pages * self.page_size
+        return self.shared.pages * self.page_size
 
     @property
     def used_tokens(self) -> int:
-        return self.allocator.used * self.page_size
+        """Tokens of the pages requests hold (cached pages no request holds are free to take)."""
+        return self.shared.held * self.page_size
+
+    @property
+    def free_pages(self) -> int:
+        return self.shared.available
 
     @property
     def capacity(self) -> int:
@@ -75,22 +85,38 @@ class KVPool:
         need = pages_for(tokens, self.page_size) - len(pages)
         if need <= 0:
             return True
-        got = self.allocator.alloc(need)
+        got = self.shared.alloc(need)
         if got is None:
             return False
         pages.extend(got)
-        self.grow_storage(got[-1] + 1)
+        self.grow_storage(max(got) + 1)
         return True
 
+    def share(self, pages: list[int], tokens: list[int], limit: int) -> int:
+        """Start the empty page table ``pages`` with the cached pages of the longest page-aligned prefix of
+        ``tokens`` of at most ``limit`` tokens, shared; returns the tokens they hold."""
+        got = self.shared.match(tokens, limit)
+        self.shared.acquire(got)
+        pages.extend(got)
+        return len(got) * self.page_size
+
+    def cache_prefix(self, tokens: list[int], pages: list[int]) -> None:
+        """Cache the full pages of ``tokens`` (whose K/V ``pages`` hold, or will once the forward pass that
+        writes them has run) for later requests with the same prefix."""
+        self.shared.insert(tokens, pages)
+
+    def flush_cache(self) -> None:
+        self.shared.flush()
+
     def free(self, pages: list[int]) -> None:
-        """Give a request's pages back (its page table is emptied)."""
-        self.allocator.release(pages)
+        """Give a request's pages back, last first (its page table is emptied)."""
+        self.shared.release(reversed(pages))
         pages.clear()
 
     def grow_storage(self, held: int) -> None:
         if held <= self.held:
             return
-        new = min(max(held, 2 * self.held), self.allocator.pages + 1)
+        new = min(max(held, 2 * self.held), self.shared.pages + 1)
         shape = (new * self.page_size, self.kv_heads, self.head_dim)
         old = (*self.k, *self.v)
         self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
@@ -145,8 +171,9 @@ class KVPool:
 
     def release(self) -> None:
         """Free the memory (``/release_memory_occupation``; no request holds a page); it grows again."""
-        if self.allocator.used:
-            raise RuntimeError(f"cannot release a KV pool with {self.allocator.used} page(s) in use")
+        self.shared.flush()
+        if self.shared.held:
+            raise RuntimeError(f"cannot release a KV pool with {self.shared.held} page(s) in use")
         self.k, self.v, self.held = [], [], 0
         self.table = torch.zeros((0, 0), dtype=torch.long, device=self.device)
 

@@ -132,6 +132,9 @@ class RankLoop:
             self.load(cmd)
         elif isinstance(cmd, m.ReleaseMemory | m.ResumeMemory):
             self.memory(cmd)
+        elif isinstance(cmd, m.FlushCache):
+            rep.pool.flush_cache()
+            self.outbox.send(m.Done(cmd.ticket, st.rank, True))
         elif isinstance(cmd, m.Shutdown):
             self.stopping = True
 
@@ -205,6 +208,9 @@ class RankLoop:
             tokens=[m.TokenOut(seq.spec.id, d.token, d.logprob, d.top) for seq, d in out.draws],
             finished=out.finished,
             prompt_logprobs=out.prompt_logprobs,
+            cached=out.cached,
+            prefill_tokens=out.computed,
+            reused_tokens=out.reused,
         )
         self.report(report)
 

@@ -1,8 +1,8 @@
 """Typed messages between the driver (the process that owns the engine) and its rank processes.
 
 Driver -> rank, through each rank's inbox, applied at a step boundary:
-    Submit, Abort, Pause, Resume, ReleaseMemory, ResumeMemory, Shutdown  (per replica: every rank of a
-    replica applies the same messages at the same step), and the *global* commands Reconfigure and
+    Submit, Abort, Pause, Resume, ReleaseMemory, ResumeMemory, FlushCache, Shutdown (per replica: every
+    rank of a replica applies the same messages at the same step), and the *global* commands Reconfigure and
     LoadWeights, at which every rank of the pod meets.
 Rank -> driver, through one shared pipe written under a lock (so messages are ordered causally):
     Ready, StepReport (replica leaders only), Switched / Done (outcomes of commands), Failed.
@@ -93,12 +93,26 @@ class ResumeMemory:
 
 
 @dataclass(frozen=True, slots=True)
+class FlushCache:
+    ticket: int
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown:
     pass
 
 
 Command = (
-    Submit | Abort | Pause | Resume | Reconfigure | LoadWeights | ReleaseMemory | ResumeMemory | Shutdown
+    Submit
+    | Abort
+    | Pause
+    | Resume
+    | Reconfigure
+    | LoadWeights
+    | ReleaseMemory
+    | ResumeMemory
+    | FlushCache
+    | Shutdown
 )
 GLOBAL_COMMANDS = (Reconfigure, LoadWeights)
 
@@ -144,6 +158,9 @@ class StepReport:
     running: int = 0
     waiting: int = 0
     kv_tokens: int = 0  # KV tokens held by the running requests
+    cached: dict[str, int] = field(default_factory=dict)  # admitted requests' prompt tokens found cached
+    prefill_tokens: int = 0  # tokens the step's prefill computed
+    reused_tokens: int = 0  # tokens the step's prefill took from the prefix cache
     kv_capacity: int = 0  # tokens of the replica's KV pool (its pages x page size)
 
 

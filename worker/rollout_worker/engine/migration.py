@@ -26,6 +26,7 @@ class Unfinished:
     kv_len: int
     reserved: int  # prompt + max_new_tokens
     remaining: int  # max_new_tokens - generated (an upper bound on the work left)
+    src_pages: tuple[int, ...] = ()  # its page table on the old replica (running requests)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,9 +40,19 @@ class Placement:
 
 
 @dataclass(frozen=True, slots=True)
+class Shared:
+    """A running request's first ``pages`` pages are those of ``kin``, placed before it on the same new
+    replica: they shared them on the old replica, they share them on the new one, and they move once."""
+
+    kin: str
+    pages: int
+
+
+@dataclass(frozen=True, slots=True)
 class Transfer:
     """KV heads of one request moving from ``src`` to ``dst`` (ranks); head ranges are rank-local. The
-    request's first ``pages`` pages move whole (the pages holding its ``kv_len`` cached tokens)."""
+    request's pages ``skip .. pages - 1`` move whole (its first ``pages`` pages hold its ``kv_len`` cached
+    tokens; the first ``skip`` are shared with a request placed before it, and move with that one)."""
 
     src: int
     dst: int
@@ -53,6 +64,11 @@ class Transfer:
     kv_len: int
     pages: int
     page_size: int
+    skip: int = 0
+
+    @property
+    def moved_pages(self) -> int:
+        return self.pages - self.skip
 
 
 def place(
@@ -88,17 +104,58 @@ def place(
     return out
 
 
+def shared_pages(reqs: list[Unfinished], placements: list[Placement]) -> dict[str, Shared]:
+    """For each request that keeps running, the request placed before it on the same new replica, from the
+    same old one, with which it shares the most leading pages there (none: not in the result)."""
+    by_id = {r.id: r for r in reqs}
+    seen: dict[tuple[int, int, int], list[Unfinished]] = {}  # (old replica, new replica, first page)
+    out: dict[str, Shared] = {}
+    carried = [p for p in placements if p.src_slot is not None and p.dst_slot is not None]
+    for p in sorted(carried, key=lambda p: (p.dst_replica, p.dst_slot or 0)):
+        r = by_id[p.id]
+        if not r.src_pages:
+            continue
+        group = seen.setdefault((p.src_replica, p.dst_replica, r.src_pages[0]), [])
+        best: Shared | None = None
+        for kin in group:
+            n = _common(kin.src_pages, r.src_pages)
+            if best is None or n > best.pages:
+                best = Shared(kin.id, n)
+        if best is not None:
+            out[p.id] = best
+        group.append(r)
+    return out
+
+
+def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def kv_migration_plan(
-    cfg: ModelConfig, old: Layout, new: Layout, placements: list[Placement], page_size: int = 1
+    cfg: ModelConfig,
+    old: Layout,
+    new: Layout,
+    placements: list[Placement],
+    page_size: int = 1,
+    shared: dict[str, Shared] | None = None,
 ) -> list[Transfer]:
     """For every running request, every destination rank gets each KV head it needs from one rank of the
     old replica that holds it: itself when it can (a local copy), else the lowest shard holding it
-    (:func:`~rollout_worker.api.heads.kv_sources`, which the planner's byte estimate uses too)."""
+    (:func:`~rollout_worker.api.heads.kv_sources`, which the planner's byte estimate uses too). Pages a
+    request shares with one placed before it (``shared``) move with that one only."""
     plan = []
     for p in placements:
         if p.src_slot is None or p.dst_slot is None:
             continue
         pages = pages_for(p.kv_len, page_size)
+        skip = shared[p.id].pages if shared and p.id in shared else 0
+        if skip >= pages:
+            continue
         for dst in new.ranks_of(p.dst_replica):
             for src, src_heads, dst_heads in kv_sources(cfg.num_kv_heads, old, p.src_replica, new, dst):
                 plan.append(
@@ -113,6 +170,7 @@ def kv_migration_plan(
                         p.kv_len,
                         pages,
                         page_size,
+                        skip,
                     )
                 )
     return plan
@@ -121,7 +179,7 @@ def kv_migration_plan(
 def transfer_bytes(t: Transfer, cfg: ModelConfig, dtype_bytes: int) -> int:
     """Bytes of the whole pages a transfer moves."""
     heads = t.src_heads[1] - t.src_heads[0]
-    return kv_elements(cfg.num_layers, heads, t.pages * t.page_size, cfg.head_dim) * dtype_bytes
+    return kv_elements(cfg.num_layers, heads, t.moved_pages * t.page_size, cfg.head_dim) * dtype_bytes
 
 
 def migrate_bytes(plan: list[Transfer], cfg: ModelConfig, dtype_bytes: int) -> int:
@@ -131,7 +189,7 @@ def migrate_bytes(plan: list[Transfer], cfg: ModelConfig, dtype_bytes: int) -> i
 
 def migrate_pages(plan: list[Transfer]) -> int:
     """Pages (of some of a request's KV heads) that cross between ranks."""
-    return sum(t.pages for t in plan if t.src != t.dst)
+    return sum(t.moved_pages for t in plan if t.src != t.dst)
 
 
 def recompute_tokens(placements: list[Placement], replicas: int) -> int:

@@ -29,6 +29,7 @@ from rollout_worker.engine.migration import (
     migrate_pages,
     place,
     recompute_tokens,
+    shared_pages,
     transfer_bytes,
 )
 from rollout_worker.engine.replica import Replica
@@ -47,6 +48,7 @@ class _Snapshot:
     waiting: list[tuple[RequestSpec, list[int]]]
     step: int
     costs: Any  # CostModel of rank 0 decides for everyone
+    pages: list[tuple[int, ...]]  # the running requests' page tables (equal pages: shared)
 
 
 def _snapshot(st: RankState) -> _Snapshot:
@@ -56,6 +58,7 @@ def _snapshot(st: RankState) -> _Snapshot:
         [(s.spec, list(s.output)) for s in rep.waiting],
         st.step,
         st.costs,
+        [tuple(s.pages) for s in rep.running],
     )
 
 
@@ -74,7 +77,8 @@ def reconfigure(
     reqs, outputs = _unfinished(snaps)
     eng = st.cfg.engine
     placements = place(reqs, target.replicas, eng.max_batch, eng.kv_budget_tokens, eng.page_size)
-    transfers = kv_migration_plan(st.model, old, target, placements, eng.page_size)
+    shared = shared_pages(reqs, placements)
+    transfers = kv_migration_plan(st.model, old, target, placements, eng.page_size, shared)
     elem = torch.empty((), dtype=st.dtype).element_size()
     moved = migrate_bytes(transfers, st.model, elem)
     tokens = recompute_tokens(placements, target.replicas)
@@ -110,7 +114,7 @@ def reconfigure(
         new_costs = costs
         if choice.method == "migrate":
             event.kv_bytes_moved, event.kv_pages_moved = moved, migrate_pages(transfers)
-            rep.hold_running_kv()
+            rep.hold_running_kv({rid: (s.kin, s.pages) for rid, s in shared.items()})
             _migrate(st, st.replica, rep, transfers)
             phases["kv_migrate_ms"] = _lap(t)
             if moved and phases["kv_migrate_ms"] > 0:
@@ -158,9 +162,10 @@ def _unfinished(
     reqs, outputs = [], {}
     for d, snap in snaps.items():
         slots: list[int | None] = [*range(len(snap.running)), *[None] * len(snap.waiting)]
-        for slot, (spec, out) in zip(slots, [*snap.running, *snap.waiting], strict=True):
+        tables = [*snap.pages, *[()] * len(snap.waiting)]
+        for slot, (spec, out), table in zip(slots, [*snap.running, *snap.waiting], tables, strict=True):
             seq = Sequence(spec=spec, output=out)
-            reqs.append(Unfinished(spec.id, d, slot, seq.kv_len, seq.reserved_tokens, seq.remaining))
+            reqs.append(Unfinished(spec.id, d, slot, seq.kv_len, seq.reserved_tokens, seq.remaining, table))
             outputs[spec.id] = (spec, out)
     return reqs, outputs
 
@@ -192,10 +197,10 @@ def _migrate(st: RankState, old: Replica, new: Replica, plan: list[Transfer]) ->
     recvs: dict[int, list[Transfer]] = {}
 
     def extract(t: Transfer) -> torch.Tensor:
-        return old.pool.extract(old.running[t.src_slot].pages[: t.pages], t.src_heads)
+        return old.pool.extract(old.running[t.src_slot].pages[t.skip : t.pages], t.src_heads)
 
     def insert(t: Transfer, flat: torch.Tensor) -> None:
-        new.pool.insert(new.running[t.dst_slot].pages[: t.pages], t.dst_heads, flat)
+        new.pool.insert(new.running[t.dst_slot].pages[t.skip : t.pages], t.dst_heads, flat)
 
     for t in plan:
         if t.src == me and t.dst == me:

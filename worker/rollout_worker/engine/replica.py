@@ -52,6 +52,9 @@ class StepOutput:
     admitted: list[str] = field(default_factory=list)
     retracted: list[str] = field(default_factory=list)
     draws: list[tuple[Sequence, Draw]] = field(default_factory=list)
+    cached: dict[str, int] = field(default_factory=dict)  # fresh requests' prompt tokens found cached
+    computed: int = 0  # tokens a prefill computed
+    reused: int = 0  # tokens a prefill found in the prefix cache instead
     finished: list[tuple[str, Finish]] = field(default_factory=list)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     failed: list[tuple[str, str]] = field(default_factory=list)  # (rid, why) aborted by their own failure
@@ -83,8 +86,10 @@ class Replica:
 
     @decoder.setter
     def decoder(self, decoder: Decoder) -> None:
-        """New weights (a weight load): graphs captured over the old ones are dropped."""
+        """New weights (a weight load): graphs captured over the old ones are dropped, and so is the prefix
+        cache (its K/V were computed with the old ones)."""
         self._decoder = decoder
+        self.pool.flush_cache()
         if self.graphs is not None:
             self.graphs.clear()
 
@@ -137,28 +142,53 @@ class Replica:
             self.pool.clear_row(row)
         self.running.clear()
 
-    def hold_running_kv(self) -> None:
+    def hold_running_kv(self, shared: dict[str, tuple[str, int]] | None = None) -> None:
         """Pages and token-table rows for the running requests' cached tokens (a new replica's requests
-        before their KV arrives by migration)."""
+        before their KV arrives by migration). ``shared``: request -> (a request before it, how many of
+        that one's first pages it shares), as they did on the old replica; those pages are cached."""
+        by_id = {s.spec.id: s for s in self.running}
         for row, seq in enumerate(self.running):
+            kin = (shared or {}).get(seq.spec.id)
+            if kin is not None:
+                seq.pages.extend(by_id[kin[0]].pages[: kin[1]])
+                self.pool.shared.acquire(seq.pages)
             self._reserve(seq, seq.kv_len)
+            self.pool.cache_prefix(prefill_row(seq), seq.pages)
             self.pool.bind(row, seq.pages)
 
     # -- stepping ------------------------------------------------------------------------------------
-    @staticmethod
-    def _req(seq: Sequence) -> Req:
-        return Req(len(seq.spec.prompt_ids), len(seq.output), seq.spec.max_new_tokens, len(seq.pages))
+    def _req(self, seq: Sequence, shared: bool = False, cached: int = 0) -> Req:
+        spec = seq.spec
+        held = self.pool.shared.holders
+        n_shared = sum(1 for p in seq.pages if held(p) > 1) if shared else 0
+        return Req(
+            len(spec.prompt_ids), len(seq.output), spec.max_new_tokens, len(seq.pages), n_shared, cached
+        )
+
+    def _cacheable(self, seq: Sequence) -> tuple[list[int], int]:
+        """The tokens a prefill of ``seq`` computes K/V for, and how many of them it may take from the
+        prefix cache (all but the last, whose logits it needs; none when it wants its prompt's logprobs)."""
+        row = prefill_row(seq)
+        wants_prompt = not seq.output and seq.spec.wants_input_logprobs
+        return row, 0 if wants_prompt else len(row) - 1
 
     def _admit(self) -> list[Sequence]:
         lim = self.limits
         room = lim.max_batch - len(self.running)
         if not self.waiting or room <= 0:
             return []
+        pool = self.pool
+        candidates: list[Req] = []
+        shared_idle: set[int] = set()
+        for seq in itertools.islice(self.waiting, room):
+            pages = pool.shared.match(*self._cacheable(seq)) if pool.shared.cached else []
+            shared_idle.update(p for p in pages if pool.shared.is_idle(p))  # taken off the free ones
+            candidates.append(self._req(seq, cached=len(pages) * pool.page_size))
         n = admit(
             [self._req(s) for s in self.running],
-            [self._req(s) for s in itertools.islice(self.waiting, room)],
-            self.pool.allocator.free,
-            self.pool.page_size,
+            candidates,
+            pool.free_pages - len(shared_idle),
+            pool.page_size,
             self.ratio,
             lim.max_batch,
             lim.max_prefill_tokens,
@@ -168,7 +198,10 @@ class Replica:
     def _retract_for_step(self) -> list[str]:
         """Make room for the next decode step's pages: retract what :func:`to_retract` picks (back to the
         front of the queue, pages freed) and re-estimate the ratio; else let the ratio decay."""
-        pick = to_retract([self._req(s) for s in self.running], self.pool.allocator.free, self.pool.page_size)
+        reqs, free, ps = [self._req(s) for s in self.running], self.pool.free_pages, self.pool.page_size
+        if sum(r.step_pages(ps) for r in reqs) > free:  # what a retraction frees: the pages not shared
+            reqs = [self._req(s, shared=True) for s in self.running]
+        pick = to_retract(reqs, free, ps)
         if not pick:
             self.ratio = self.policy.decayed(self.ratio)
             return []
@@ -196,34 +229,48 @@ class Replica:
 
         A fresh request (no output yet) is prefilled over its prompt and samples its first token; a
         resumed one is prefilled over prompt + output[:-1] (its cache after ``len(output)`` steps) and
-        continues decoding from its last token.
+        continues decoding from its last token. Each row computes only the tokens after the prefix it found
+        in the prefix cache, which an earlier row of the same pass may have put there: a layer writes every
+        row's K/V before any row reads, so a row attends to the shared pages as they are written.
         """
-        slot0 = len(self.running)
-        rows = [
-            list(s.spec.prompt_ids) + s.output[:-1] if s.output else list(s.spec.prompt_ids) for s in seqs
-        ]
-        width = max(len(r) for r in rows)
-        pool = self.pool
-        pool.ensure_table(slot0 + len(rows), width)
-        for i, (s, r) in enumerate(zip(seqs, rows, strict=True)):
-            self._reserve(s, len(r))
-            pool.bind(slot0 + i, s.pages)
-        table = pool.table[slot0 : slot0 + len(rows), :width]  # write and read slots: positions 0..width-1
+        slot0, pool = len(self.running), self.pool
+        cacheable = [self._cacheable(s) for s in seqs]
+        # Held while the rows take their pages, so that no row's allocation evicts a cached prefix another
+        # row was admitted to share (admission counted on it).
+        pinned = [p for row, limit in cacheable for p in pool.shared.match(row, limit)]
+        pool.shared.acquire(pinned)
+        rows, starts = [], []
+        for i, (s, (row, limit)) in enumerate(zip(seqs, cacheable, strict=True)):
+            starts.append(pool.share(s.pages, row, limit))
+            self._reserve(s, len(row))
+            pool.cache_prefix(row, s.pages)
+            pool.bind(slot0 + i, s.pages)  # (grows the token table as needed)
+            rows.append(row)
+        pool.shared.release(pinned)
+        width = max(len(r) - c for r, c in zip(rows, starts, strict=True))  # tokens computed per row
+        keys = max(len(r) for r in rows)
         dev = self.decoder.embed.device
         tokens = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            tokens[i, : len(r)] = torch.tensor(r)
-        positions = torch.arange(width).expand(len(rows), width)
+        positions = torch.zeros((len(rows), width), dtype=torch.long)
+        write = torch.zeros((len(rows), width), dtype=torch.long, device=dev)  # padding: the null slot 0
+        for i, (r, c) in enumerate(zip(rows, starts, strict=True)):
+            n = len(r) - c
+            tokens[i, :n] = torch.tensor(r[c:])
+            positions[i, :n] = torch.arange(c, len(r))
+            positions[i, n:] = len(r) - 1
+            write[i, :n] = pool.table[slot0 + i, c : len(r)]
+        read = pool.table[slot0 : slot0 + len(rows), :keys]
         self.running.extend(seqs)
         t0 = time.perf_counter()
-        x = self.decoder.hidden(tokens.to(dev), positions.to(dev), pool, table, table)
-        last = torch.tensor([len(r) - 1 for r in rows], device=dev)
+        x = self.decoder.hidden(tokens.to(dev), positions.to(dev), pool, write, read)
+        last = torch.tensor([len(r) - c - 1 for r, c in zip(rows, starts, strict=True)], device=dev)
         logits = self._poisoned(self.decoder.logits(x[torch.arange(len(rows), device=dev), last]), seqs)
-        out = StepOutput("prefill")
+        out = StepOutput("prefill", computed=sum(len(r) for r in rows) - sum(starts), reused=sum(starts))
         fresh = [s for s in seqs if not s.output] if sample_fresh else []
+        out.cached = {s.spec.id: c for s, c in zip(seqs, starts, strict=True) if s in fresh}
         if fresh:
             out.prompt_logprobs = self._prompt_logprobs(x, seqs, fresh, out)
-        self.prefill_tokens_per_ms = sum(len(r) for r in rows) / max((time.perf_counter() - t0) * 1e3, 1e-3)
+        self.prefill_tokens_per_ms = out.computed / max((time.perf_counter() - t0) * 1e3, 1e-3)
         live = [s for s in fresh if s.finish is None]  # (a request whose prompt logprobs failed is aborted)
         only_prefill = [s for s in live if s.spec.max_new_tokens == 0]
         sampled = [(i, s) for i, s in enumerate(seqs) if s in live and s.spec.max_new_tokens > 0]
@@ -372,6 +419,11 @@ class Replica:
         else:
             self.pool.clear_row(slot)
         self.running.pop()
+
+
+def prefill_row(seq: Sequence) -> list[int]:
+    """The tokens whose K/V a prefill of ``seq`` computes: its prompt and all but its last output token."""
+    return list(seq.spec.prompt_ids) + seq.output[:-1] if seq.output else list(seq.spec.prompt_ids)
 
 
 def _aborted(failure: Failure) -> FinishAbort:

@@ -27,6 +27,14 @@ class Snapshot:
     replicas: tuple[ReplicaLoad, ...]  # per replica of ``layout``
     kv_used: int  # KV tokens held by running requests, over every replica
     kv_allocated: int  # KV token slots allocated, over every replica
+    prefill_tokens: int = 0  # tokens prefills computed, since start
+    reused_tokens: int = 0  # tokens prefills took from the prefix cache, since start
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """The share of prefilled tokens taken from the prefix cache (SGLang's ``cache_hit_rate``)."""
+        total = self.prefill_tokens + self.reused_tokens
+        return self.reused_tokens / total if total else 0.0
 
     @property
     def running(self) -> int:
@@ -53,4 +61,6 @@ def take(book: Book, status: Status, paused: str | None, weight_version: str) ->
         replicas=tuple(ReplicaLoad(r, w) for r, w in zip(running, waiting, strict=True)),
         kv_used=sum(u for u, _ in book.kv.values()),
         kv_allocated=sum(c for _, c in book.kv.values()),
+        prefill_tokens=book.prefill_tokens,
+        reused_tokens=book.reused_tokens,
     )

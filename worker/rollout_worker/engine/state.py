@@ -156,6 +156,7 @@ def make_replica(
         eng.context_length + 1,
         parse_dtype(cfg.dtype),
         device,
+        eng.prefix_cache,
     )
     limits = Limits(eng.max_batch, eng.max_prefill_tokens)
     graphs = None

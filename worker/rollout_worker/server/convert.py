@@ -108,6 +108,7 @@ class Output:
     logprobs: list[float | None] = field(default_factory=list)
     tops: list[TopLogprobs | None] = field(default_factory=list)
     prompt: Any = None
+    cached: int = 0  # prompt tokens the engine found in its prefix cache
     finish: Finish | None = None
     started: float = field(default_factory=time.perf_counter)
     latency: float | None = None
@@ -125,6 +126,8 @@ class Output:
             self.tops.append(tok.top)
         if u.prompt is not None:
             self.prompt = u.prompt
+        if u.cached is not None:
+            self.cached = u.cached
         if u.finish is not None:
             self.finish = u.finish
             self.latency = time.perf_counter() - self.started
@@ -157,7 +160,7 @@ class Output:
             "finish_reason": finish_json(self.finish),
             "prompt_tokens": len(spec.prompt_ids),
             "completion_tokens": len(self.ids),
-            "cached_tokens": 0,
+            "cached_tokens": self.cached,
             "weight_version": self.weight_version,
         }
         if self.latency is not None:

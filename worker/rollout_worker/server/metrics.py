@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from rollout_worker.api.plan import ReconfigEvent
@@ -26,7 +26,7 @@ class _Gauges(Collector):
     def __init__(self, metrics: Metrics) -> None:
         self.m = metrics
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         eng = self.m.engine
         if eng is None:
             return
@@ -37,6 +37,11 @@ class _Gauges(Collector):
             g.add_metric(values, value)
             return g
 
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(values, value)
+            return c
+
         snap = eng.snapshot()
         used, cap = snap.kv_used, snap.kv_allocated
         yield gauge("sglang:num_running_reqs", "Running requests", snap.running)
@@ -46,7 +51,15 @@ class _Gauges(Collector):
             "sglang:token_usage", "Fraction of the KV pool's tokens in use", used / cap if cap else 0.0
         )
         yield gauge("sglang:gen_throughput", "Generated tokens per second (last 10 s)", self.m.throughput())
-        yield gauge("sglang:cache_hit_rate", "Prefix cache hit rate (no prefix cache: 0)", 0.0)
+        yield gauge(
+            "sglang:cache_hit_rate",
+            "Share of prefilled tokens found in the prefix cache",
+            snap.cache_hit_rate,
+        )
+        yield counter(
+            "sglang:cached_tokens", "Prefilled tokens found in the prefix cache", snap.reused_tokens
+        )
+        yield counter("elastic_rollout_prefill_tokens", "Tokens computed by prefills", snap.prefill_tokens)
         lay = snap.layout
         yield gauge("elastic_rollout_tp_size", "Current TP size", lay.tp)
         yield gauge("elastic_rollout_replicas", "Current number of replicas", lay.replicas)

@@ -53,12 +53,14 @@ async def continue_generation(request: Request) -> dict[str, Any]:
 
 @router.api_route("/flush_cache", methods=["GET", "POST"], summary="Flush (400 while requests are in flight)")
 async def flush_cache(request: Request) -> JSONResponse:
-    engine = server_state(request).ready_engine()
+    state = server_state(request)
+    engine = state.ready_engine()
     busy = engine.snapshot().unfinished
     if busy:
         msg = f"Cache not flushed: {busy} request(s) in flight"
         return JSONResponse({"success": False, "message": msg}, status_code=400)
-    return JSONResponse({"success": True, "message": "Cache flushed (this engine keeps no prefix cache)."})
+    await state.bridge.call(engine.flush_cache)
+    return JSONResponse({"success": True, "message": "Cache flushed."})
 
 
 def _checkpoint_in_root(state: ServerState, raw: str) -> Path:

@@ -1,0 +1,117 @@
+"""Prefix sharing (the prefix cache): the samples of one prompt store and compute its pages once, a later
+request finds them, and no token changes (float64): in process on one replica, and across migrate and
+recompute on 4 real gloo ranks."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from rollout_worker.api.requests import RequestSpec
+from rollout_worker.api.sampling import Sampling
+from rollout_worker.engine.sequence import Sequence
+
+from tests.worker.engine.engine_util import run, tokens
+from tests.worker.engine.replica_util import replica
+
+PROMPT = tuple(range(40, 53))  # 13 tokens: 3 full pages of 4 and one token more
+
+
+def _samples(n: int, prompt: tuple[int, ...] = PROMPT, tag: str = "s") -> list[RequestSpec]:
+    return [
+        RequestSpec(
+            f"{tag}{i}", prompt, 10, Sampling(temperature=0.9, top_p=0.95, seed=100 + i), ignore_eos=True
+        )
+        for i in range(n)
+    ]
+
+
+def _run(model: Path, cache: bool, specs: list[RequestSpec]) -> tuple[dict[str, list[int]], list[dict]]:  # type: ignore[type-arg]
+    rep = replica(model, 64, 4, prefix_cache=cache)
+    seqs = [Sequence(spec=s) for s in specs]
+    for s in seqs:
+        rep.add(s)
+    steps = []
+    while rep.unfinished:
+        out = rep.step()
+        if out.kind == "prefill":
+            steps.append({"computed": out.computed, "cached": out.cached, "held": rep.pool.shared.held})
+    return {s.spec.id: s.output for s in seqs}, steps
+
+
+def test_eight_samples_of_one_prompt_share_its_pages(tiny64: Path) -> None:
+    shared, steps = _run(tiny64, True, _samples(8))
+    assert len(steps) == 1  # all 8 admitted and prefilled in one pass
+    # the first sample computes the 13 prompt tokens; the 7 others find 3 pages (12 tokens) cached, by
+    # the first one in the same pass, and compute only the last token
+    assert steps[0]["cached"] == {"s0": 0, **{f"s{i}": 12 for i in range(1, 8)}}
+    assert steps[0]["computed"] == 13 + 7 * 1
+    assert steps[0]["held"] == 3 + 8  # the 3 prompt pages once, and each sample's own last page
+    alone, steps = _run(tiny64, False, _samples(8))
+    assert steps[0]["cached"] == dict.fromkeys(shared, 0) and steps[0]["computed"] == 8 * 13
+    assert steps[0]["held"] == 8 * 4
+    assert shared == alone and all(len(v) == 10 for v in shared.values())
+    assert len({tuple(v) for v in shared.values()}) == 8  # the samples differ: sharing kept them apart
+
+
+def test_a_later_request_finds_the_cached_prefix_until_it_is_flushed(tiny64: Path) -> None:
+    rep = replica(tiny64, 64, 4)
+    first, later, after_flush = (Sequence(spec=s) for s in _samples(3))
+    outs = []
+    for seq in (first, later):
+        rep.add(seq)
+        while rep.unfinished:
+            out = rep.step()
+            if out.kind == "prefill":
+                outs.append(out.cached[seq.spec.id])
+    assert outs == [0, 12] and rep.pool.shared.held == 0  # the pages outlived their holder, idle
+    rep.pool.flush_cache()
+    rep.add(after_flush)
+    assert rep.step().cached == {"s2": 0}
+
+
+def test_a_request_that_wants_its_prompt_logprobs_computes_its_whole_prompt(tiny64: Path) -> None:
+    rep = replica(tiny64, 64, 4)
+    rep.add(Sequence(spec=_samples(1)[0]))
+    while rep.unfinished:
+        rep.step()
+    spec = RequestSpec("lp", PROMPT, 2, Sampling(), return_logprob=True, logprob_start_len=0)
+    rep.add(Sequence(spec=spec))
+    out = rep.step()
+    assert out.cached == {"lp": 0} and len(out.prompt_logprobs["lp"].logprobs) == len(PROMPT)
+
+
+def _groups(seed: int = 3) -> list[RequestSpec]:
+    """4 prompts x 4 samples (GRPO's shape), prompts of 9 to 14 tokens, varied lengths."""
+    rng = random.Random(seed)
+    specs = []
+    for g in range(4):
+        prompt = tuple(rng.randrange(512) for _ in range(rng.randint(9, 14)))
+        for i in range(4):
+            sampling = Sampling(temperature=0.9, top_p=0.95, seed=1000 + 10 * g + i)
+            specs.append(RequestSpec(f"g{g}-{i}", prompt, rng.randint(8, 40), sampling, ignore_eos=True))
+    return specs
+
+
+@pytest.fixture(scope="module")
+def unshared(tiny64: Path) -> dict[str, list[int]]:
+    static = run(tiny64, 4, "4x1", specs=_groups(), page_size=4, prefix_cache=False)
+    assert all(o["cached_tokens"] == 0 for o in static.outputs)
+    return tokens(static)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(
+    ("src", "triggers"),
+    [("4x1", ["10:2:migrate", "5:4:recompute"]), ("1x4", ["9:1:migrate"]), ("2x2", ["8:4:migrate"])],
+)
+def test_shared_prefixes_survive_migrate_and_recompute(
+    tiny64: Path, unshared: dict[str, list[int]], src: str, triggers: list[str]
+) -> None:
+    res = run(tiny64, 4, src, triggers, specs=_groups(), page_size=4)
+    assert tokens(res) == unshared
+    assert [e.outcome for e in res.reconfigs] == ["committed"] * len(triggers)
+    # the samples of each prompt ran on one replica and shared its pages: 3 of 4 found them cached
+    cached = [o["cached_tokens"] for o in res.outputs]
+    assert sum(c > 0 for c in cached) == 12, cached
