@@ -7,7 +7,7 @@ import math
 import torch
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import Sampling
-from rollout_worker.engine.sampling import prompt_logprobs, sample
+from rollout_worker.engine.sampling import Failure, prompt_logprobs, sample
 from rollout_worker.engine.sequence import Sequence
 
 
@@ -59,3 +59,23 @@ def test_prompt_logprobs() -> None:
     ref = torch.log_softmax(logits, -1)
     assert vals == [float(ref[0, 2]), float(ref[1, 0]), float(ref[2, 6])]
     assert tops is not None and len(tops[0] or ()) == 3
+
+
+def test_the_counter_is_the_absolute_position_in_the_sequence() -> None:
+    """Output token i of prompt P draws what output token i - k of the continuation P + output[:k] draws
+    (same seed): partial rollout resends prompt + partial output; and a different position draws anew."""
+    logits = torch.randn(1, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    p = Sampling(temperature=1.0, top_p=0.9, seed=5)
+    prompt, out = (1, 2, 3), [7, 8, 9, 10, 11, 12]
+
+    def draw(ids: tuple[int, ...], output: list[int]) -> tuple[int, float | None]:
+        spec = RequestSpec("x", ids, 50, p, return_logprob=True)
+        d = sample(logits, [Sequence(spec, output=output)], ())[0]
+        assert not isinstance(d, Failure)
+        return d.token, d.logprob
+
+    whole = [draw(prompt, out[:i]) for i in range(len(out))]
+    for k in range(len(out)):
+        assert [draw(prompt + tuple(out[:k]), out[k:i]) for i in range(k, len(out))] == whole[k:]
+    # the counter is not the output index: a longer prompt shifts every draw
+    assert [draw((0, *prompt), out[:i]) for i in range(len(out))] != whole

@@ -351,6 +351,12 @@ def test_bad_input_is_a_400_naming_the_field(
         ("/v1/completions", {"model": "m", "prompt": "a", "stop": ""}, "stop", "must not be empty"),
         ("/v1/completions", {"model": "m", "prompt": "a", "min_tokens": 20}, "min_tokens", "above max_"),
         ("/v1/completions", {"model": "m", "prompt": "a", "max_tokens": "5"}, "max_tokens", "integer"),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "user", "content": "\ud800"}]},
+            "messages.0.content",
+            "not Unicode text",
+        ),
         ("/update_weights_from_disk", {"model_path": "/tmp/m\u0000/x"}, "model_path", "NUL"),
         ("/update_weights_from_disk", {"model_path": "/tmp/\ud800"}, "model_path", "not Unicode text"),
     ],
@@ -422,6 +428,7 @@ def test_openapi_documents_every_route(server: Served) -> None:
         "/v1/plan",
         "/v1/reconfigure",
         "/v1/completions",
+        "/v1/chat/completions",
     } <= paths
 
 

@@ -1,13 +1,16 @@
 """Real clients that others wrote, unchanged, against the server on loopback: sglang's frontend language
 (RuntimeEndpoint: gen, stream, select, run_batch), ``python -m sglang.bench_serving`` (backends sglang and
-sglang-oai on random-ids), and the ``openai`` client on /v1/completions."""
+sglang-oai on random-ids), and the ``openai`` client on /v1/completions and /v1/chat/completions."""
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -119,3 +122,136 @@ def test_openai_client(server: Served) -> None:
     with_lp = client.completions.create(model=model, prompt="Hello", max_tokens=3, temperature=0, logprobs=2)
     lp = with_lp.choices[0].logprobs
     assert lp is not None and len(lp.token_logprobs or []) == 3 and len((lp.top_logprobs or [])[0]) == 2
+
+
+def _chat_prompt(model_dir: Path, messages: list[dict[str, str]]) -> str:
+    """The prompt as transformers renders the model's chat template (the reference, not our renderer)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return str(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
+
+
+def test_openai_chat_client(server: Served, tiny64: Path) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    prompt = _chat_prompt(tiny64, CHAT)
+    greedy = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    direct = server.post("/generate", {"text": prompt, "sampling_params": greedy}).json()
+    done = client.chat.completions.create(
+        model=model,
+        messages=CHAT,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},  # type: ignore[arg-type]
+    )
+    (choice,) = done.choices
+    assert choice.message.role == "assistant" and choice.message.content == direct["text"]
+    assert choice.finish_reason == "length" and done.object == "chat.completion"
+    assert done.usage is not None
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (
+        direct["meta_info"]["prompt_tokens"],
+        8,
+    )
+
+    # n samples with a seed and logprobs: the samples /generate draws for the same prompt, seed and n
+    sampled = {"max_new_tokens": 6, "temperature": 1.0, "top_p": 0.9, "ignore_eos": True, "n": 3}
+    body = {"text": prompt, "sampling_params": {**sampled, "sampling_seed": 9}, "return_logprob": True}
+    want = server.post("/generate", {**body, "top_logprobs_num": 2, "return_text_in_logprobs": True}).json()
+    got = client.chat.completions.create(
+        model=model,
+        messages=CHAT,  # type: ignore[arg-type]
+        max_completion_tokens=6,
+        temperature=1.0,
+        top_p=0.9,
+        n=3,
+        seed=9,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    for c, w in zip(got.choices, want, strict=True):
+        assert c.message.content == w["text"]
+        assert c.logprobs is not None and c.logprobs.content is not None
+        assert [t.logprob for t in c.logprobs.content] == [
+            x[0] for x in w["meta_info"]["output_token_logprobs"]
+        ]
+        assert [t.token for t in c.logprobs.content] == [
+            x[2] for x in w["meta_info"]["output_token_logprobs"]
+        ]
+        assert all(len(t.top_logprobs) == 2 for t in c.logprobs.content)
+    assert len({c.message.content for c in got.choices}) > 1  # three samples, not one thrice
+
+    # streamed: deltas (the role first), the same text, a usage chunk, then the end
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=CHAT,  # type: ignore[arg-type]
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert deltas[0].role == "assistant" and all(d.role is None for d in deltas[1:])
+    assert "".join(d.content or "" for d in deltas) == direct["text"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert (
+        chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+    )
+
+
+def test_chat_errors_name_the_field(server: Served) -> None:
+    import openai
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({"messages": []}, "messages"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages",
+        ),
+        ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": CHAT, "max_completion_tokens": -1}, "max_completion_tokens"),
+        ({"messages": CHAT, "max_completion_tokens": 4, "extra_body": {"min_tokens": 5}}, "min_tokens"),
+    ]
+    for extra, name in bad:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="m", **extra)
+        assert err.value.status_code == 400
+        body = err.value.body
+        assert isinstance(body, dict) and body.get("field", "").startswith(name), (extra, body)
+
+
+def test_a_model_without_a_chat_template_is_a_clear_400(tiny64: Path, tmp_path: Path) -> None:
+    """In process (no ranks: the answer comes before the engine is needed), through the openai client."""
+    import openai
+    from fastapi.testclient import TestClient
+    from openai import OpenAI
+    from rollout_worker.engine.config import EngineConfig
+    from rollout_worker.server.app import create_app
+    from rollout_worker.server.settings import ServerSettings
+
+    plain = tmp_path / "plain"
+    shutil.copytree(tiny64, plain)
+    cfg = json.loads((plain / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (plain / "tokenizer_config.json").write_text(json.dumps(cfg))
+    app = create_app(ServerSettings(model=plain), EngineConfig.load(str(plain), 1))
+    client = OpenAI(
+        base_url="http://testserver/v1", api_key="unused", http_client=TestClient(app), max_retries=0
+    )
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="m", messages=CHAT)  # type: ignore[arg-type]
+    assert err.value.status_code == 400
+    assert "has no chat template" in str(err.value) and err.value.body["field"] == "messages"  # type: ignore[index]

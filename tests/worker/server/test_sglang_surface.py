@@ -173,3 +173,15 @@ def test_openai_keys_we_do_not_implement_are_refused_unless_neutral(server: Serv
         for key, value in {"best_of": 2, "echo": True, "suffix": "s", "frequency_penalty": 0.5}.items():
             r = c.post("/v1/completions", json={**ok, key: value})
             assert r.status_code == 400 and r.json()["error"]["field"] == key, r.text
+        chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        quiet = {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "store": False}
+        assert c.post("/v1/chat/completions", json={**chat, **quiet, "logit_bias": None}).status_code == 200
+        loud = {
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "response_format": {"type": "json_object"},
+            "tool_choice": "required",
+            "presence_penalty": 1.0,
+        }
+        for key, value in loud.items():
+            r = c.post("/v1/chat/completions", json={**chat, key: value})
+            assert r.status_code == 400 and r.json()["error"]["field"] == key, r.text

@@ -5,8 +5,10 @@ Three names, one meaning each: :class:`Sampling` is what the engine's ranks draw
 ``engine`` method gives the :class:`Sampling`); ``rollout_worker.api.sidecar.SamplingSettings`` is a job's
 sampling (its ``sampling_params`` method gives one sample's SGLang ``sampling_params``).
 
-Sampling is counter-based: token ``i`` of a request is drawn with ``u = H(seed, i)``, so a request's
-tokens depend only on the request, never on the replica, TP size, batch or arrival time.
+Sampling is counter-based: the token at absolute position ``p`` of a sequence (prompt length + output index)
+is drawn with ``u = H(seed, p)``, so a request's tokens depend only on the request, never on the replica, TP
+size, batch or arrival time; and a continuation (prompt + partial output, the same seed) draws exactly the
+tokens the uninterrupted request would have.
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """Per-request sampling that depends only on the request: greedy, or temperature / top-k / top-p / min-p
-driven by a counter-based uniform draw u = H(seed, token index). The same request therefore yields the same
-tokens on any replica, TP size or batch, and across reconfigurations (no generator state to migrate).
+driven by a counter-based uniform draw u = H(seed, position), where position is the token's absolute position
+in the sequence (prompt length + output index). The same request therefore yields the same tokens on any
+replica, TP size or batch, and across reconfigurations and retractions (no generator state to migrate); and a
+continuation (prompt + the tokens generated so far, sent again with the same seed: partial rollout) draws
+exactly the tokens the uninterrupted request would have drawn.
 
 Logprobs (what RL trainers use for importance weights) are the log-probability of the sampled token under
 the distribution it was drawn from: softmax(logits / temperature) cut by top-k, top-p and min-p and
@@ -41,14 +44,15 @@ class Failure:
         return cls(f"{type(exc).__name__}: {exc}")
 
 
-def uniform(seed: int, index: int) -> float:
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+def uniform(seed: int, position: int) -> float:
+    """The uniform draw in [0, 1) of the token at absolute ``position`` of a request seeded ``seed``."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
     return (int.from_bytes(digest, "little") >> 11) / float(1 << 53)
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> list[Draw | Failure]:
-    """One token per row of ``logits`` [B, V] for ``seqs`` (row b draws token ``len(seqs[b].output)``), or
-    the row's :class:`Failure`."""
+    """One token per row of ``logits`` [B, V] for ``seqs`` (row b draws output token ``len(seqs[b].output)``,
+    at position :func:`position` in its sequence), or the row's :class:`Failure`."""
     peak, fast = torch.max(logits, dim=-1)  # NaN propagates: a NaN row peaks at NaN
     finite, fast_ids = torch.isfinite(peak).tolist(), fast.tolist()
     out: list[Draw | Failure] = []
@@ -74,7 +78,13 @@ def _sample_row(logits: torch.Tensor, seq: Sequence, fast: int, eos_ids: tuple[i
         row[list(banned)] = float("-inf")
     if p.greedy:
         return _greedy(row, spec.return_logprob, spec.top_logprobs_num)
-    return _draw(row, p, uniform(p.seed, len(seq.output)), spec.return_logprob, spec.top_logprobs_num)
+    return _draw(row, p, uniform(p.seed, position(seq)), spec.return_logprob, spec.top_logprobs_num)
+
+
+def position(seq: Sequence) -> int:
+    """Absolute position of the token ``seq`` draws next: prompt length + output index (not the output index,
+    so that prompt + partial output, sent again, draws what the uninterrupted request would have)."""
+    return len(seq.spec.prompt_ids) + len(seq.output)
 
 
 def _banned(seq: Sequence, eos_ids: tuple[int, ...]) -> tuple[int, ...]:

@@ -17,13 +17,14 @@ from fastapi.responses import Response
 
 from rollout_worker import __version__
 from rollout_worker.api.errors import EngineError
+from rollout_worker.api.prompts import ChatTemplate
 from rollout_worker.engine.config import EngineConfig
 from rollout_worker.engine.driver import Engine
 from rollout_worker.engine.messages import Faults
 from rollout_worker.engine.tokenizer import TextCodec
 from rollout_worker.server.deps import ServerState
 from rollout_worker.server.metrics import Metrics
-from rollout_worker.server.routes import control, generate, info, openai, planner
+from rollout_worker.server.routes import chat, control, generate, info, openai, planner
 from rollout_worker.server.settings import ServerSettings
 from rollout_worker.web.errors import ErrorResponse, install_error_handlers
 from rollout_worker.web.middleware import ApiKey, BodyLimit
@@ -37,6 +38,7 @@ def create_app(settings: ServerSettings, cfg: EngineConfig, faults: Faults | Non
         cfg,
         TextCodec.load(settings.model),
         Metrics(settings.served_model_name or str(settings.model)),
+        chat=_chat_template(settings),
     )
 
     @asynccontextmanager
@@ -72,7 +74,7 @@ def create_app(settings: ServerSettings, cfg: EngineConfig, faults: Faults | Non
         lifespan=lifespan,
     )
     app.state.server = state
-    for module in (generate, control, info, openai, planner):
+    for module in (generate, control, info, openai, chat, planner):
         app.include_router(module.router)
     install_error_handlers(app, validation_status=400)  # SGLang answers a bad body with 400
     app.add_exception_handler(EngineError, _engine_error)
@@ -85,6 +87,17 @@ def create_app(settings: ServerSettings, cfg: EngineConfig, faults: Faults | Non
         )
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, timeout=settings.body_timeout_seconds)
     return app
+
+
+def _chat_template(settings: ServerSettings) -> ChatTemplate | None:
+    """The model's chat template for /v1/chat/completions; one that does not parse is logged, not fatal."""
+    try:
+        return ChatTemplate.of_model(settings.model)
+    except Exception as exc:  # jinja2's TemplateSyntaxError, a tokenizer_config.json that is not JSON, ...
+        log.warning(
+            "the model's chat template cannot be used (/v1/chat/completions will answer 400): %s", exc
+        )
+        return None
 
 
 async def _start(state: ServerState, engine: Engine) -> None:

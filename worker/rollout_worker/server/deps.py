@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from rollout_worker.api.errors import Unavailable
+from rollout_worker.api.prompts import ChatTemplate
 from rollout_worker.engine.config import EngineConfig
 from rollout_worker.engine.driver import Engine
 from rollout_worker.engine.tokenizer import TextCodec
@@ -33,6 +34,7 @@ class ServerState:
     weights_path: Path | None = None  # the checkpoint being served (None: --model)
     staging: Staging = field(default_factory=Staging)  # checkpoints made of tensors a trainer sent
     weights_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one weight update at a time
+    chat: ChatTemplate | None = None  # the model's chat template (None: it has none, or it does not parse)
     exit_code: int | None = None
     request_exit: Callable[[int], None] = lambda code: None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -45,22 +46,22 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class CompletionRequest(Body):
-    model: str
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)
+class OpenAISampling(Body):
+    """What OpenAI's completions and chat completions share: OpenAI's sampling fields plus SGLang's extras
+    (``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``rid``, ...)."""
+
+    max_tokens: int | None = Field(None, ge=0)  # None: /generate's default
+    min_tokens: int = Field(0, ge=0)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=64)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    logprobs: int | None = Field(None, ge=0, le=20)
     seed: int | None = Field(None, ge=0)
     user: str | None = None
     top_k: int = Field(-1, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
@@ -82,11 +83,18 @@ class CompletionRequest(Body):
     def _neutral(cls, data: Any) -> Any:
         return strip_neutral(data, _NEUTRAL)
 
-    def to_generate(self) -> GenerateRequest:
-        p = self.prompt
-        text_in = isinstance(p, str) or (isinstance(p, list) and bool(p) and isinstance(p[0], str))
+    @property
+    def usage_wanted(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def generate(self, prompt: Any, max_tokens: int | None, top_n: int | None) -> GenerateRequest:
+        """The ``/generate`` request of ``prompt`` (text, texts, ids or lists of ids); ``top_n`` None: no
+        logprobs."""
+        text_in = isinstance(prompt, str) or (
+            isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str)
+        )
         sampling = {
-            "max_new_tokens": self.max_tokens,
+            "max_new_tokens": max_tokens,
             "min_new_tokens": self.min_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -101,17 +109,27 @@ class CompletionRequest(Body):
             "sampling_seed": self.seed,
         }
         body = {
-            ("text" if text_in else "input_ids"): p,
+            ("text" if text_in else "input_ids"): prompt,
             "sampling_params": sampling,
             "rid": self.rid,
-            "return_logprob": self.logprobs is not None,
-            "top_logprobs_num": self.logprobs or 0,
+            "return_logprob": top_n is not None,
+            "top_logprobs_num": top_n or 0,
             "return_text_in_logprobs": True,
         }
         try:
             return GenerateRequest.model_validate(body)
         except ValidationError as exc:  # a rule of /generate's this body's own validation missed
             raise user_error(exc, dotted) from None
+
+
+class CompletionRequest(OpenAISampling):
+    model: str
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+    def to_generate(self) -> GenerateRequest:
+        return self.generate(self.prompt, self.max_tokens, self.logprobs)
 
 
 def _models(state: ServerState) -> dict[str, Any]:
@@ -168,10 +186,36 @@ def _choice(i: int, out: Output, text: str, start: int, want_logprobs: bool) -> 
     }
 
 
-def _usage(outs: list[Output], n: int) -> dict[str, int]:
+def usage(outs: list[Output], n: int) -> dict[str, int]:
     prompt = sum(len(o.job.spec.prompt_ids) for o in outs) // max(n, 1)
     completion = sum(len(o.ids) for o in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    text: str  # the text not sent yet
+    start: int  # the first token not sent yet
+    first: bool  # the choice's first chunk
+
+
+@dataclass
+class Deltas:
+    """What a stream has sent of each choice, so that each chunk carries only what is new (OpenAI's streams
+    are deltas, SGLang's cumulative)."""
+
+    text: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+
+    def take(self, rid: str, out: Output) -> Delta | None:
+        """What is new in ``out`` since the last take, or None when nothing is (and it has not finished)."""
+        text = out.text
+        delta = text[self.text.get(rid, 0) :]
+        if not delta and out.finish is None:
+            return None
+        new = Delta(delta, self.tokens.get(rid, 0), rid not in self.text)
+        self.text[rid], self.tokens[rid] = max(len(text), self.text.get(rid, 0)), len(out.ids)
+        return new
 
 
 @router.post("/completions", summary="OpenAI completions (stream and not)", responses=STREAMED)
@@ -189,23 +233,19 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     if not body.stream:
         outs = await run_generation(state, jobs, request)
         choices = [_choice(i, o, o.text, 0, want) for i, o in enumerate(outs)]
-        return FastJSON({**head, "choices": choices, "usage": _usage(outs, body.n)})
-    sent_text: dict[str, int] = {}
-    sent_tokens: dict[str, int] = {}
+        return FastJSON({**head, "choices": choices, "usage": usage(outs, body.n)})
+    sent = Deltas()
 
     def render(rid: str, out: Output) -> dict[str, Any] | None:
-        text = out.text
-        delta = text[sent_text.get(rid, 0) :]
-        if not delta and out.finish is None:
+        new = sent.take(rid, out)
+        if new is None:
             return None
-        start = sent_tokens.get(rid, 0)
-        sent_text[rid], sent_tokens[rid] = max(len(text), sent_text.get(rid, 0)), len(out.ids)
-        return {**head, "choices": [_choice(index[rid], out, delta, start, want)]}
+        return {**head, "choices": [_choice(index[rid], out, new.text, new.start, want)]}
 
     def final(outs: list[Output]) -> dict[str, Any] | None:
-        if body.stream_options is None or not body.stream_options.include_usage:
+        if not body.usage_wanted:
             return None
-        return {**head, "choices": [], "usage": _usage(outs, body.n)}
+        return {**head, "choices": [], "usage": usage(outs, body.n)}
 
     events = await stream_generation(state, jobs, False, render, final)
     return StreamingResponse(events, media_type="text/event-stream")

@@ -1,0 +1,176 @@
+"""OpenAI-compatible ``POST /v1/chat/completions``: the messages rendered with the model's chat template (as a
+job's chat prompts are, ``api.prompts.ChatTemplate``), then generated as ``/v1/completions`` generates a
+text prompt (stream and not, ``n``, ``logprobs`` / ``top_logprobs``, SGLang's extra sampling fields)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from pydantic import Field, field_validator, model_validator
+
+from rollout_worker.api.errors import FieldAt, UserError
+from rollout_worker.api.neutral import strip_neutral
+from rollout_worker.api.sglang import Body
+from rollout_worker.engine.finish import matched_stop
+from rollout_worker.server.convert import Output, to_jobs
+from rollout_worker.server.deps import FastJSON, ServerState, server_state
+from rollout_worker.server.routes.generate import STREAMED, run_generation, stream_generation
+from rollout_worker.server.routes.openai import Deltas, OpenAISampling, usage
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+# OpenAI's chat keys this engine does not implement (tools, structured output, audio, ...), neutral only
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "parallel_tool_calls": (None, True, False),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "store": (None, False),
+    "metadata": (None, {}),
+    "reasoning_effort": (None,),
+    "service_tier": (None, "auto", "default"),
+    "chat_template_kwargs": (None, {}),
+}
+
+
+class ChatMessage(Body):
+    role: str = Field(min_length=1)
+    content: str | list[Any] | None = None  # text, or text parts {type: "text", text}
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, v: str | list[Any] | None) -> str | list[Any] | None:
+        for i, part in enumerate(v if isinstance(v, list) else ()):
+            ok = isinstance(part, dict) and set(part) == {"type", "text"} and isinstance(part["text"], str)
+            if not ok or part["type"] != "text":
+                kind = (
+                    f"type {json.dumps(part.get('type'))[:40]}" if isinstance(part, dict) else "not an object"
+                )
+                raise ValueError(f"part {i} ({kind}): only text parts {{type: 'text', text}} are supported")
+        return v
+
+    def rendered(self) -> dict[str, Any]:
+        """The message as a chat template reads it: ``role`` and ``content`` as one text."""
+        c = self.content
+        text = "".join(p["text"] for p in c) if isinstance(c, list) else (c or "")
+        return {"role": self.role, "content": text} | ({"name": self.name} if self.name else {})
+
+
+class ChatRequest(OpenAISampling):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=0)  # OpenAI's newer name: copied to max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _chat_neutral(cls, data: Any) -> Any:
+        data = strip_neutral(data, _NEUTRAL)
+        most = data.get("max_completion_tokens") if isinstance(data, dict) else None
+        if isinstance(most, int) and not isinstance(most, bool) and most >= 0:
+            data = {**data, "max_tokens": most}  # it wins over max_tokens (and bounds min_tokens)
+        return data
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise FieldAt(("top_logprobs",), "needs logprobs: true")
+        return self
+
+    @property
+    def top_n(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def render_messages(state: ServerState, messages: list[ChatMessage]) -> str:
+    """The prompt text: ``messages`` through the model's chat template, ready for the assistant's turn."""
+    if state.codec is None:
+        raise UserError("the served model has no tokenizer.json, so it cannot take chat messages", "messages")
+    if state.chat is None:
+        raise UserError(
+            "the served model has no chat template (tokenizer_config.json's chat_template); "
+            "use /v1/completions or /generate with a rendered prompt",
+            "messages",
+        )
+    try:
+        return state.chat.render([m.rendered() for m in messages])
+    except Exception as exc:  # the template's own error (raise_exception) or a message it cannot take
+        raise UserError(f"the chat template failed: {exc}", "messages") from None
+
+
+def _token(out: Output, tok: int, lp: float | None) -> dict[str, Any]:
+    text = out.codec.token_text(tok) if out.codec else str(tok)
+    return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+
+def _logprobs(out: Output, start: int, top_n: int | None) -> dict[str, Any] | None:
+    """OpenAI's chat ``logprobs``: per token its text, logprob, bytes and ``top_logprobs`` alternatives."""
+    if top_n is None:
+        return None
+    content = [
+        {**_token(out, tok, lp), "top_logprobs": [_token(out, t, v) for v, t in (top or ())][:top_n]}
+        for tok, lp, top in zip(out.ids[start:], out.logprobs[start:], out.tops[start:], strict=True)
+    ]
+    return {"content": content, "refusal": None}
+
+
+def _finish(out: Output) -> dict[str, Any]:
+    return {
+        "finish_reason": out.finish.type if out.finish else None,
+        "matched_stop": matched_stop(out.finish),
+    }
+
+
+@router.post("/chat/completions", summary="OpenAI chat completions (stream and not)", responses=STREAMED)
+async def chat_completions(body: ChatRequest, request: Request) -> Any:
+    state = server_state(request)
+    prompt = render_messages(state, body.messages)
+    jobs = to_jobs(body.generate(prompt, body.max_tokens, body.top_n), state.codec)
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": body.model}
+    if not body.stream:
+        outs = await run_generation(state, jobs, request)
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": o.text},
+                "logprobs": _logprobs(o, 0, body.top_n),
+                **_finish(o),
+            }
+            for i, o in enumerate(outs)
+        ]
+        return FastJSON(
+            {**head, "object": "chat.completion", "choices": choices, "usage": usage(outs, body.n)}
+        )
+    index = {j.spec.id: i for i, j in enumerate(jobs)}
+    sent = Deltas()
+    chunk_head = {**head, "object": "chat.completion.chunk"}
+
+    def render(rid: str, out: Output) -> dict[str, Any] | None:
+        new = sent.take(rid, out)
+        if new is None:
+            return None
+        role = {"role": "assistant"} if new.first else {}
+        choice = {
+            "index": index[rid],
+            "delta": {**role, "content": new.text},
+            "logprobs": _logprobs(out, new.start, body.top_n),
+            **_finish(out),
+        }
+        return {**chunk_head, "choices": [choice]}
+
+    def final(outs: list[Output]) -> dict[str, Any] | None:
+        return {**chunk_head, "choices": [], "usage": usage(outs, body.n)} if body.usage_wanted else None
+
+    events = await stream_generation(state, jobs, False, render, final)
+    return StreamingResponse(events, media_type="text/event-stream")
