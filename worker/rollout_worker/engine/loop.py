@@ -205,6 +205,7 @@ class RankLoop:
             tokens=[m.TokenOut(seq.spec.id, d.token, d.logprob, d.top) for seq, d in out.draws],
             finished=out.finished,
             prompt_logprobs=out.prompt_logprobs,
+            retractions=len(out.retracted),
         )
         self.report(report)
 
@@ -214,7 +215,7 @@ class RankLoop:
         r.finished = [*self.pending, *r.finished]
         r.retracted = tuple(self.retracted)
         r.running, r.waiting = len(rep.running), len(rep.waiting)
-        r.kv_tokens, r.kv_capacity = rep.kv_tokens, rep.pool.tokens
+        r.kv_tokens, r.kv_capacity, r.kv_paged = rep.kv_tokens, rep.pool.tokens, rep.pool.used_tokens
         self.pending, self.retracted = [], []
         if self.st.is_leader:
             self.outbox.send(r)

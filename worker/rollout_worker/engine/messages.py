@@ -145,6 +145,8 @@ class StepReport:
     waiting: int = 0
     kv_tokens: int = 0  # KV tokens held by the running requests
     kv_capacity: int = 0  # tokens of the replica's KV pool (its pages x page size)
+    kv_paged: int = 0  # tokens of the pages the running requests hold (pages in use x page size)
+    retractions: int = 0  # requests this step retracted for want of KV pages (a pause's are not counted)
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,12 +41,14 @@ Placed = tuple[str, int, bool]  # (rid, new replica, running)
 
 @dataclass(frozen=True, slots=True)
 class _Snapshot:
-    """What an old replica's leader contributes: its requests (running in slot order, then waiting)."""
+    """What an old replica's leader contributes: its requests (running in slot order, then waiting) and its
+    new-token ratio (the new replicas start from the highest, the most cautious)."""
 
     running: list[tuple[RequestSpec, list[int]]]
     waiting: list[tuple[RequestSpec, list[int]]]
     step: int
     costs: Any  # CostModel of rank 0 decides for everyone
+    ratio: float
 
 
 def _snapshot(st: RankState) -> _Snapshot:
@@ -56,6 +58,7 @@ def _snapshot(st: RankState) -> _Snapshot:
         [(s.spec, list(s.output)) for s in rep.waiting],
         st.step,
         st.costs,
+        rep.ratio,
     )
 
 
@@ -73,7 +76,8 @@ def reconfigure(
     t = time.perf_counter()
     reqs, outputs = _unfinished(snaps)
     eng = st.cfg.engine
-    placements = place(reqs, target.replicas, eng.max_batch, eng.kv_budget_tokens, eng.page_size)
+    ratio = max(s.ratio for s in snaps.values())
+    placements = place(reqs, target.replicas, eng.max_batch, eng.pool_pages, eng.page_size, ratio)
     transfers = kv_migration_plan(st.model, old, target, placements, eng.page_size)
     elem = torch.empty((), dtype=st.dtype).element_size()
     moved = migrate_bytes(transfers, st.model, elem)
@@ -105,6 +109,7 @@ def reconfigure(
         phases["reshard_ms"] = _lap(t)
         event.weights = wstats
         rep = st.make_replica(target, weights)
+        rep.ratio = ratio
         _fill(st.rank, rep, target, placements, outputs)
         t = time.perf_counter()
         new_costs = costs
@@ -159,8 +164,7 @@ def _unfinished(
     for d, snap in snaps.items():
         slots: list[int | None] = [*range(len(snap.running)), *[None] * len(snap.waiting)]
         for slot, (spec, out) in zip(slots, [*snap.running, *snap.waiting], strict=True):
-            seq = Sequence(spec=spec, output=out)
-            reqs.append(Unfinished(spec.id, d, slot, seq.kv_len, seq.reserved_tokens, seq.remaining))
+            reqs.append(Unfinished(spec.id, d, slot, Sequence(spec=spec, output=out).req))
             outputs[spec.id] = (spec, out)
     return reqs, outputs
 

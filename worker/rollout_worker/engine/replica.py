@@ -26,7 +26,6 @@ import torch
 from rollout_worker.api.kv_schedule import (
     SGLANG_RATIO,
     RatioPolicy,
-    Req,
     admit,
     ratio_after_retraction,
     to_retract,
@@ -145,18 +144,14 @@ class Replica:
             self.pool.bind(row, seq.pages)
 
     # -- stepping ------------------------------------------------------------------------------------
-    @staticmethod
-    def _req(seq: Sequence) -> Req:
-        return Req(len(seq.spec.prompt_ids), len(seq.output), seq.spec.max_new_tokens, len(seq.pages))
-
     def _admit(self) -> list[Sequence]:
         lim = self.limits
         room = lim.max_batch - len(self.running)
         if not self.waiting or room <= 0:
             return []
         n = admit(
-            [self._req(s) for s in self.running],
-            [self._req(s) for s in itertools.islice(self.waiting, room)],
+            [s.req for s in self.running],
+            [s.req for s in itertools.islice(self.waiting, room)],
             self.pool.allocator.free,
             self.pool.page_size,
             self.ratio,
@@ -168,7 +163,7 @@ class Replica:
     def _retract_for_step(self) -> list[str]:
         """Make room for the next decode step's pages: retract what :func:`to_retract` picks (back to the
         front of the queue, pages freed) and re-estimate the ratio; else let the ratio decay."""
-        pick = to_retract([self._req(s) for s in self.running], self.pool.allocator.free, self.pool.page_size)
+        pick = to_retract([s.req for s in self.running], self.pool.allocator.free, self.pool.page_size)
         if not pick:
             self.ratio = self.policy.decayed(self.ratio)
             return []
@@ -176,7 +171,7 @@ class Replica:
         for seq in seqs:
             self._release(seq)
         self.waiting.extendleft(reversed(seqs))
-        self.ratio = ratio_after_retraction([self._req(s) for s in self.running])
+        self.ratio = ratio_after_retraction([s.req for s in self.running])
         self.retractions += len(seqs)
         return [s.spec.id for s in seqs]
 
