@@ -97,6 +97,27 @@ def test_bench_lossless_refuses_before_making_anything(
     assert not (tmp_path / "models").exists()
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--requests", "1"], "--requests: must be >= 2, got 1"),
+        (["--prompt-len", "0"], "--prompt-len: must be >= 1, got 0"),
+        (["--median-new", "300"], "--median-new: must be >= 1 and below --longest-new (300), got 300"),
+        (["--page-size", "17"], "--page-size: must be 1..16, got 17"),
+        (["--kv-tokens", "300"], "--kv-tokens: the longest request (16 + 300 tokens) must fit the budget"),
+        (["--runs", "0"], "--runs: must be >= 1, got 0"),
+        (["--slab-tree", "{missing}"], "--slab-tree: "),
+        (["--json", "{unwritable}"], "--json: "),
+    ],
+)
+def test_bench_memory_refuses_before_making_anything(tmp_path: Path, flags: list[str], message: str) -> None:
+    fill = {"missing": str(tmp_path / "none"), "unwritable": unwritable("under-a-file", tmp_path)}
+    flags = [f.format(**fill) for f in flags]
+    err = refusal("bench", "memory", "--work", str(tmp_path / "work"), *flags)
+    assert err.startswith(message), err
+    assert not (tmp_path / "work").exists()
+
+
 def test_profile_cuda_without_a_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     err = refusal("profile", "--preset", "tiny", "--device", "cuda", "--no-db", "--work", str(tmp_path))

@@ -32,6 +32,7 @@ def _register_all() -> None:
         crd_cmds,
         db_cmds,
         engine_cmds,
+        memory_cmds,
         operator_cmds,
         profile_cmds,
         run_cmds,
@@ -42,6 +43,7 @@ def _register_all() -> None:
 
     for module in (
         engine_cmds,
+        memory_cmds,
         serve_cmds,
         sidecar_cmds,
         run_cmds,

@@ -36,6 +36,7 @@ class FakeRanks(RankProcesses):
         self.inboxes = []
         self._guard = threading.Lock()
         self._exits, self.deaths, self.reported = {}, [], set()
+        self._exits_lock = threading.Lock()
         self.stopping = False
 
 

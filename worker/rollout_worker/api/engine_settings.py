@@ -23,6 +23,7 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rollout_worker.api.errors import user_error
+from rollout_worker.api.pages import pool_pages
 
 Dtype = Literal["float32", "float64", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = get_args(Dtype)  # the one list of dtypes
@@ -67,6 +68,16 @@ class EngineSettings(BaseModel):
         description="cuda: replay decode steps from CUDA graphs (TP=1 replicas). Experimental: not yet run "
         "on a GPU.",
     )
+
+    @property
+    def pool_pages(self) -> int:
+        """Pages of one replica's KV pool (context_length as resolved by the engine's config)."""
+        return pool_pages(self.kv_budget_tokens, self.page_size, self.max_batch, self.context_length)
+
+    @property
+    def pool_tokens(self) -> int:
+        """Tokens of one replica's KV pool (SGLang's ``max_total_num_tokens``)."""
+        return self.pool_pages * self.page_size
 
 
 FIELDS: tuple[str, ...] = tuple(EngineSettings.model_fields)

@@ -43,11 +43,6 @@ class RequestSpec:
     top_logprobs_num: int = 0
 
     @property
-    def reserved_tokens(self) -> int:
-        """KV tokens the request may need: prompt + max_new_tokens."""
-        return len(self.prompt_ids) + self.max_new_tokens
-
-    @property
     def wants_input_logprobs(self) -> bool:
         return self.return_logprob and 0 <= self.logprob_start_len < len(self.prompt_ids)
 

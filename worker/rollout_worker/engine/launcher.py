@@ -85,6 +85,8 @@ class RankProcesses:
         self._lock = lock  # Process.start() drops its args: keep the lock alive until the children have it
         self._guard = threading.Lock()  # start and stop, one at a time: a stop while starting stops all
         self._exits: dict[int, int] = {}  # rank -> pidfd, readable once it has exited (ranks not seen dead)
+        # the reader thread notices exits (and closes their pidfds) while stop() may close the rest
+        self._exits_lock = threading.Lock()
         self.deaths: list[int] = []  # ranks seen dead, in the order seen
         self.reported: set[int] = set()  # ranks whose own failure report was read
         self.stopping = False
@@ -96,7 +98,9 @@ class RankProcesses:
             for r, p in enumerate(self.procs):
                 p.start()
                 try:
-                    self._exits[r] = os.pidfd_open(p.pid or 0)
+                    pidfd = os.pidfd_open(p.pid or 0)
+                    with self._exits_lock:
+                        self._exits[r] = pidfd
                 except ProcessLookupError:  # dead and reaped already
                     self.deaths.append(r)
             self._writer.close()  # only the ranks write; EOF then means every rank is gone
@@ -111,7 +115,9 @@ class RankProcesses:
     def receive(self, timeout: float | None) -> list[m.Report]:
         """Reports waiting now (blocks up to ``timeout`` for the first, or for a rank's exit), then, unless
         stopping, a Failed for each rank that exited without a failure report of its own."""
-        wait([self._reader, *self._exits.values()], timeout)
+        with self._exits_lock:
+            pidfds = list(self._exits.values())
+        wait([self._reader, *pidfds], timeout)
         exited = self._notice_exits()
         out: list[m.Report] = []
         while self._reader.poll(0):  # after the exits: what a rank wrote before it exited is read now
@@ -129,10 +135,11 @@ class RankProcesses:
     def _notice_exits(self) -> list[int]:
         """Ranks that exited since the last call (a pidfd turns readable the moment its process exits,
         before its parent reaps it), appended to ``deaths``."""
-        ready = set(wait(list(self._exits.values()), 0)) if self._exits else set()
-        exited = [r for r, fd in self._exits.items() if fd in ready]
-        for r in exited:
-            os.close(self._exits.pop(r))
+        with self._exits_lock:
+            ready = set(wait(list(self._exits.values()), 0)) if self._exits else set()
+            exited = [r for r, fd in self._exits.items() if fd in ready]
+            for r in exited:
+                os.close(self._exits.pop(r))
         self.deaths += exited
         return exited
 
@@ -182,9 +189,10 @@ class RankProcesses:
             q.cancel_join_thread()
             q.close()
         self._reader.close()
-        for fd in self._exits.values():
-            os.close(fd)
-        self._exits.clear()
+        with self._exits_lock:
+            for fd in self._exits.values():
+                os.close(fd)
+            self._exits.clear()
 
 
 def run_task(

@@ -211,6 +211,7 @@ class RankLoop:
             cached=out.cached,
             prefill_tokens=out.computed,
             reused_tokens=out.reused,
+            retractions=len(out.retracted),
         )
         self.report(report)
 
@@ -220,7 +221,7 @@ class RankLoop:
         r.finished = [*self.pending, *r.finished]
         r.retracted = tuple(self.retracted)
         r.running, r.waiting = len(rep.running), len(rep.waiting)
-        r.kv_tokens, r.kv_capacity = rep.kv_tokens, rep.pool.tokens
+        r.kv_tokens, r.kv_capacity, r.kv_paged = rep.kv_tokens, rep.pool.tokens, rep.pool.used_tokens
         self.pending, self.retracted = [], []
         if self.st.is_leader:
             self.outbox.send(r)

@@ -162,6 +162,8 @@ class StepReport:
     prefill_tokens: int = 0  # tokens the step's prefill computed
     reused_tokens: int = 0  # tokens the step's prefill took from the prefix cache
     kv_capacity: int = 0  # tokens of the replica's KV pool (its pages x page size)
+    kv_paged: int = 0  # tokens of the pages the running requests hold (pages in use x page size)
+    retractions: int = 0  # requests this step retracted for want of KV pages (a pause's are not counted)
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,9 +7,10 @@ Every rank computes the same plan from the same gathered metadata, so no plan is
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rollout_worker.api.heads import kv_sources
+from rollout_worker.api.kv_schedule import Req, admit
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.api.pages import pages_for
@@ -18,15 +19,23 @@ from rollout_worker.engine.kvcache import kv_elements
 
 @dataclass(frozen=True, slots=True)
 class Unfinished:
-    """A request before the switch: its old replica, its slot there (None while waiting), its size."""
+    """A request before the switch: its old replica, its slot there (None while waiting), and what the KV
+    scheduler knows of it (prompt, generated, max_new_tokens)."""
 
     id: str
     src_replica: int
     src_slot: int | None
-    kv_len: int
-    reserved: int  # prompt + max_new_tokens
-    remaining: int  # max_new_tokens - generated (an upper bound on the work left)
+    req: Req
     src_pages: tuple[int, ...] = ()  # its page table on the old replica (running requests)
+
+    @property
+    def kv_len(self) -> int:
+        return self.req.kv_len
+
+    @property
+    def remaining(self) -> int:
+        """max_new_tokens - generated (an upper bound on the work left)."""
+        return self.req.remaining
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,13 +81,21 @@ class Transfer:
 
 
 def place(
-    reqs: list[Unfinished], replicas: int, max_batch: int, kv_budget: int | None, page_size: int = 1
+    reqs: list[Unfinished],
+    replicas: int,
+    max_batch: int,
+    pool_pages: int,
+    page_size: int,
+    ratio: float,
 ) -> list[Placement]:
     """Balance requests over ``replicas`` by remaining work (longest first onto the least loaded replica).
 
-    Requests that held a slot keep running if the new replica has room (batch, and the KV budget in
-    pages of ``page_size``: each reserves the pages of prompt + max_new_tokens, as admission does); the
-    rest wait there. Order inside each replica follows the input order, so slots are deterministic.
+    A request that held a slot keeps running on its new replica when the replica's admission rule
+    (:func:`~rollout_worker.api.kv_schedule.admit`, optimistic, with the new-token ``ratio``) would admit it
+    beside the ones kept before it, in a pool of ``pool_pages`` pages: its cached tokens and next decode
+    step must fit in the free pages, and the pool must cover the estimated growth of those kept plus its
+    own. The rest wait there (re-prefilled when admitted). Order inside each replica follows the input
+    order, so slots are deterministic.
     """
     load = [0] * replicas
     target: dict[str, int] = {}
@@ -86,19 +103,18 @@ def place(
         d = min(range(replicas), key=lambda i: (load[i], i))
         target[r.id] = d
         load[d] += r.remaining
-    slots = [0] * replicas
-    reserved = [0] * replicas
+    kept: list[list[Req]] = [[] for _ in range(replicas)]
+    free = [pool_pages] * replicas
     out = []
     for r in sorted(reqs, key=lambda r: (r.src_slot is None, r.src_replica, r.src_slot or 0, r.id)):
         d = target[r.id]
-        need = pages_for(r.reserved, page_size)
-        fits = slots[d] < max_batch and (
-            kv_budget is None or reserved[d] + need <= pages_for(kv_budget, page_size)
-        )
-        if r.src_slot is not None and fits:
-            out.append(Placement(r.id, r.src_replica, r.src_slot, d, slots[d], r.kv_len))
-            slots[d] += 1
-            reserved[d] += need
+        cand = replace(r.req, pages=0)
+        # one candidate at a time: the prefill-token cap never binds (it applies from a round's second)
+        if r.src_slot is not None and admit(kept[d], [cand], free[d], page_size, ratio, max_batch, 1) == 1:
+            held = pages_for(r.kv_len, page_size)  # what the new replica holds for it before decoding
+            out.append(Placement(r.id, r.src_replica, r.src_slot, d, len(kept[d]), r.kv_len))
+            kept[d].append(replace(cand, pages=held))
+            free[d] -= held
         else:
             out.append(Placement(r.id, r.src_replica, r.src_slot, d, None, r.kv_len))
     return out

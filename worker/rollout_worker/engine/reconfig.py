@@ -42,13 +42,15 @@ Placed = tuple[str, int, bool]  # (rid, new replica, running)
 
 @dataclass(frozen=True, slots=True)
 class _Snapshot:
-    """What an old replica's leader contributes: its requests (running in slot order, then waiting)."""
+    """What an old replica's leader contributes: its requests (running in slot order, then waiting) and its
+    new-token ratio (the new replicas start from the highest, the most cautious)."""
 
     running: list[tuple[RequestSpec, list[int]]]
     waiting: list[tuple[RequestSpec, list[int]]]
     step: int
     costs: Any  # CostModel of rank 0 decides for everyone
     pages: list[tuple[int, ...]]  # the running requests' page tables (equal pages: shared)
+    ratio: float
 
 
 def _snapshot(st: RankState) -> _Snapshot:
@@ -59,6 +61,7 @@ def _snapshot(st: RankState) -> _Snapshot:
         st.step,
         st.costs,
         [tuple(s.pages) for s in rep.running],
+        rep.ratio,
     )
 
 
@@ -76,7 +79,8 @@ def reconfigure(
     t = time.perf_counter()
     reqs, outputs = _unfinished(snaps)
     eng = st.cfg.engine
-    placements = place(reqs, target.replicas, eng.max_batch, eng.kv_budget_tokens, eng.page_size)
+    ratio = max(s.ratio for s in snaps.values())
+    placements = place(reqs, target.replicas, eng.max_batch, eng.pool_pages, eng.page_size, ratio)
     shared = shared_pages(reqs, placements)
     transfers = kv_migration_plan(st.model, old, target, placements, eng.page_size, shared)
     elem = torch.empty((), dtype=st.dtype).element_size()
@@ -109,6 +113,7 @@ def reconfigure(
         phases["reshard_ms"] = _lap(t)
         event.weights = wstats
         rep = st.make_replica(target, weights)
+        rep.ratio = ratio
         _fill(st.rank, rep, target, placements, outputs)
         t = time.perf_counter()
         new_costs = costs
@@ -164,8 +169,7 @@ def _unfinished(
         slots: list[int | None] = [*range(len(snap.running)), *[None] * len(snap.waiting)]
         tables = [*snap.pages, *[()] * len(snap.waiting)]
         for slot, (spec, out), table in zip(slots, [*snap.running, *snap.waiting], tables, strict=True):
-            seq = Sequence(spec=spec, output=out)
-            reqs.append(Unfinished(spec.id, d, slot, seq.kv_len, seq.reserved_tokens, seq.remaining, table))
+            reqs.append(Unfinished(spec.id, d, slot, Sequence(spec=spec, output=out).req, table))
             outputs[spec.id] = (spec, out)
     return reqs, outputs
 

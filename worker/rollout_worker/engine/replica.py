@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -158,12 +158,11 @@ class Replica:
 
     # -- stepping ------------------------------------------------------------------------------------
     def _req(self, seq: Sequence, shared: bool = False, cached: int = 0) -> Req:
-        spec = seq.spec
+        """The scheduler's view of ``seq``; with ``shared``, how many of its pages others hold too (a
+        retraction does not free those); ``cached``: prefill tokens the prefix cache holds."""
         held = self.pool.shared.holders
         n_shared = sum(1 for p in seq.pages if held(p) > 1) if shared else 0
-        return Req(
-            len(spec.prompt_ids), len(seq.output), spec.max_new_tokens, len(seq.pages), n_shared, cached
-        )
+        return replace(seq.req, shared=n_shared, cached=cached)
 
     def _cacheable(self, seq: Sequence) -> tuple[list[int], int]:
         """The tokens a prefill of ``seq`` computes K/V for, and how many of them it may take from the
@@ -185,7 +184,7 @@ class Replica:
             shared_idle.update(p for p in pages if pool.shared.is_idle(p))  # taken off the free ones
             candidates.append(self._req(seq, cached=len(pages) * pool.page_size))
         n = admit(
-            [self._req(s) for s in self.running],
+            [s.req for s in self.running],
             candidates,
             pool.free_pages - len(shared_idle),
             pool.page_size,
@@ -198,7 +197,7 @@ class Replica:
     def _retract_for_step(self) -> list[str]:
         """Make room for the next decode step's pages: retract what :func:`to_retract` picks (back to the
         front of the queue, pages freed) and re-estimate the ratio; else let the ratio decay."""
-        reqs, free, ps = [self._req(s) for s in self.running], self.pool.free_pages, self.pool.page_size
+        reqs, free, ps = [s.req for s in self.running], self.pool.free_pages, self.pool.page_size
         if sum(r.step_pages(ps) for r in reqs) > free:  # what a retraction frees: the pages not shared
             reqs = [self._req(s, shared=True) for s in self.running]
         pick = to_retract(reqs, free, ps)
@@ -209,7 +208,7 @@ class Replica:
         for seq in seqs:
             self._release(seq)
         self.waiting.extendleft(reversed(seqs))
-        self.ratio = ratio_after_retraction([self._req(s) for s in self.running])
+        self.ratio = ratio_after_retraction([s.req for s in self.running])
         self.retractions += len(seqs)
         return [s.spec.id for s in seqs]
 

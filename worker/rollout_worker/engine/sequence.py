@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rollout_worker.api.kv_schedule import Req
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.engine.finish import Finish
 
@@ -28,5 +29,6 @@ class Sequence:
         return self.spec.max_new_tokens - len(self.output)
 
     @property
-    def reserved_tokens(self) -> int:
-        return self.spec.reserved_tokens
+    def req(self) -> Req:
+        """What the KV scheduler (:mod:`rollout_worker.api.kv_schedule`) knows of this request."""
+        return Req(len(self.spec.prompt_ids), len(self.output), self.spec.max_new_tokens, len(self.pages))

@@ -17,7 +17,6 @@ from rollout_worker.api.costs import CostModel
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.model_config import ModelConfig
-from rollout_worker.api.pages import pool_pages
 from rollout_worker.engine.checkpoint import CheckpointReader, parse_dtype
 from rollout_worker.engine.config import EngineConfig
 from rollout_worker.engine.cudagraph import DecodeGraphs, graphs_supported
@@ -151,7 +150,7 @@ def make_replica(
         decoder.kv_heads,  # this shard's KV heads (uneven shards differ)
         m.head_dim,
         eng.page_size,
-        pool_pages(eng.kv_budget_tokens, eng.page_size, eng.max_batch, eng.context_length),
+        eng.pool_pages,
         eng.max_batch,
         eng.context_length + 1,
         parse_dtype(cfg.dtype),

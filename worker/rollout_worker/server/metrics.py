@@ -17,6 +17,7 @@ from rollout_worker.api.plan import ReconfigEvent
 from rollout_worker.engine.book import Outcome, Update
 from rollout_worker.engine.driver import Engine, Observer
 from rollout_worker.engine.finish import FinishAbort
+from rollout_worker.engine.messages import StepReport
 
 _LAT = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _ITL = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
@@ -49,6 +50,9 @@ class _Gauges(Collector):
         yield gauge("sglang:num_used_tokens", "KV tokens held by running requests", used)
         yield gauge(
             "sglang:token_usage", "Fraction of the KV pool's tokens in use", used / cap if cap else 0.0
+        )
+        yield gauge(
+            "sglang:max_total_num_tokens", "Tokens of one replica's KV pool", eng.cfg.engine.pool_tokens
         )
         yield gauge("sglang:gen_throughput", "Generated tokens per second (last 10 s)", self.m.throughput())
         yield gauge(
@@ -84,6 +88,13 @@ class Metrics:
         self.generation_tokens = Counter("sglang:generation_tokens", "Generated tokens", lab, registry=r)
         self.requests = Counter("sglang:num_requests", "Finished requests", lab, registry=r)
         self.aborted = Counter("sglang:num_aborted_requests", "Aborted requests", lab, registry=r)
+        self.retracted = Counter(
+            "sglang:num_retracted_requests",
+            "Requests retracted for want of KV pages (back to the queue, re-prefilled later)",
+            lab,
+            registry=r,
+        )
+        self.retracted.labels(model_name)  # exposed (0) before the first retraction
         self.ttft = Histogram("sglang:time_to_first_token_seconds", "TTFT", lab, buckets=_LAT, registry=r)
         self.itl = Histogram(
             "sglang:inter_token_latency_seconds", "Inter-token latency", lab, buckets=_ITL, registry=r
@@ -110,7 +121,16 @@ class Metrics:
         self._recent: deque[tuple[float, int]] = deque(maxlen=4096)
 
     def observer(self) -> Observer:
-        return Observer(on_tokens=self._on_tokens, on_finish=self._on_finish, on_switch=self._on_switch)
+        return Observer(
+            on_report=self._on_report,
+            on_tokens=self._on_tokens,
+            on_finish=self._on_finish,
+            on_switch=self._on_switch,
+        )
+
+    def _on_report(self, r: StepReport) -> None:
+        if r.retractions:
+            self.retracted.labels(self.model_name).inc(r.retractions)
 
     def _on_tokens(self, out: Outcome) -> None:
         n = sum(len(u.tokens) for u in out.updates)

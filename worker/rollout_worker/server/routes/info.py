@@ -11,7 +11,6 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from rollout_worker import __version__
-from rollout_worker.api.pages import pool_pages
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import Sampling
 from rollout_worker.api.sglang import MEMORY_TAGS
@@ -101,10 +100,7 @@ def _server_info(state: ServerState) -> dict[str, Any]:
         "kv_budget_tokens_per_replica": cfg.engine.kv_budget_tokens,
         "page_size": cfg.engine.page_size,
         # SGLang's field: tokens of the KV pool of one scheduler (here: of one replica)
-        "max_total_num_tokens": pool_pages(
-            cfg.engine.kv_budget_tokens, cfg.engine.page_size, cfg.engine.max_batch, cfg.engine.context_length
-        )
-        * cfg.engine.page_size,
+        "max_total_num_tokens": cfg.engine.pool_tokens,
         "max_req_input_len": cfg.engine.context_length - 1,
         "enable_memory_saver": True,  # release / resume_memory_occupation are supported
         "memory_tags": list(MEMORY_TAGS),

@@ -1,0 +1,101 @@
+"""`rolloutctl bench memory`: the paged KV pool against the dense slab, same requests, same KV budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rollout_worker.api.errors import UserError
+from rollout_worker.api.files import check_writable
+
+from rollout_operator.cli.args import bench_group, needs_engine
+
+WORK = Path("build/bench-memory")
+
+
+def register(app: typer.Typer) -> None:
+    bench_group(app).command("memory")(needs_engine(bench_memory_cmd))
+
+
+def check_memory_args(
+    requests: int,
+    prompt_len: int,
+    median_new: float,
+    longest_new: int,
+    kv_tokens: int,
+    page_size: int,
+    runs: int,
+) -> None:
+    """Refuse a workload either engine could not run, naming the flag."""
+    if requests < 2:
+        raise UserError(f"must be >= 2, got {requests}", "--requests")
+    if prompt_len < 1:
+        raise UserError(f"must be >= 1, got {prompt_len}", "--prompt-len")
+    if not 1 <= median_new < longest_new:
+        raise UserError(
+            f"must be >= 1 and below --longest-new ({longest_new}), got {median_new:g}", "--median-new"
+        )
+    if not 1 <= page_size <= 16:
+        raise UserError(f"must be 1..16, got {page_size}", "--page-size")
+    if prompt_len + longest_new > kv_tokens:
+        raise UserError(
+            f"the longest request ({prompt_len} + {longest_new} tokens) must fit the budget, got {kv_tokens}",
+            "--kv-tokens",
+        )
+    if runs < 1:
+        raise UserError(f"must be >= 1, got {runs}", "--runs")
+
+
+def bench_memory_cmd(
+    requests: Annotated[int, typer.Option(help="Requests in the long-tailed set.")] = 64,
+    prompt_len: Annotated[int, typer.Option(help="Prompt tokens of every request (random ids).")] = 16,
+    median_new: Annotated[float, typer.Option(help="Median new tokens (lognormal).")] = 55.0,
+    longest_new: Annotated[int, typer.Option(help="New tokens of the longest request.")] = 300,
+    kv_tokens: Annotated[
+        int,
+        typer.Option(help="KV budget of the one replica, in tokens (both engines): small enough to queue."),
+    ] = 2048,
+    page_size: Annotated[int, typer.Option(help="Tokens per page of the paged engine.")] = 1,
+    runs: Annotated[int, typer.Option(help="Runs (both engines each, alternating which goes first).")] = 3,
+    slab_commit: Annotated[
+        str, typer.Option(help="The commit whose dense-slab engine is measured (git archive of its worker/).")
+    ] = "5904b9b",
+    slab_tree: Annotated[
+        Path | None, typer.Option(help="A checkout's worker/ folder to measure instead of --slab-commit's.")
+    ] = None,
+    work: Annotated[Path, typer.Option(help="Where the model and the slab's tree are kept.")] = WORK,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON here.")] = None,
+) -> None:
+    """KV utilisation in the bulk phase, the largest running batch and tokens/s of the dense slab (an
+    older commit's engine) and the paged engine, on one replica of the tiny model."""
+    from rollout_worker.engine.bench import ensure_model
+    from rollout_worker.engine.bench_memory import run_memory_bench
+    from rollout_worker.engine.bench_memory import slab_tree as extract
+
+    check_memory_args(requests, prompt_len, median_new, longest_new, kv_tokens, page_size, runs)
+    if slab_tree is not None and not (slab_tree / "rollout_worker" / "engine" / "driver.py").is_file():
+        raise UserError(
+            f"{slab_tree} has no rollout_worker/engine/driver.py (give a worker/ folder)", "--slab-tree"
+        )
+    if json_out is not None:
+        check_writable(json_out, "--json")
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        slab = slab_tree if slab_tree is not None else extract(slab_commit, work)
+    except RuntimeError as exc:
+        raise UserError(str(exc), "--slab-commit") from None
+    model = ensure_model("tiny", work)
+    run_memory_bench(
+        model,
+        slab,
+        requests,
+        prompt_len,
+        median_new,
+        longest_new,
+        kv_tokens,
+        page_size,
+        runs,
+        json_out,
+        typer.echo,
+    )

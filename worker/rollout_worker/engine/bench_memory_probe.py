@@ -1,0 +1,75 @@
+"""One run of ``rolloutctl bench memory``, in its own process, against whichever engine tree is first on
+``PYTHONPATH``: the paged engine of this tree or the dense slab of an older commit. It uses only what both
+trees have (``EngineConfig.load``, ``Engine`` with an ``Observer``, ``Collector``, the ``StepReport`` fields
+``running``, ``waiting``, ``kv_tokens``, ``kv_capacity``); the paged engine's ``kv_paged`` and
+``retractions`` are read when present. The benchmark copies this file alone into a scratch folder and runs
+it as ``python -m bench_memory_probe SPEC OUT`` (SPEC: model, settings, requests; OUT: the step reports and
+the generation time), so the same measuring code runs against both engines.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def probe(spec: dict[str, Any]) -> dict[str, Any]:
+    import rollout_worker
+    from rollout_worker.api.requests import RequestSpec
+    from rollout_worker.api.sampling import Sampling
+    from rollout_worker.engine.batch import Collector
+    from rollout_worker.engine.config import EngineConfig
+    from rollout_worker.engine.driver import Engine, Observer
+    from rollout_worker.engine.lifecycle import Health
+
+    cfg = EngineConfig.load(spec["model"], 1, dtype=spec["dtype"], **spec["settings"])
+    reqs = [
+        RequestSpec(r["id"], tuple(r["input_ids"]), r["max_new_tokens"], Sampling(), ignore_eos=True)
+        for r in spec["requests"]
+    ]
+    steps: list[dict[str, Any]] = []
+
+    def on_report(r: Any) -> None:
+        steps.append(
+            {
+                "kind": r.kind,
+                "ms": r.ms,
+                "running": r.running,
+                "waiting": r.waiting,
+                "finished": len(r.finished),
+                "kv_tokens": r.kv_tokens,
+                "kv_capacity": r.kv_capacity,
+                "kv_paged": getattr(r, "kv_paged", None),
+                "retractions": getattr(r, "retractions", 0),
+            }
+        )
+
+    col = Collector([r.id for r in reqs])
+    engine = Engine(cfg, listener=col, observer=Observer(on_report=on_report))
+    try:
+        engine.start()
+        t0 = time.perf_counter()
+        for r in reqs:
+            engine.submit(r)
+        while not col.done.wait(0.05):
+            if engine.status.health is Health.FAILED:
+                raise RuntimeError(engine.status.failure or "engine failed")
+        gen_s = time.perf_counter() - t0
+    finally:
+        engine.shutdown()
+    tokens = {rid: len(out.output_ids) for rid, out in col.outs.items()}
+    return {"engine": rollout_worker.__file__, "gen_s": gen_s, "tokens": tokens, "steps": steps}
+
+
+def main(argv: list[str]) -> int:
+    spec_path, out_path = Path(argv[0]), Path(argv[1])
+    result = probe(json.loads(spec_path.read_text()))
+    out_path.write_text(json.dumps(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
