@@ -25,7 +25,7 @@ import aiohttp
 import httpx
 import pytest
 import torch
-from rollout_worker.proc import free_port, rolloutctl
+from rollout_worker.proc import die_with_parent, free_port, rolloutctl
 from safetensors.torch import load_file
 
 from tests.waiting import wait_until
@@ -85,6 +85,7 @@ class ServerArgs:  # sglang.srt.server_args: the fields the adapter reads, plus 
 
 def launch_server(args: ServerArgs) -> None:
     """sglang.srt.entrypoints.http_server.launch_server, run by VeRL in a process it forks: our server."""
+    die_with_parent()  # (kept across exec: a killed test leaves no server behind)
     fd = os.open(args.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
