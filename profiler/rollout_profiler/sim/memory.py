@@ -152,31 +152,40 @@ class Admission:
         return req.prompt[idx] + req.gen[idx]
 
     def admit(self, req: Requests, r: int) -> float:
-        """Admit what fits on replica ``r``; returns the ms it stalls re-prefilling preempted requests."""
-        queue = req.on(r, WAITING)
-        if queue.size == 0:
-            return 0.0
-        queue = queue[np.argsort(req.qkey[queue], kind="stable")]
-        run = req.on(r, RUNNING)
-        if self.policy == "paged":
-            k = self._admit_paged(req, r, queue, run)
-        else:
-            need = np.cumsum(self._need(req, queue)) + float(self._need(req, run).sum())
-            slots = run.size + np.arange(1, queue.size + 1)
-            if self.policy == "sglang":
-                need = need + slots  # room for the next step of every running request
-            fits = (need <= self.tokens) & (slots <= self.max_batch)
-            k = queue.size if fits.all() else int(np.argmin(fits))  # first come, first served: no skipping
-        if k == 0:
-            return 0.0
-        new = queue[:k]
+        """Admit what fits on replica ``r``; returns the ms it stalls re-prefilling preempted requests.
+        ``paged`` admits round after round while a round admits something, as the engine prefills step
+        after step (a request admitted in a round is charged more than a running one)."""
+        stall = 0.0
+        while True:
+            queue = req.on(r, WAITING)
+            if queue.size == 0:
+                return stall
+            queue = queue[np.argsort(req.qkey[queue], kind="stable")]
+            run = req.on(r, RUNNING)
+            if self.policy == "paged":
+                k = self._admit_paged(req, r, queue, run)
+            else:
+                need = np.cumsum(self._need(req, queue)) + float(self._need(req, run).sum())
+                slots = run.size + np.arange(1, queue.size + 1)
+                if self.policy == "sglang":
+                    need = need + slots  # room for the next step of every running request
+                fits = (need <= self.tokens) & (slots <= self.max_batch)
+                k = queue.size if fits.all() else int(np.argmin(fits))  # first come, first served
+            if k == 0:
+                return stall
+            stall += self._start(req, queue[:k])
+            if self.policy != "paged":
+                return stall
+
+    def _start(self, req: Requests, new: np.ndarray) -> float:
+        """``new`` run; returns the ms of re-prefilling those that had generated tokens before."""
+        redo = new[~req.has_kv[new] & (req.gen[new] > 0)]
         if self.policy == "paged":  # the engine's prefill samples a fresh request's first token
             fresh = new[(req.gen[new] == 0) & (req.lengths[new] > 1)]
             req.gen[fresh] = 1
         req.status[new] = RUNNING
-        req.seq[new] = np.arange(req.next_seq, req.next_seq + k)
-        req.next_seq += k
-        redo = new[~req.has_kv[new] & (req.gen[new] > 0)]
+        req.seq[new] = np.arange(req.next_seq, req.next_seq + new.size)
+        req.next_seq += new.size
         req.has_kv[new] = True
         if redo.size == 0:
             return 0.0

@@ -1,6 +1,7 @@
 """One memory model: the simulator's ``paged`` admission makes the engine's decisions (the same functions,
 api/kv_schedule) on the engine's counts. On long-tailed workloads run on a real replica (in process,
-float64, pages of 4), the simulator retracts as many requests as the engine did, within 10%."""
+float64, pages of 4), the simulator retracts as many requests as the engine did, within 10% (measured:
+exactly as many, 2, 5 and 3)."""
 
 from __future__ import annotations
 
@@ -53,14 +54,12 @@ def _sim_retractions(lengths: list[int], prompt: int, pages: int, batch: int) ->
     return Simulator(LatencyModel(prof), wl, cfg).run(Layout(1, 1), name="paged").preemptions
 
 
-@pytest.mark.parametrize(
-    ("seed", "n", "prompt", "pages", "batch"), [(1, 32, 8, 60, 16), (2, 48, 5, 70, 16), (3, 40, 12, 90, 12)]
-)
-def test_the_simulator_retracts_as_the_engine_does(
-    tiny64: Path, seed: int, n: int, prompt: int, pages: int, batch: int
-) -> None:
+@pytest.mark.parametrize(("seed", "n", "prompt"), [(1, 32, 8), (2, 48, 5), (3, 40, 12)])
+def test_the_simulator_retracts_as_the_engine_does(tiny64: Path, seed: int, n: int, prompt: int) -> None:
+    """A pool one page larger than the longest request (so every request fits alone), 16 running at most."""
     lengths = _lengths(seed, n)
-    engine = _engine_retractions(tiny64, lengths, prompt, pages, batch)
-    sim = _sim_retractions(lengths, prompt, pages, batch)
+    pages = -(-(prompt + max(lengths)) // PAGE) + 1
+    engine = _engine_retractions(tiny64, lengths, prompt, pages, 16)
+    sim = _sim_retractions(lengths, prompt, pages, 16)
     assert engine > 0, "the pool was not tight enough to retract anything"
-    assert abs(sim - engine) <= max(1, 0.1 * engine), (engine, sim)
+    assert abs(sim - engine) <= 0.1 * engine, (engine, sim)
