@@ -14,6 +14,11 @@ from rollout_worker.api.files import check_writable, save
 
 from rollout_operator.cli.args import bench_group
 
+ADMISSION_HELP = (
+    "KV admission: engine (reserve prompt + max_new_tokens), sglang (optimistic, preempts the newest) or "
+    "paged (the engine's paged pool: its own admission and retraction functions)."
+)
+
 # fields of the simulator's and benchmark's configuration -> the flags that set them
 FLAGS = {
     "policies": "--policies",
@@ -59,9 +64,7 @@ def simulate_cmd(
     prior: Annotated[
         str, typer.Option(help="Lengths the adaptive predictor starts from: none | previous | a .jsonl.")
     ] = "previous",
-    admission: Annotated[
-        str, typer.Option(help="engine (reserve prompt + max_new_tokens) or sglang (optimistic, preempts).")
-    ] = "engine",
+    admission: Annotated[str, typer.Option(help=ADMISSION_HELP)] = "engine",
     initial_layout: Annotated[
         str, typer.Option(help="Adaptive's first layout: auto (the planner picks), smallest, or DxT.")
     ] = "auto",
@@ -160,9 +163,7 @@ def bench_planner_cmd(
         list[str] | None,
         typer.Option(help="Named workload or .jsonl of real lengths, repeatable (default: every named one)."),
     ] = None,
-    admission: Annotated[
-        str, typer.Option(help="engine (reserve prompt + max_new_tokens) or sglang (optimistic, preempts).")
-    ] = "engine",
+    admission: Annotated[str, typer.Option(help=ADMISSION_HELP)] = "engine",
     decide_calls: Annotated[int, typer.Option(help="decide() calls timed per snapshot.")] = 2000,
 ) -> None:
     """One table per model: static TP 1/2/4/8, adaptive, oracles and bounds per workload; decide() latency."""
@@ -173,8 +174,10 @@ def bench_planner_cmd(
         raise UserError(f"--runs must be >= 1, got {runs}")
     if decide_calls < 10:
         raise UserError(f"--decide-calls must be >= 10, got {decide_calls}")
-    if admission not in ("engine", "sglang"):
-        raise UserError(f"must be engine or sglang, got {admission!r}", "--admission")
+    from rollout_profiler.planning.planner import ADMISSIONS
+
+    if admission not in ADMISSIONS:
+        raise UserError(f"must be one of {', '.join(ADMISSIONS)}, got {admission!r}", "--admission")
     workloads = list(workload or bench_planner.WORKLOADS)
     with flags():
         for w in workloads:

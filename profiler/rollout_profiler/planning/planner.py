@@ -74,6 +74,13 @@ class PodSnapshot:
     waiting_cap: int | None = None  # assumed for waiting requests (default: the largest running cap)
 
 
+# How a replica admits requests into its KV memory: "engine", the pre-paged engine's rule (prompt +
+# max_new_tokens reserved); "sglang", tokens used, the newest preempted; "paged", the engine's paged pool
+# (api/kv_schedule: optimistic admission, the fewest-decoded retracted). The planner prices "sglang" and
+# "paged" alike, by the tokens held.
+ADMISSIONS = ("engine", "sglang", "paged")
+
+
 @dataclass(frozen=True, slots=True)
 class PlannerPolicy:
     candidates: tuple[Layout, ...]
@@ -86,15 +93,15 @@ class PlannerPolicy:
     max_batch_per_replica: int | None = None
     chunks: int = 32
     kv_tokens_per_replica: tuple[tuple[int, int], ...] = ()  # (TP size, KV tokens); absent: unlimited
-    admission: str = "engine"  # "engine" (prompt + max_new_tokens reserved) or "sglang" (tokens used)
+    admission: str = "engine"  # one of ADMISSIONS
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise UserError(f"must be one of {METHODS}, got {self.method!r}", "method")
         if self.margin < 0 or self.min_gain_ms < 0 or self.chunks < 1:
             raise UserError("margin, min_gain_ms must be >= 0 and chunks >= 1", "planner")
-        if self.admission not in ("engine", "sglang"):
-            raise UserError(f"must be engine or sglang, got {self.admission!r}", "admission")
+        if self.admission not in ADMISSIONS:
+            raise UserError(f"must be one of {', '.join(ADMISSIONS)}, got {self.admission!r}", "admission")
 
 
 @dataclass(frozen=True, slots=True)

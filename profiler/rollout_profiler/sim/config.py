@@ -11,10 +11,9 @@ from rollout_worker.api.errors import UserError
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.plan import ReconfigEvent
 
-from rollout_profiler.planning.planner import PlannerPolicy
+from rollout_profiler.planning.planner import ADMISSIONS, PlannerPolicy
 from rollout_profiler.planning.predictor import Prior
 from rollout_profiler.profile import KVCapacity
-from rollout_profiler.sim.memory import ADMISSIONS
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +30,7 @@ class SimConfig:
     initial_layout: str = "auto"  # adaptive's start: "auto" (the planner picks), "smallest", or "DxT"
     kv_capacity: KVCapacity | None = None  # default: the profile's
     memory: bool = True  # False: ignore KV capacity (unlimited)
+    page_size: int = 1  # tokens per page of the KV pool (``paged`` admission)
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.max_segment < 1 or self.oracle_per_octave < 1:
@@ -39,6 +39,8 @@ class SimConfig:
             raise UserError(f"must be > 0, got {self.decide_every_ms}", "decide_every_ms")
         if self.max_batch_per_replica is not None and self.max_batch_per_replica < 1:
             raise UserError(f"must be >= 1, got {self.max_batch_per_replica}", "max_batch_per_replica")
+        if not 1 <= self.page_size <= 16:
+            raise UserError(f"must be 1 to 16, got {self.page_size}", "page_size")
         if self.admission not in ADMISSIONS:
             raise UserError(f"must be one of {ADMISSIONS}, got {self.admission!r}", "admission")
         if self.initial_layout not in ("auto", "smallest"):

@@ -164,7 +164,15 @@ class Simulator:
 
     def _admission(self, layout: Layout) -> Admission:
         rate = self.model.profile.costs.recompute_tokens_per_ms * layout.tp / self.cfg.gpus
-        return Admission(self.cfg.admission, self.cfg.max_batch_per_replica, self.kv_tokens(layout), rate)
+        cfg = self.cfg
+        return Admission(
+            cfg.admission,
+            cfg.max_batch_per_replica,
+            self.kv_tokens(layout),
+            rate,
+            layout.replicas,
+            cfg.page_size,
+        )
 
     # --- one run ------------------------------------------------------------------------------------
 
@@ -270,6 +278,7 @@ class Simulator:
         self._clock[r] += steps * ms
         self._latest = max(self._latest, self._clock[r])
         self._steps[r] += steps
+        self.mem.stepped(r, steps)
         self._engine_step += steps
         self.busy += steps * ms * self.layout.tp
         self._dirty[r] = True

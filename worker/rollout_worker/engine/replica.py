@@ -72,6 +72,7 @@ class Replica:
     ) -> None:
         self.policy, self.ratio = ratio, ratio.init  # the new-token ratio: see kv_schedule
         self.retractions = 0
+        self.admissions = 0  # requests admitted so far (Sequence.admitted: the order of admission)
         self.pool, self.limits, self.eos_ids = pool, limits, eos_ids
         self.graphs = graphs  # decode steps replayed from CUDA graphs (None: eager)
         self._decoder = decoder
@@ -196,15 +197,18 @@ class Replica:
 
     def _retract_for_step(self) -> list[str]:
         """Make room for the next decode step's pages: retract what :func:`to_retract` picks (back to the
-        front of the queue, pages freed) and re-estimate the ratio; else let the ratio decay."""
-        reqs, free, ps = [s.req for s in self.running], self.pool.free_pages, self.pool.page_size
+        front of the queue, pages freed) and re-estimate the ratio; else let the ratio decay. Ties are
+        broken by the order of admission, not by row (rows are compacted as requests finish), so the
+        choice depends only on the requests (the simulator makes the same one)."""
+        order = sorted(self.running, key=lambda s: s.admitted)
+        reqs, free, ps = [s.req for s in order], self.pool.free_pages, self.pool.page_size
         if sum(r.step_pages(ps) for r in reqs) > free:  # what a retraction frees: the pages not shared
-            reqs = [self._req(s, shared=True) for s in self.running]
+            reqs = [self._req(s, shared=True) for s in order]
         pick = to_retract(reqs, free, ps)
         if not pick:
             self.ratio = self.policy.decayed(self.ratio)
             return []
-        seqs = [self.running[i] for i in pick]
+        seqs = [order[i] for i in pick]
         for seq in seqs:
             self._release(seq)
         self.waiting.extendleft(reversed(seqs))
@@ -240,6 +244,7 @@ class Replica:
         pool.shared.acquire(pinned)
         rows, starts = [], []
         for i, (s, (row, limit)) in enumerate(zip(seqs, cacheable, strict=True)):
+            s.admitted, self.admissions = self.admissions, self.admissions + 1
             starts.append(pool.share(s.pages, row, limit))
             self._reserve(s, len(row))
             pool.cache_prefix(row, s.pages)

@@ -18,6 +18,7 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     finish: Finish | None = None
     pages: list[int] = field(default_factory=list)
+    admitted: int = 0  # when its replica last admitted it (the replica's count of admissions then)
 
     @property
     def kv_len(self) -> int:
