@@ -23,7 +23,7 @@ from rollout_worker.engine.messages import Faults
 from rollout_worker.engine.tokenizer import TextCodec
 from rollout_worker.server.deps import ServerState
 from rollout_worker.server.metrics import Metrics
-from rollout_worker.server.routes import control, generate, info, openai, planner
+from rollout_worker.server.routes import control, generate, info, openai, planner, weight_sync
 from rollout_worker.server.settings import ServerSettings
 from rollout_worker.web.errors import ErrorResponse, install_error_handlers
 from rollout_worker.web.middleware import ApiKey, BodyLimit
@@ -72,7 +72,7 @@ def create_app(settings: ServerSettings, cfg: EngineConfig, faults: Faults | Non
         lifespan=lifespan,
     )
     app.state.server = state
-    for module in (generate, control, info, openai, planner):
+    for module in (generate, control, weight_sync, info, openai, planner):
         app.include_router(module.router)
     install_error_handlers(app, validation_status=400)  # SGLang answers a bad body with 400
     app.add_exception_handler(EngineError, _engine_error)
