@@ -1,6 +1,7 @@
 """A trainer, as slime's is, pushing a checkpoint to an engine by torch.distributed (run as a process):
-rank 0 of a gloo group with every engine rank, made with plain torch (a TCPStore it hosts, prefixed by the
-group's name), beside HTTP calls to ``/init_weights_update_group`` and ``/update_weights_from_distributed``.
+rank 0 of a gloo group with every engine rank, made as slime makes it (its copy of SGLang's
+``init_custom_process_group``: a tcp:// rendezvous it hosts, the store prefixed by the group's name),
+beside HTTP calls to ``/init_weights_update_group`` and ``/update_weights_from_distributed``.
 
     python -m tests.worker.server.weight_trainer URL KEY PORT ENGINE_RANKS CHECKPOINT_FILE VERSION
 
@@ -18,6 +19,7 @@ import httpx
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from torch.distributed import distributed_c10d as c10d
 
 GROUP = "trainer_group"
 
@@ -34,6 +36,24 @@ def _in_thread(*args: Any) -> tuple[threading.Thread, list[httpx.Response]]:
     return t, out
 
 
+def _init_process_group(init_method: str, world: int, group_name: str) -> dist.ProcessGroup:
+    """Rank 0 of a new group as slime makes it (its copy of SGLang's ``init_custom_process_group``)."""
+    timeout = timedelta(seconds=60)
+    store, rank, world = next(dist.rendezvous(init_method, 0, world, timeout=timeout))
+    store.set_timeout(timeout)
+    pg, _ = c10d._new_process_group_helper(
+        world,
+        rank,
+        [],
+        dist.Backend("gloo"),
+        dist.PrefixStore(group_name, store),
+        group_name=group_name,
+        timeout=timeout,
+    )
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world)}
+    return pg
+
+
 def main(url: str, key: str, port: int, engine_ranks: int, checkpoint: str, version: str) -> None:
     torch.set_num_threads(1)
     world = 1 + engine_ranks
@@ -46,9 +66,7 @@ def main(url: str, key: str, port: int, engine_ranks: int, checkpoint: str, vers
         "backend": "gloo",
     }
     t, out = _in_thread(url, key, "/init_weights_update_group", init)
-    timeout = timedelta(seconds=60)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=True, timeout=timeout)
-    pg = dist.ProcessGroupGloo(dist.PrefixStore(f"{GROUP}/", store), 0, world, timeout)
+    pg = _init_process_group(f"tcp://127.0.0.1:{port}", world, GROUP)
     t.join()
     print(json.dumps(out[0].json()), flush=True)
     tensors = load_file(checkpoint)
@@ -62,7 +80,7 @@ def main(url: str, key: str, port: int, engine_ranks: int, checkpoint: str, vers
     }
     t, out = _in_thread(url, key, "/update_weights_from_distributed", body)
     for n in names:
-        pg.broadcast(tensors[n].contiguous(), 0).wait()
+        dist.broadcast(tensors[n].contiguous(), 0, group=pg)
     t.join()
     print(json.dumps(out[0].json()), flush=True)
 

@@ -68,7 +68,7 @@ class RankLoop:
         self.retracted: list[str] = []
         self.step_ms: list[float] = []
         self.faulted = 0  # digest of the requests this replica aborted for their own failures
-        self.weight_groups: dict[str, weight_sync.Backend] = {}  # groups with trainers, by name
+        self.weight_groups: dict[str, dist.ProcessGroup] = {}  # groups with trainers, by name
 
     @property
     def idle(self) -> bool:
@@ -182,7 +182,9 @@ class RankLoop:
                     spec, cmd.rank_offset + st.rank
                 )
             elif isinstance(cmd, m.LeaveWeightGroup):
-                self.weight_groups.pop(cmd.group_name, None)
+                pg = self.weight_groups.pop(cmd.group_name, None)
+                if pg is not None:
+                    dist.destroy_process_group(pg)
             else:
                 pg = self.weight_groups[cmd.group_name]
                 shapes = [list(s) for s in cmd.shapes]

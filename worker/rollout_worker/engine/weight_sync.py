@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import Backend  # what a process group's backend is (broadcast, barrier)
+from torch.distributed import distributed_c10d as c10d
 
 from rollout_worker.engine.checkpoint import TORCH_DTYPES
 
@@ -28,25 +28,34 @@ class GroupSpec:
     backend: str
 
 
-def init_custom_process_group(spec: GroupSpec, rank: int, timeout_s: float = 300.0) -> Backend:
-    """Rank ``rank`` of a new group (rank 0 hosts the store): the trainer and every engine rank call this."""
+def init_custom_process_group(spec: GroupSpec, rank: int, timeout_s: float = 300.0) -> dist.ProcessGroup:
+    """Rank ``rank`` of a new group, made as SGLang's ``init_custom_process_group`` makes it (so a trainer
+    using SGLang's or slime's copy of it meets these ranks): a ``tcp://`` rendezvous (rank 0 hosts the
+    store), the store prefixed by the group's name, and a process group that is not the default one."""
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        spec.master_address, spec.master_port, spec.world_size, is_master=rank == 0, timeout=timeout
+    init = f"tcp://{spec.master_address}:{spec.master_port}"
+    store, rank, world = next(dist.rendezvous(init, rank, spec.world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    pg, _ = c10d._new_process_group_helper(
+        world,
+        rank,
+        [],
+        dist.Backend(spec.backend),
+        dist.PrefixStore(spec.group_name, store),
+        group_name=c10d.GroupName(spec.group_name),
+        timeout=timeout,
     )
-    prefixed = dist.PrefixStore(f"{spec.group_name}/", store)
-    if spec.backend == "nccl":
-        return dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, dist.ProcessGroupNCCL.Options())
-    return dist.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world)}
+    return pg
 
 
 def receive(
-    pg: Backend, names: list[str], dtypes: list[str], shapes: list[list[int]], device: torch.device
+    pg: dist.ProcessGroup, names: list[str], dtypes: list[str], shapes: list[list[int]], device: torch.device
 ) -> dict[str, torch.Tensor]:
     """The full tensors rank 0 broadcasts, in order (dtypes as the server checked them: ``dtype_name``)."""
     out = {}
     for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
         t = torch.empty(shape, dtype=TORCH_DTYPES[dtype], device=device)
-        pg.broadcast(t, 0).wait()  # type: ignore[attr-defined]  # the stubs omit the backend's collectives
+        dist.broadcast(t, 0, group=pg)
         out[name] = t
     return out
