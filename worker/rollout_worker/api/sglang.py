@@ -224,6 +224,41 @@ class UpdateTensorRequest(Body):
     weight_version: str | None = None
 
 
+class InitWeightsGroupRequest(Body):
+    """``POST /init_weights_update_group``: every engine rank r joins the trainer's group as
+    ``rank_offset + r`` (the trainer is rank 0)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    master_address: str = Field(min_length=1)
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: str = Field("weight_update_group", min_length=1)
+    backend: Literal["gloo", "nccl"] = "nccl"
+
+
+class DistributedUpdateRequest(Body):
+    """``POST /update_weights_from_distributed``: the trainer broadcasts these full tensors, in order."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    names: list[str] = Field(min_length=1)
+    dtypes: list[str] = Field(min_length=1)
+    shapes: list[list[int]] = Field(min_length=1)
+    group_name: str = Field("weight_update_group", min_length=1)
+    load_format: None = Field(None, description="Only the default (full named tensors) is implemented.")
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+class DestroyWeightsGroupRequest(Body):
+    model_config = ConfigDict(extra="ignore")
+
+    group_name: str = Field("weight_update_group", min_length=1)
+
+
 MemoryTag = Literal["weights", "kv_cache", "cuda_graph"]
 MEMORY_TAGS: tuple[MemoryTag, ...] = get_args(MemoryTag)
 

@@ -263,6 +263,38 @@ class Engine:
     ) -> int:
         """Load a checkpoint of the same shape between steps, after in-flight requests finish (or are
         aborted with ``abort_all``); new requests wait meanwhile. Returns how many requests waited."""
+        make = lambda t: m.LoadWeights(path, t)  # noqa: E731
+        return self._between_steps(make, version or path, abort_all, timeout_s, "model_path")
+
+    def update_weights_from_group(
+        self,
+        cmd: Callable[[int], m.ReceiveWeights],
+        version: str,
+        abort_all: bool = False,
+        timeout_s: float = 600.0,
+    ) -> int:
+        """As ``update_weights``, the checkpoint received from a trainer's broadcast (``weight_sync``)."""
+        return self._between_steps(cmd, version, abort_all, timeout_s, "names")
+
+    def weight_group(self, cmd: Callable[[int], m.JoinWeightGroup | m.LeaveWeightGroup]) -> None:
+        """Every rank joins (or leaves) a trainer's group, at its next step boundary."""
+        with self._global:
+            with self._lock:
+                self._life.status.check_serving()
+                ticket = self._tickets.open(1)
+                self._procs.broadcast(cmd(ticket))
+            (done,) = _dones(self._await(ticket, None))
+            if not done.ok:
+                raise UserError(f"weight update group not changed: {done.message}", "group_name")
+
+    def _between_steps(
+        self,
+        make: Callable[[int], m.LoadWeights | m.ReceiveWeights],
+        version: str,
+        abort_all: bool,
+        timeout_s: float,
+        field: str,
+    ) -> int:
         with self._global:
             with self._lock:
                 self._life.status.check_serving()
@@ -277,12 +309,12 @@ class Engine:
                         )
                     waited = len(self._book.queued)
                     ticket = self._tickets.open(1)
-                    self._procs.broadcast(m.LoadWeights(path, ticket))
+                    self._procs.broadcast(make(ticket))
                 (done,) = _dones(self._await(ticket, None))
                 if not done.ok:
-                    raise UserError(f"weights not updated: {done.message}", "model_path")
+                    raise UserError(f"weights not updated: {done.message}", field)
                 with self._lock:
-                    self._weight_version = version or path
+                    self._weight_version = version
                 return waited
             finally:
                 with self._lock:

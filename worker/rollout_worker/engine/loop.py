@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from rollout_worker.api.errors import UserError
 from rollout_worker.engine import messages as m
+from rollout_worker.engine import weight_sync
 from rollout_worker.engine.config import EngineConfig
 from rollout_worker.engine.finish import PAUSE_ABORT, Finish
 from rollout_worker.engine.messages import Faults
@@ -67,6 +68,7 @@ class RankLoop:
         self.retracted: list[str] = []
         self.step_ms: list[float] = []
         self.faulted = 0  # digest of the requests this replica aborted for their own failures
+        self.weight_groups: dict[str, dist.ProcessGroup] = {}  # groups with trainers, by name
 
     @property
     def idle(self) -> bool:
@@ -130,6 +132,8 @@ class RankLoop:
             self.reconfigure(cmd)
         elif isinstance(cmd, m.LoadWeights):
             self.load(cmd)
+        elif isinstance(cmd, m.JoinWeightGroup | m.ReceiveWeights | m.LeaveWeightGroup):
+            self.weight_sync(cmd)
         elif isinstance(cmd, m.ReleaseMemory | m.ResumeMemory):
             self.memory(cmd)
         elif isinstance(cmd, m.FlushCache):
@@ -155,12 +159,52 @@ class RankLoop:
         except Exception as exc:  # a bad checkpoint on one rank: every rank keeps its old weights
             why = str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"
             error = f"rank {st.rank}: {why}"
-        flag = torch.tensor([0 if error else 1], dtype=torch.int64, device=st.sync_device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        ok = bool(flag.item())
+        ok = self.agree(error)
         if ok:
             st.weights, st.weights_path = weights, cmd.path
             st.replica.decoder = Decoder(st.model, weights, st.pstate(st.layout))
+        if st.rank == 0:
+            self.outbox.send(m.Done(cmd.ticket, st.rank, ok, error or ("" if ok else "another rank failed")))
+        dist.barrier()
+
+    def agree(self, error: str) -> bool:
+        """True when no rank of the pod had an error (every rank calls this at the same point)."""
+        flag = torch.tensor([0 if error else 1], dtype=torch.int64, device=self.st.sync_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def weight_sync(self, cmd: m.JoinWeightGroup | m.ReceiveWeights | m.LeaveWeightGroup) -> None:
+        """Join the trainer's group, receive its broadcast into a staged checkpoint and load it, or leave."""
+        st, error = self.st, ""
+        try:
+            if isinstance(cmd, m.JoinWeightGroup):
+                spec = weight_sync.GroupSpec(
+                    cmd.master_address, cmd.master_port, cmd.world_size, cmd.group_name, cmd.backend
+                )
+                self.weight_groups[cmd.group_name] = weight_sync.init_custom_process_group(
+                    spec, cmd.rank_offset + st.rank
+                )
+            elif isinstance(cmd, m.LeaveWeightGroup):
+                pg = self.weight_groups.pop(cmd.group_name, None)
+                if pg is not None:
+                    dist.destroy_process_group(pg)
+            else:
+                pg = self.weight_groups[cmd.group_name]
+                shapes = [list(s) for s in cmd.shapes]
+                got = weight_sync.receive(pg, list(cmd.names), list(cmd.dtypes), shapes, st.device)
+                if st.rank == 0:
+                    from safetensors.torch import save_file
+
+                    save_file({k: v.to("cpu").contiguous() for k, v in got.items()}, cmd.file)
+                del got
+        except Exception as exc:
+            error = f"rank {st.rank}: {type(exc).__name__}: {exc}"
+        ok = self.agree(error)  # rank 0 wrote the file before this meeting
+        if isinstance(cmd, m.ReceiveWeights) and ok:
+            self.load(m.LoadWeights(cmd.path, cmd.ticket))
+            return
+        if isinstance(cmd, m.JoinWeightGroup) and not ok:
+            self.weight_groups.pop(cmd.group_name, None)
         if st.rank == 0:
             self.outbox.send(m.Done(cmd.ticket, st.rank, ok, error or ("" if ok else "another rank failed")))
         dist.barrier()

@@ -2,8 +2,8 @@
 
 Driver -> rank, through each rank's inbox, applied at a step boundary:
     Submit, Abort, Pause, Resume, ReleaseMemory, ResumeMemory, FlushCache, Shutdown (per replica: every
-    rank of a replica applies the same messages at the same step), and the *global* commands Reconfigure and
-    LoadWeights, at which every rank of the pod meets.
+    rank of a replica applies the same messages at the same step), and the *global* commands Reconfigure,
+    LoadWeights and the weight-sync ones (Join/LeaveWeightGroup, ReceiveWeights), at which every rank meets.
 Rank -> driver, through one shared pipe written under a lock (so messages are ordered causally):
     Ready, StepReport (replica leaders only), Switched / Done (outcomes of commands), Failed.
 """
@@ -81,6 +81,39 @@ class LoadWeights:
 
 
 @dataclass(frozen=True, slots=True)
+class JoinWeightGroup:
+    """Every rank joins the trainer's group as ``rank_offset + rank`` (``weight_sync``)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str
+    ticket: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiveWeights:
+    """Every rank receives the trainer's broadcast; rank 0 writes it to ``file`` (the staged checkpoint
+    ``path`` reads it), then every rank loads ``path`` as for LoadWeights."""
+
+    group_name: str
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    path: str
+    file: str
+    ticket: int
+
+
+@dataclass(frozen=True, slots=True)
+class LeaveWeightGroup:
+    group_name: str
+    ticket: int
+
+
+@dataclass(frozen=True, slots=True)
 class ReleaseMemory:
     tags: tuple[str, ...]
     ticket: int
@@ -109,12 +142,15 @@ Command = (
     | Resume
     | Reconfigure
     | LoadWeights
+    | JoinWeightGroup
+    | ReceiveWeights
+    | LeaveWeightGroup
     | ReleaseMemory
     | ResumeMemory
     | FlushCache
     | Shutdown
 )
-GLOBAL_COMMANDS = (Reconfigure, LoadWeights)
+GLOBAL_COMMANDS = (Reconfigure, LoadWeights, JoinWeightGroup, ReceiveWeights, LeaveWeightGroup)
 
 
 # -- rank -> driver ---------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from rollout_worker.engine.messages import Faults
 from rollout_worker.engine.tokenizer import TextCodec
 from rollout_worker.server.deps import ServerState
 from rollout_worker.server.metrics import Metrics
-from rollout_worker.server.routes import absent, chat, control, generate, info, openai, planner
+from rollout_worker.server.routes import absent, chat, control, generate, info, openai, planner, weight_sync
 from rollout_worker.server.settings import ServerSettings
 from rollout_worker.web.errors import ErrorResponse, install_error_handlers
 from rollout_worker.web.middleware import ApiKey, BodyLimit
@@ -74,7 +74,7 @@ def create_app(settings: ServerSettings, cfg: EngineConfig, faults: Faults | Non
         lifespan=lifespan,
     )
     app.state.server = state
-    for module in (generate, control, info, openai, chat, planner, absent):
+    for module in (generate, control, weight_sync, info, openai, chat, planner, absent):
         app.include_router(module.router)
     install_error_handlers(app, validation_status=400)  # SGLang answers a bad body with 400
     app.add_exception_handler(EngineError, _engine_error)

@@ -35,6 +35,7 @@ class ServerState:
     staging: Staging = field(default_factory=Staging)  # checkpoints made of tensors a trainer sent
     weights_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one weight update at a time
     chat: ChatTemplate | None = None  # the model's chat template (None: it has none, or it does not parse)
+    weight_groups: set[str] = field(default_factory=set)  # trainers' process groups the ranks joined
     exit_code: int | None = None
     request_exit: Callable[[int], None] = lambda code: None
 
@@ -45,6 +46,23 @@ class ServerState:
     @property
     def weights_root(self) -> Path:
         return (self.settings.weights_root or Path(self.settings.model)).resolve()
+
+    @property
+    def served_weights(self) -> Path:
+        return self.weights_path or Path(self.settings.model)
+
+    async def serve_staged(self, staged: Path, load: Callable[[], int]) -> int:
+        """Run ``load`` (an engine weight update of the staged checkpoint) in a worker thread: the staged
+        checkpoint is served from then on, or forgotten when the load fails. Call under ``weights_lock``."""
+        current = self.served_weights
+        try:
+            waited = await self.bridge.call(load)
+        except BaseException:
+            self.staging.forget_except(current)
+            raise
+        self.weights_path = staged
+        self.staging.forget_except(staged)
+        return waited
 
     def ready_engine(self) -> Engine:
         if self.engine is None:

@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rollout_worker.api.engine_settings import DTYPES
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.engine.checkpoint_index import CheckpointIndex, tensor_shapes
@@ -120,6 +121,33 @@ def check(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
             raise UserError(f"{name!r} is {t.dtype}, not a floating-point tensor", FIELD)
 
 
+def check_announced(
+    names: list[str], dtypes: list[str], shapes: list[list[int]], cfg: ModelConfig
+) -> list[str]:
+    """The tensors a trainer will broadcast (``update_weights_from_distributed``), checked against the model
+    before anything is received; returns the dtypes by their plain names (``torch.float32``: ``float32``)."""
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise UserError(
+            f"{len(names)} names, {len(dtypes)} dtypes, {len(shapes)} shapes: give one of each", "names"
+        )
+    model = dict(tensor_shapes(cfg))
+    seen: set[str] = set()
+    out = []
+    for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes, strict=True)):
+        if name not in model:
+            raise UserError(f"{name!r} is not a tensor of this model", f"names.{i}")
+        if name in seen:
+            raise UserError(f"{name!r} is given twice", f"names.{i}")
+        seen.add(name)
+        if tuple(shape) != model[name]:
+            raise UserError(f"{name!r} has shape {shape}, the model's is {list(model[name])}", f"shapes.{i}")
+        plain = dtype.removeprefix("torch.")
+        if plain not in DTYPES:
+            raise UserError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}", f"dtypes.{i}")
+        out.append(plain)
+    return out
+
+
 class Staging:
     """Checkpoints made of the served one plus the tensors sent so far, in a private directory."""
 
@@ -135,20 +163,26 @@ class Staging:
 
     def stage(self, current: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> Path:
         """A new checkpoint directory: ``tensors`` in a file of their own, the rest as in ``current``."""
+        out, file = self.stage_index(current, cfg, list(tensors))
+        from safetensors.torch import save_file
+
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(file))
+        return out
+
+    def stage_index(self, current: Path, cfg: ModelConfig, names: list[str]) -> tuple[Path, Path]:
+        """A new checkpoint directory whose index reads ``names`` from its ``update.safetensors`` (which
+        the caller writes) and the rest as ``current`` does: (directory, file)."""
         index = CheckpointIndex(current, cfg)
         weight_map = {k: str((index.dir / f).resolve()) for k, f in index.weight_map.items()}
         self.count += 1
         out = self.root / f"update-{self.count}"
         out.mkdir()
         file = out / "update.safetensors"
-        from safetensors.torch import save_file
-
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(file))
-        weight_map.update(dict.fromkeys(tensors, str(file)))
+        weight_map.update(dict.fromkeys(names, str(file)))
         (out / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {}, "weight_map": weight_map})
         )
-        return out
+        return out, file
 
     def forget_except(self, keep: Path) -> None:
         """Remove staged checkpoints that ``keep`` (the one being served) no longer reads from."""

@@ -114,18 +114,11 @@ async def update_weights_from_tensor(body: UpdateTensorRequest, request: Request
     )
     tensor_update.check(tensors, model)
     async with state.weights_lock:
-        current = state.weights_path or Path(state.settings.model)
-        staged = await asyncio.to_thread(state.staging.stage, current, model, tensors)
+        staged = await asyncio.to_thread(state.staging.stage, state.served_weights, model, tensors)
         version = body.weight_version or engine.weight_version  # kept unless given, as in SGLang
-        try:
-            waited = await state.bridge.call(
-                engine.update_weights, str(staged), version, body.abort_all_requests
-            )
-        except BaseException:
-            state.staging.forget_except(current)
-            raise
-        state.weights_path = staged
-        state.staging.forget_except(staged)
+        waited = await state.serve_staged(
+            staged, lambda: engine.update_weights(str(staged), version, body.abort_all_requests)
+        )
     return {
         "success": True,
         "message": f"{len(tensors)} tensor(s) loaded (version {engine.weight_version})",

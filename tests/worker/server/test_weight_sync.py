@@ -1,0 +1,128 @@
+"""Weight sync from a trainer by torch.distributed (SGLang's ``init_weights_update_group`` /
+``update_weights_from_distributed``): a trainer process broadcasts checkpoint b while requests run at 2x1;
+after the update, and after a switch to 1x2, outputs equal b's static run token for token (float64)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rollout_worker.api.errors import UserError
+from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.engine.checkpoint_index import tensor_shapes
+from rollout_worker.proc import free_port
+from rollout_worker.server.tensor_update import check_announced
+
+from tests.worker.server.served import Served
+from tests.worker.server.test_control import _idle, _static, _stream
+
+PROMPTS = [[1, 2, 3], [40, 41], [200, 100, 50, 25]]
+BATCH = {
+    "input_ids": PROMPTS,
+    "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True},
+}
+RUNNING = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+
+
+def _outputs(s: Served) -> list[dict[str, Any]]:
+    r = s.post("/generate", BATCH)
+    assert r.status_code == 200, r.text
+    return r.json()  # type: ignore[no-any-return]
+
+
+def _trainer(s: Served, checkpoint: Path, version: str) -> list[dict[str, Any]]:
+    assert s.key is not None
+    cmd = [sys.executable, "-m", "tests.worker.server.weight_trainer", s.url, s.key, str(free_port()), "2"]
+    done = subprocess.run([*cmd, str(checkpoint), version], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr + s.tail()
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def test_a_trainer_broadcasts_new_weights_while_requests_run(ctl: Served, root: Path) -> None:
+    static_b = _static(root / "b", PROMPTS)
+    assert [o["output_ids"] for o in _outputs(ctl)] != static_b  # the server starts on a
+    assert ctl.get("/v1/state").json()["layout"] == "2x1"
+    chunks: list[list[dict[str, Any]]] = [[], []]
+    started = [threading.Event(), threading.Event()]
+    running = [
+        threading.Thread(
+            target=_stream, args=(ctl, {"input_ids": p, "sampling_params": RUNNING}, chunks[i], started[i])
+        )
+        for i, p in enumerate(PROMPTS[:2])
+    ]
+    for t in running:
+        t.start()
+    assert all(e.wait(30) for e in started)
+    assert not _idle(ctl)  # the update arrives while both run
+    init, update = _trainer(ctl, root / "b" / "model.safetensors", "b-dist")
+    assert init["success"] is True, init
+    assert update["success"] is True, update
+    for t in running:
+        t.join(60)
+    # the requests in flight finished (not aborted) on the old weights
+    for c in chunks:
+        assert c[-1]["meta_info"]["finish_reason"]["type"] == "length", c[-1]
+        assert len(c[-1]["output_ids"]) == RUNNING["max_new_tokens"]
+        assert c[-1]["meta_info"]["weight_version"] == "default"
+    out = _outputs(ctl)
+    assert [o["output_ids"] for o in out] == static_b
+    assert out[0]["meta_info"]["weight_version"] == "b-dist"
+    # a later switch reshards the new weights as it does the old
+    r = ctl.post("/v1/reconfigure", {"layout": "1x2"}, timeout=120)
+    assert r.status_code == 200 and r.json()["layout"] == "1x2", r.text
+    assert [o["output_ids"] for o in _outputs(ctl)] == static_b
+    assert ctl.post("/destroy_weights_update_group", {"group_name": "trainer_group"}).json()["success"]
+    assert ctl.get("/health").status_code == 200
+
+
+def test_bad_weight_sync_bodies_name_the_field(ctl: Served) -> None:
+    init = {
+        "master_address": "127.0.0.1",
+        "master_port": 1,
+        "rank_offset": 1,
+        "world_size": 3,
+        "group_name": "g",
+        "backend": "gloo",
+    }
+    name = "model.norm.weight"
+    cases: list[tuple[str, dict[str, Any], int, str]] = [
+        ("/init_weights_update_group", {**init, "world_size": 2}, 400, "world_size"),
+        ("/init_weights_update_group", {**init, "backend": "nccl"}, 400, "backend"),
+        ("/init_weights_update_group", {**init, "backend": "mpi"}, 400, "backend"),
+        ("/init_weights_update_group", {**init, "master_port": 0}, 400, "master_port"),
+        (
+            "/update_weights_from_distributed",
+            {"names": [name], "dtypes": ["float64"], "shapes": [[1]]},
+            400,
+            "group_name",
+        ),
+        ("/destroy_weights_update_group", {"group_name": "nope"}, 400, "group_name"),
+    ]
+    for path, body, status, field in cases:
+        r = ctl.post(path, body)
+        assert r.status_code == status and field in r.text, (path, body, r.text)
+    assert ctl.get("/health").status_code == 200
+
+
+def test_announced_tensors_are_checked_against_the_model(root: Path) -> None:
+    cfg = ModelConfig.load(root / "a")
+    shapes = dict(tensor_shapes(cfg))
+    name = "model.norm.weight"
+    good = list(shapes[name])
+    assert check_announced([name], ["torch.float32"], [good], cfg) == ["float32"]
+    cases: list[tuple[list[str], list[str], list[list[int]], str]] = [
+        ([name], ["float64", "float64"], [good], "names"),
+        (["no.such.tensor"], ["float64"], [good], "names.0"),
+        ([name, name], ["float64"] * 2, [good] * 2, "names.1"),
+        ([name], ["float64"], [[good[0] + 1]], "shapes.0"),
+        ([name], ["int64"], [good], "dtypes.0"),
+    ]
+    for names, dtypes, shp, field in cases:
+        with pytest.raises(UserError) as err:
+            check_announced(names, dtypes, shp, cfg)
+        assert err.value.field == field, (names, dtypes, shp)

@@ -1,0 +1,103 @@
+"""Weight sync from a trainer by torch.distributed, as SGLang serves it (slime's default):
+``/init_weights_update_group`` -> ``/update_weights_from_distributed`` (any number) ->
+``/destroy_weights_update_group``. Every engine rank r joins the trainer's group as ``rank_offset + r``;
+the trainer broadcasts full tensors; the engine stages them as a checkpoint and loads it between steps,
+every rank its slice of the current layout (``rollout_worker.engine.weight_sync``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from rollout_worker.api.errors import Conflict, UserError
+from rollout_worker.api.sglang import (
+    DestroyWeightsGroupRequest,
+    DistributedUpdateRequest,
+    InitWeightsGroupRequest,
+)
+from rollout_worker.engine import messages as m
+from rollout_worker.server import tensor_update
+from rollout_worker.server.deps import ServerState, server_state
+
+router = APIRouter(tags=["sglang weight sync"])
+
+
+def _known(state: ServerState, name: str) -> None:
+    if name not in state.weight_groups:
+        raise UserError(
+            f"no weight update group {name!r}; call /init_weights_update_group first", "group_name"
+        )
+
+
+@router.post("/init_weights_update_group", summary="Every rank joins a trainer's process group")
+async def init_weights_update_group(body: InitWeightsGroupRequest, request: Request) -> dict[str, Any]:
+    state = server_state(request)
+    engine = state.ready_engine()
+    world = state.cfg.world
+    if body.rank_offset + world > body.world_size:
+        raise UserError(
+            f"ranks {body.rank_offset}..{body.rank_offset + world - 1} of this engine's {world} do not fit "
+            f"in world_size {body.world_size}",
+            "world_size",
+        )
+    if body.backend == "nccl" and state.cfg.engine.device == "cpu":
+        raise UserError("nccl needs CUDA and this engine runs on CPU; use gloo", "backend")
+    if body.group_name in state.weight_groups:
+        raise Conflict(f"weight update group {body.group_name!r} exists; destroy it first", "group_name")
+    state.weight_groups.add(body.group_name)  # taken now: a second init of the name is refused meanwhile
+    try:
+        await state.bridge.call(
+            engine.weight_group,
+            lambda t: m.JoinWeightGroup(
+                body.master_address,
+                body.master_port,
+                body.rank_offset,
+                body.world_size,
+                body.group_name,
+                body.backend,
+                t,
+            ),
+        )
+    except BaseException:
+        state.weight_groups.discard(body.group_name)
+        raise
+    return {"success": True, "message": f"joined weight update group {body.group_name!r}"}
+
+
+@router.post("/update_weights_from_distributed", summary="Receive a trainer's broadcast and load it")
+async def update_weights_from_distributed(body: DistributedUpdateRequest, request: Request) -> dict[str, Any]:
+    state = server_state(request)
+    engine = state.ready_engine()
+    _known(state, body.group_name)
+    dtypes = tensor_update.check_announced(body.names, body.dtypes, body.shapes, state.cfg.model)
+    async with state.weights_lock:
+        staged, file = state.staging.stage_index(state.served_weights, state.cfg.model, body.names)
+        version = body.weight_version or engine.weight_version  # kept unless given, as in SGLang
+        cmd = lambda t: m.ReceiveWeights(  # noqa: E731
+            body.group_name,
+            tuple(body.names),
+            tuple(dtypes),
+            tuple(tuple(s) for s in body.shapes),
+            str(staged),
+            str(file),
+            t,
+        )
+        waited = await state.serve_staged(
+            staged, lambda: engine.update_weights_from_group(cmd, version, body.abort_all_requests)
+        )
+    return {
+        "success": True,
+        "message": f"{len(body.names)} tensor(s) received and loaded (version {engine.weight_version})",
+        "num_paused_requests": waited,
+    }
+
+
+@router.post("/destroy_weights_update_group", summary="Every rank leaves a trainer's process group")
+async def destroy_weights_update_group(body: DestroyWeightsGroupRequest, request: Request) -> dict[str, Any]:
+    state = server_state(request)
+    engine = state.ready_engine()
+    _known(state, body.group_name)
+    await state.bridge.call(engine.weight_group, lambda t: m.LeaveWeightGroup(body.group_name, t))
+    state.weight_groups.discard(body.group_name)
+    return {"success": True, "message": f"left weight update group {body.group_name!r}"}
