@@ -14,7 +14,7 @@ from rollout_worker.engine.messages import StepReport
 def test_counts_per_replica_queue_and_kv() -> None:
     book = Book(Layout(2, 1))
     for i in range(5):
-        book.add(RequestSpec(f"r{i}", (1, 2), 8, Sampling()), (), 0.0)
+        book.add(RequestSpec(f"r{i}", (1, 2, i), 8, Sampling()), (), 0.0)  # (one prompt each: by load)
     book.dispatch()  # r0, r2, r4 on replica 0; r1, r3 on replica 1
     book.add(RequestSpec("late", (1,), 8, Sampling()), (), 0.0)  # queued in the driver
     book.on_step(StepReport(0, 0, 0, "prefill", 1.0, admitted=("r0", "r2"), kv_tokens=4, kv_capacity=16), 1.0)
