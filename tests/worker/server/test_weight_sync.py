@@ -95,6 +95,10 @@ def test_bad_weight_sync_bodies_name_the_field(ctl: Served) -> None:
         ("/init_weights_update_group", {**init, "backend": "nccl"}, 400, "backend"),
         ("/init_weights_update_group", {**init, "backend": "mpi"}, 400, "backend"),
         ("/init_weights_update_group", {**init, "master_port": 0}, 400, "master_port"),
+        # no trainer listens (port 1) or no such host: refused before any rank waits for it (found by
+        # test_hardening's schemathesis, whose case stalled the engine for the join's 300 s)
+        ("/init_weights_update_group", init, 400, "master_address"),
+        ("/init_weights_update_group", {**init, "master_address": "no such host"}, 400, "master_address"),
         (
             "/update_weights_from_distributed",
             {"names": [name], "dtypes": ["float64"], "shapes": [[1]]},

@@ -6,6 +6,9 @@ every rank its slice of the current layout (``rollout_worker.engine.weight_sync`
 
 from __future__ import annotations
 
+import asyncio
+import socket
+import time
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -45,6 +48,7 @@ async def init_weights_update_group(body: InitWeightsGroupRequest, request: Requ
         raise UserError("nccl needs CUDA and this engine runs on CPU; use gloo", "backend")
     if body.group_name in state.weight_groups:
         raise Conflict(f"weight update group {body.group_name!r} exists; destroy it first", "group_name")
+    await _listening(body.master_address, body.master_port)
     state.weight_groups.add(body.group_name)  # taken now: a second init of the name is refused meanwhile
     try:
         await state.bridge.call(
@@ -91,6 +95,34 @@ async def update_weights_from_distributed(body: DistributedUpdateRequest, reques
         "message": f"{len(body.names)} tensor(s) received and loaded (version {engine.weight_version})",
         "num_paused_requests": waited,
     }
+
+
+JOIN_WAIT_S = 5.0  # how long the trainer's rendezvous may take to listen after its own init call began
+
+
+async def _listening(host: str, port: int) -> None:
+    """The trainer's rendezvous must listen at ``host:port`` (it does within moments of the trainer's own
+    init call, which it makes beside this request): else a 400 naming ``master_address``, before any rank
+    waits (up to 300 s) for a trainer that is not there."""
+    deadline = time.monotonic() + JOIN_WAIT_S
+    while True:
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout=1.0)
+        except (socket.gaierror, UnicodeError, ValueError) as exc:  # not an address: no use waiting
+            raise UserError(
+                f"{host!r} is not an address this host can resolve: {exc}", "master_address"
+            ) from None
+        except (OSError, TimeoutError) as exc:
+            if time.monotonic() >= deadline:
+                raise UserError(
+                    f"nothing listens at {host}:{port} (the trainer's rendezvous) after {JOIN_WAIT_S:.0f} s: "
+                    f"{exc or type(exc).__name__}",
+                    "master_address",
+                ) from None
+            await asyncio.sleep(0.1)
+            continue
+        writer.close()
+        return
 
 
 @router.post("/destroy_weights_update_group", summary="Every rank leaves a trainer's process group")
