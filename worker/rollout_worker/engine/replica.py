@@ -200,11 +200,12 @@ class Replica:
         front of the queue, pages freed) and re-estimate the ratio; else let the ratio decay. Ties are
         broken by the order of admission, not by row (rows are compacted as requests finish), so the
         choice depends only on the requests (the simulator makes the same one)."""
-        order = sorted(self.running, key=lambda s: s.admitted)
-        reqs, free, ps = [s.req for s in order], self.pool.free_pages, self.pool.page_size
-        if sum(r.step_pages(ps) for r in reqs) > free:  # what a retraction frees: the pages not shared
-            reqs = [self._req(s, shared=True) for s in order]
-        pick = to_retract(reqs, free, ps)
+        free, ps = self.pool.free_pages, self.pool.page_size
+        order: list[Sequence] = []
+        pick: list[int] = []
+        if sum(s.req.step_pages(ps) for s in self.running) > free:  # (sorted only when short of pages)
+            order = sorted(self.running, key=lambda s: s.admitted)
+            pick = to_retract([self._req(s, shared=True) for s in order], free, ps)  # frees unshared pages
         if not pick:
             self.ratio = self.policy.decayed(self.ratio)
             return []
