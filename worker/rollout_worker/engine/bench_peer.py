@@ -27,7 +27,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import Sampling
@@ -254,7 +254,7 @@ def hf_main(argv: list[str] | None = None) -> None:
     eos = model.generation_config.eos_token_id if a.eos else None
     t0 = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(  # type: ignore[misc]
+        out = cast(Any, model).generate(  # (typed differently across transformers' versions)
             input_ids=ids,
             attention_mask=mask,
             max_new_tokens=longest,
