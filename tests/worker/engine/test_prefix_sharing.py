@@ -1,6 +1,6 @@
 """Prefix sharing (the prefix cache): the samples of one prompt store and compute its pages once, a later
-request finds them, and no token changes (float64): in process on one replica, and across migrate and
-recompute on 4 real gloo ranks."""
+request finds them, and no token changes (float64): in process on one replica, and across every
+transition of 2 and 4 real gloo ranks, by migration and by recompute."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
+from rollout_worker.api.layout import Layout
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import Sampling
 from rollout_worker.engine.sequence import Sequence
@@ -90,7 +91,7 @@ def _groups(seed: int = 3) -> list[RequestSpec]:
         prompt = tuple(rng.randrange(512) for _ in range(rng.randint(9, 14)))
         for i in range(4):
             sampling = Sampling(temperature=0.9, top_p=0.95, seed=1000 + 10 * g + i)
-            specs.append(RequestSpec(f"g{g}-{i}", prompt, rng.randint(8, 40), sampling, ignore_eos=True))
+            specs.append(RequestSpec(f"g{g}-{i}", prompt, rng.randint(8, 60), sampling, ignore_eos=True))
     return specs
 
 
@@ -101,17 +102,39 @@ def unshared(tiny64: Path) -> dict[str, list[int]]:
     return tokens(static)
 
 
+# every directed transition between the layouts of 4 ranks, once each (an Euler circuit), and of 2 ranks
+EULER4 = ["2x2", "1x4", "4x1", "1x4", "2x2", "4x1"]
+CHAINS = [
+    ("4x1", EULER4, ["migrate"] * 6),
+    ("4x1", EULER4, ["recompute"] * 6),
+    ("2x1", ["1x2", "2x1"], ["migrate", "recompute"]),
+    ("2x1", ["1x2", "2x1"], ["recompute", "migrate"]),
+]
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize(
-    ("src", "triggers"),
-    [("4x1", ["10:2:migrate", "5:4:recompute"]), ("1x4", ["9:1:migrate"]), ("2x2", ["8:4:migrate"])],
+    ("src", "chain", "methods"),
+    CHAINS,
+    ids=["4-ranks-migrate", "4-ranks-recompute", "2-ranks-migrate-first", "2-ranks-recompute-first"],
 )
-def test_shared_prefixes_survive_migrate_and_recompute(
-    tiny64: Path, unshared: dict[str, list[int]], src: str, triggers: list[str]
+def test_shared_prefixes_survive_every_transition(
+    tiny64: Path, unshared: dict[str, list[int]], src: str, chain: list[str], methods: list[str]
 ) -> None:
-    res = run(tiny64, 4, src, triggers, specs=_groups(), page_size=4)
+    world = Layout.parse(src).world
+    at = range(15, 15 - 2 * len(chain), -2)  # a switch each time two more requests have finished
+    triggers = [f"{n}:{Layout.parse(lay).tp}:{m}" for n, lay, m in zip(at, chain, methods, strict=False)]
+    res = run(tiny64, world, src, triggers, specs=_groups(), page_size=4)
     assert tokens(res) == unshared
-    assert [e.outcome for e in res.reconfigs] == ["committed"] * len(triggers)
+    assert [(str(e.dst), e.method, e.outcome) for e in res.reconfigs] == [
+        (lay, m, "committed") for lay, m in zip(chain, methods, strict=True)
+    ]
+    for e in res.reconfigs:  # each switch carried requests mid-decode, sharing pages
+        assert e.requests_mid_decode > 0, e
+        if e.method == "migrate" and (str(e.src), str(e.dst)) != ("1x4", "2x2"):
+            assert e.kv_pages_moved > 0, e
+        if e.method == "recompute":
+            assert e.kv_tokens_recomputed > 0, e
     # the samples of each prompt ran on one replica and shared its pages: 3 of 4 found them cached
     cached = [o["cached_tokens"] for o in res.outputs]
     assert sum(c > 0 for c in cached) == 12, cached
