@@ -106,6 +106,11 @@ def test_bench_lossless_refuses_before_making_anything(
         (["--page-size", "17"], "--page-size: must be 1..16, got 17"),
         (["--kv-tokens", "300"], "--kv-tokens: the longest request (16 + 300 tokens) must fit the budget"),
         (["--runs", "0"], "--runs: must be >= 1, got 0"),
+        (["--samples", "0"], "--samples: must be 1 (no sharing part) or 2..--requests (64), got 0"),
+        (
+            ["--sharing-prompt-len", "1800"],
+            "--sharing-prompt-len: must be >= 1, and with the longest request",
+        ),
         (["--slab-tree", "{missing}"], "--slab-tree: "),
         (["--json", "{unwritable}"], "--json: "),
     ],
@@ -114,6 +119,25 @@ def test_bench_memory_refuses_before_making_anything(tmp_path: Path, flags: list
     fill = {"missing": str(tmp_path / "none"), "unwritable": unwritable("under-a-file", tmp_path)}
     flags = [f.format(**fill) for f in flags]
     err = refusal("bench", "memory", "--work", str(tmp_path / "work"), *flags)
+    assert err.startswith(message), err
+    assert not (tmp_path / "work").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--runs", "0"], "--runs: must be >= 1, got 0"),
+        (["--page-size", "0"], "--page-size: must be 1..16, got 0"),
+        (["--max-batch", "0"], "--max-batch: must be >= 1, got 0"),
+        (["--dtype", "float8"], "--dtype: must be one of "),
+        (["--json", "{unwritable}"], "--json: "),
+    ],
+)
+def test_bench_simulator_refuses_before_making_anything(
+    tmp_path: Path, flags: list[str], message: str
+) -> None:
+    flags = [f.format(unwritable=unwritable("under-a-file", tmp_path)) for f in flags]
+    err = refusal("bench", "simulator", "--work", str(tmp_path / "work"), *flags)
     assert err.startswith(message), err
     assert not (tmp_path / "work").exists()
 

@@ -45,7 +45,7 @@ def test_simulate_table_json_and_plot(tmp_path: Path, lengths: Path) -> None:
     )
     code, out, exc = invoke(*common, "--policies", "static:1,static:8,adaptive,oracle,free-switch,tail-bound")
     assert code == 0, (out, exc)
-    assert "lens.jsonl: 44 requests" in out and "admission engine" in out
+    assert "lens.jsonl: 44 requests" in out and "admission paged" in out
     for p in ("static:1", "static:8", "adaptive", "oracle", "free-switch", "tail-bound"):
         assert f"\n{p} " in out
     png = tmp_path / "t.png"
@@ -105,7 +105,7 @@ def test_bench_planner_small(tmp_path: Path, lengths: Path) -> None:
     d = json.loads(out.read_text())
     (m,) = d["models"]
     assert m["profile"] == "llama-3.1-8b-h100x8-modelled" and m["profile_method"] == "modelled"
-    assert m["admission"] == "engine" and m["decide"]["memory_model"] is True
+    assert m["admission"] == "paged" and m["decide"]["memory_model"] is True
     (w,) = m["workloads"]
     lat = w["latency_s"]
     assert w["workload"] == str(lengths)
@@ -116,7 +116,7 @@ def test_bench_planner_small(tmp_path: Path, lengths: Path) -> None:
     assert w["adaptive_vs_static_tp1"] == pytest.approx(lat["adaptive"] / lat["static:1"])
     assert m["decide"]["synchronous"]["decide_ms_p50"] > 0
     assert "decide() 8 ranks, 1,024 running (synchronous, memory model in)" in text
-    assert "Llama-3.1-8B (llama-3.1-8b-h100x8-modelled, modelled), 8 GPUs, admission engine" in text
+    assert "Llama-3.1-8B (llama-3.1-8b-h100x8-modelled, modelled), 8 GPUs, admission paged" in text
     assert {a["aim"] for a in d["aims"]} >= {"adaptive within 2% of the count-balanced oracle"}
     code, _, exc = invoke("bench", "planner", "--workload", "deepscaler-1k")
     assert code != 0 and isinstance(exc, UserError) and "deepscaler-1k" in str(exc)

@@ -26,6 +26,8 @@ def check_memory_args(
     kv_tokens: int,
     page_size: int,
     runs: int,
+    samples: int = 8,
+    sharing_prompt_len: int = 128,
 ) -> None:
     """Refuse a workload either engine could not run, naming the flag."""
     if requests < 2:
@@ -45,6 +47,16 @@ def check_memory_args(
         )
     if runs < 1:
         raise UserError(f"must be >= 1, got {runs}", "--runs")
+    if not (samples == 1 or 2 <= samples <= requests):
+        raise UserError(
+            f"must be 1 (no sharing part) or 2..--requests ({requests}), got {samples}", "--samples"
+        )
+    if sharing_prompt_len < 1 or sharing_prompt_len + longest_new > kv_tokens:
+        raise UserError(
+            f"must be >= 1, and with the longest request ({longest_new} new tokens) fit the budget "
+            f"({kv_tokens}), got {sharing_prompt_len}",
+            "--sharing-prompt-len",
+        )
 
 
 def bench_memory_cmd(
@@ -58,6 +70,10 @@ def bench_memory_cmd(
     ] = 2048,
     page_size: Annotated[int, typer.Option(help="Tokens per page of the paged engine.")] = 1,
     runs: Annotated[int, typer.Option(help="Runs (both engines each, alternating which goes first).")] = 3,
+    samples: Annotated[
+        int, typer.Option(help="Samples per prompt of the prefix-sharing part (1: leave it out).")
+    ] = 8,
+    sharing_prompt_len: Annotated[int, typer.Option(help="Prompt tokens of the prefix-sharing part.")] = 128,
     slab_commit: Annotated[
         str, typer.Option(help="The commit whose dense-slab engine is measured (git archive of its worker/).")
     ] = "5904b9b",
@@ -68,12 +84,15 @@ def bench_memory_cmd(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON here.")] = None,
 ) -> None:
     """KV utilisation in the bulk phase, the largest running batch and tokens/s of the dense slab (an
-    older commit's engine) and the paged engine, on one replica of the tiny model."""
+    older commit's engine) and the paged engine, on one replica of the tiny model; then prefix sharing:
+    the samples of each prompt with the prefix cache on and off (prompt tokens prefilled, time)."""
     from rollout_worker.engine.bench import ensure_model
     from rollout_worker.engine.bench_memory import run_memory_bench
     from rollout_worker.engine.bench_memory import slab_tree as extract
 
-    check_memory_args(requests, prompt_len, median_new, longest_new, kv_tokens, page_size, runs)
+    check_memory_args(
+        requests, prompt_len, median_new, longest_new, kv_tokens, page_size, runs, samples, sharing_prompt_len
+    )
     if slab_tree is not None and not (slab_tree / "rollout_worker" / "engine" / "driver.py").is_file():
         raise UserError(
             f"{slab_tree} has no rollout_worker/engine/driver.py (give a worker/ folder)", "--slab-tree"
@@ -98,4 +117,6 @@ def bench_memory_cmd(
         runs,
         json_out,
         typer.echo,
+        samples,
+        sharing_prompt_len,
     )

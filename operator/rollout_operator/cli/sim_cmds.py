@@ -1,4 +1,4 @@
-"""`rolloutctl simulate` (one pod, several policies) and `rolloutctl bench planner`."""
+"""`rolloutctl simulate` (one pod, several policies), `rolloutctl bench planner` and `bench simulator`."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rollout_worker.api.engine_settings import DTYPES
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.files import check_writable, save
 
-from rollout_operator.cli.args import bench_group
+from rollout_operator.cli.args import bench_group, needs_engine
 
 ADMISSION_HELP = (
     "KV admission: engine (reserve prompt + max_new_tokens), sglang (optimistic, preempts the newest) or "
@@ -43,6 +44,7 @@ def register(app: typer.Typer) -> None:
     app.command("simulate")(simulate_cmd)
     bench = bench_group(app)
     bench.command("planner")(bench_planner_cmd)
+    bench.command("simulator")(needs_engine(bench_simulator_cmd))
 
 
 def simulate_cmd(
@@ -64,7 +66,7 @@ def simulate_cmd(
     prior: Annotated[
         str, typer.Option(help="Lengths the adaptive predictor starts from: none | previous | a .jsonl.")
     ] = "previous",
-    admission: Annotated[str, typer.Option(help=ADMISSION_HELP)] = "engine",
+    admission: Annotated[str, typer.Option(help=ADMISSION_HELP)] = "paged",
     initial_layout: Annotated[
         str, typer.Option(help="Adaptive's first layout: auto (the planner picks), smallest, or DxT.")
     ] = "auto",
@@ -163,7 +165,7 @@ def bench_planner_cmd(
         list[str] | None,
         typer.Option(help="Named workload or .jsonl of real lengths, repeatable (default: every named one)."),
     ] = None,
-    admission: Annotated[str, typer.Option(help=ADMISSION_HELP)] = "engine",
+    admission: Annotated[str, typer.Option(help=ADMISSION_HELP)] = "paged",
     decide_calls: Annotated[int, typer.Option(help="decide() calls timed per snapshot.")] = 2000,
 ) -> None:
     """One table per model: static TP 1/2/4/8, adaptive, oracles and bounds per workload; decide() latency."""
@@ -190,3 +192,32 @@ def bench_planner_cmd(
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(result, indent=1) + "\n")
         typer.echo(f"wrote {json_out}")
+
+
+def bench_simulator_cmd(
+    runs: Annotated[int, typer.Option(help="Engine runs per workload (the median is reported).")] = 3,
+    page_size: Annotated[int, typer.Option(help="Tokens per page of the KV pool.")] = 4,
+    max_batch: Annotated[int, typer.Option(help="Running requests per replica.")] = 16,
+    dtype: Annotated[str, typer.Option(help=f"One of {', '.join(DTYPES)}.")] = "float32",
+    work: Annotated[Path, typer.Option(help="Where the tiny model is kept.")] = Path("build/bench-simulator"),
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
+) -> None:
+    """The simulator against the engine: three small long-tailed workloads on one replica of the tiny model
+    (a pool tight enough to retract), and the simulator fed that engine's measured profile; retractions and
+    generation seconds side by side."""
+    from rollout_profiler.agreement import CASES, run_agreement_bench
+    from rollout_worker.engine.bench import ensure_model
+
+    if runs < 1:
+        raise UserError(f"must be >= 1, got {runs}", "--runs")
+    if not 1 <= page_size <= 16:
+        raise UserError(f"must be 1..16, got {page_size}", "--page-size")
+    if max_batch < 1:
+        raise UserError(f"must be >= 1, got {max_batch}", "--max-batch")
+    if dtype not in DTYPES:
+        raise UserError(f"must be one of {', '.join(DTYPES)}, got {dtype!r}", "--dtype")
+    if json_out is not None:
+        check_writable(json_out, "--json")
+    work.mkdir(parents=True, exist_ok=True)
+    model = ensure_model("tiny", work, dtype)
+    run_agreement_bench(model, CASES, page_size, max_batch, runs, dtype, json_out, typer.echo)

@@ -93,7 +93,7 @@ class PlannerPolicy:
     max_batch_per_replica: int | None = None
     chunks: int = 32
     kv_tokens_per_replica: tuple[tuple[int, int], ...] = ()  # (TP size, KV tokens); absent: unlimited
-    admission: str = "engine"  # one of ADMISSIONS
+    admission: str = "paged"  # one of ADMISSIONS
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -152,7 +152,7 @@ def run(
     profiles: list[Profile] | None = None,
     workloads: tuple[str, ...] | list[str] = WORKLOADS,
     runs: int = 3,
-    admission: str = "engine",
+    admission: str = "paged",
     decide_calls: int = 2000,
 ) -> dict[str, Any]:
     models = []

@@ -19,7 +19,7 @@ from rollout_profiler.profile import KVCapacity
 @dataclass(frozen=True, slots=True)
 class SimConfig:
     gpus: int
-    admission: str = "engine"
+    admission: str = "paged"
     decide_every_ms: float = 500.0
     max_batch_per_replica: int | None = None
     max_segment: int = 256
@@ -59,7 +59,7 @@ class SimResult:
     reconfigs: list[ReconfigEvent]
     timeline: list[tuple[float, int, int]]  # (time s, unfinished requests, TP)
     detail: str = ""
-    admission: str = "engine"
+    admission: str = "paged"
     preemptions: int = 0
     recomputed_tokens: int = 0
     marks: dict[int, float] = field(default_factory=dict)  # unfinished <= n first at ms (oracle)

@@ -18,8 +18,10 @@ queue never skips its head (first come, first served):
   its cached tokens; admission is optimistic (running requests charged their remaining tokens times the
   new-token ratio, which decays every decode step and is raised after a retraction); when the next step
   cannot get its pages, the requests that decoded fewest tokens are retracted to the head of the queue and
-  later re-prefilled as under ``sglang``. Tokens are counted as the engine counts them: a running request
-  caches its prompt and all but its last generated token.
+  later re-prefilled. Each round of admissions is one prefill step, as in the engine: its tokens (fresh
+  prompts and re-prefills) at the prefill rate, and never less than a decode step of as many rows; it
+  samples each fresh request's first token. Tokens are counted as the engine counts them: a running
+  request caches its prompt and all but its last generated token.
 
 :func:`balance` places requests over replicas: by work, longest first, each on the replica with the least
 work so far (then the fewest requests); with equal work it deals them by count in index order, which is
@@ -28,11 +30,19 @@ how requests are dispatched on arrival (the replica with the fewest unfinished r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 from rollout_worker.api.engine_settings import DEFAULTS
-from rollout_worker.api.kv_schedule import SGLANG_RATIO, Req, admit, ratio_after_retraction, to_retract
+from rollout_worker.api.kv_schedule import (
+    CLIP_MAX_NEW_TOKENS,
+    SGLANG_RATIO,
+    Req,
+    admit_counts,
+    ratio_after_retraction,
+    to_retract,
+)
 from rollout_worker.api.pages import pages_for
 
 WAITING, RUNNING, DONE = 0, 1, 2
@@ -106,8 +116,10 @@ class Admission:
         prefill_per_ms: float,
         replicas: int = 1,
         page_size: int = 1,
+        step_ms: Callable[[int, float], float] | None = None,
     ) -> None:
         self.policy = policy
+        self.step_ms = step_ms  # ``paged``: a replica's decode step at (batch, context), a prefill's floor
         self.max_batch = _NO_LIMIT if max_batch is None else max_batch
         self.tokens, self.prefill_per_ms = tokens, prefill_per_ms
         self.page_size = page_size
@@ -116,25 +128,48 @@ class Admission:
         self._retracted = [False] * replicas  # ``paged``: the next step follows a retraction (no decay)
 
     # -- paged: the engine's functions on the engine's counts -------------------------------------------
+    # The arrays give at once what the engine's ``Req`` objects give one by one: ``kv`` is ``Req.kv_len``,
+    # ``held`` the pages of a running request (``pages_for(kv_len)``), and the scheduler's functions
+    # (``admit_counts``, ``to_retract``) decide. Objects are built only where a decision needs them.
     def _reqs(self, req: Requests, idx: np.ndarray, running: bool) -> list[Req]:
-        out = []
-        for i in idx:
-            r = Req(int(req.prompt[i]), int(req.gen[i]), int(req.cap[i]))
-            out.append(replace(r, pages=pages_for(r.kv_len, self.page_size)) if running else r)
+        ps, out = self.page_size, []
+        for p, g, c in zip(
+            req.prompt[idx].tolist(), req.gen[idx].tolist(), req.cap[idx].tolist(), strict=True
+        ):
+            out.append(Req(p, g, c, pages_for(p + max(g - 1, 0), ps) if running else 0))
         return out
 
-    def _free_pages(self, reqs: list[Req]) -> int:
-        return self.pages - sum(r.pages for r in reqs)
+    @staticmethod
+    def _waiting(req: Requests, queue: np.ndarray) -> Iterator[Req]:
+        for p, g, c in zip(
+            req.prompt[queue].tolist(), req.gen[queue].tolist(), req.cap[queue].tolist(), strict=True
+        ):
+            yield Req(p, g, c)
+
+    def _kv(self, req: Requests, run: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each running request's cached tokens (``Req.kv_len``) and the pages holding them."""
+        kv = req.prompt[run] + np.maximum(req.gen[run] - 1, 0)
+        return kv, np.ceil(kv / self.page_size)
 
     def _admit_paged(self, req: Requests, r: int, queue: np.ndarray, run: np.ndarray) -> int:
-        running = self._reqs(req, run, True)
-        free = self._free_pages(running)
+        _, held = self._kv(req, run)
+        free = self.pages - int(held.sum())
         room = min(self.max_batch - run.size, queue.size, free + 1)  # each admitted takes a page or more
         if room <= 0:
             return 0
-        waiting = self._reqs(req, queue[:room], False)
-        ps = self.page_size
-        return admit(running, waiting, free, ps, self.ratio[r], self.max_batch, DEFAULTS.max_prefill_tokens)
+        left = np.minimum(
+            np.maximum(req.cap[run] - req.gen[run], 0), CLIP_MAX_NEW_TOKENS
+        )  # clipped_remaining
+        return admit_counts(
+            int(run.size),
+            int(left.sum()),
+            self._waiting(req, queue[:room]),
+            free,
+            self.page_size,
+            self.ratio[r],
+            self.max_batch,
+            DEFAULTS.max_prefill_tokens,
+        )
 
     def stepped(self, r: int, steps: int) -> None:
         """``steps`` decode steps of replica ``r`` retracted nothing: its ratio decays as the engine's."""
@@ -173,9 +208,19 @@ class Admission:
                 k = queue.size if fits.all() else int(np.argmin(fits))  # first come, first served
             if k == 0:
                 return stall
-            stall += self._start(req, queue[:k])
             if self.policy != "paged":
-                return stall
+                return stall + self._start(req, queue[:k])
+            stall += self._prefill_ms(req, queue[:k])
+            self._start(req, queue[:k])
+
+    def _prefill_ms(self, req: Requests, new: np.ndarray) -> float:
+        """``paged``: one prefill step of ``new`` (the engine prefills each round of admissions in one
+        forward): its tokens at the prefill rate, and never less than a decode step of as many rows."""
+        kv = req.prompt[new] + np.maximum(req.gen[new] - 1, 0)  # what a (re-)prefill computes: Req.kv_len
+        ms = float(kv.sum()) / max(self.prefill_per_ms, 1e-12)
+        if self.step_ms is not None:
+            ms = max(ms, self.step_ms(int(new.size), float(kv.mean())))
+        return ms
 
     def _start(self, req: Requests, new: np.ndarray) -> float:
         """``new`` run; returns the ms of re-prefilling those that had generated tokens before."""
@@ -214,9 +259,12 @@ class Admission:
         return np.sort(order[drop:])
 
     def _retract_paged(self, req: Requests, r: int, run: np.ndarray) -> np.ndarray:
+        kv, held = self._kv(req, run)
+        if _pages_for_steps(kv, held, 1, self.page_size) <= self.pages - float(held.sum()):
+            return run  # the next step gets its pages: to_retract would retract nothing
         order = run[np.argsort(req.seq[run], kind="stable")]  # admission order: the engine's tie-break
         running = self._reqs(req, order, True)
-        pick = to_retract(running, self._free_pages(running), self.page_size)
+        pick = to_retract(running, self.pages - sum(q.pages for q in running), self.page_size)
         if not pick:
             return run
         out = order[pick]
@@ -252,21 +300,57 @@ class Admission:
         if self.policy == "engine" or not np.isfinite(self.tokens):
             return _NO_LIMIT
         if self.policy == "paged":
-            if req.on(int(req.rep[run[0]]), WAITING).size:  # the engine tries to admit at every step
-                return 1
-            return self._steps_with_pages(req, run)
+            r = int(req.rep[run[0]])
+            queue = req.on(r, WAITING)
+            steps = self._steps_with_pages(req, run)
+            if queue.size:  # the engine tries to admit at every step: the segment ends where it might
+                steps = min(steps, self._steps_admitting_none(req, r, run, queue))
+            return steps
         used = float((req.prompt[run] + req.gen[run]).sum())
         return max(1, int((self.tokens - used) // run.size))
 
+    def _steps_admitting_none(self, req: Requests, r: int, run: np.ndarray, queue: np.ndarray) -> int:
+        """Decode steps from now during which :func:`admit_counts` provably admits nothing (at least 1), so
+        the simulation need not ask it at every step. While the batch is constant the free pages only
+        shrink and what the running requests may still take, ``ratio x clipped_remaining``, shrinks by at
+        most ``batch x ratio + decay x remaining`` per step; the head of the queue is admitted only when its
+        pages, growth and a page of slack fit under that (``admit_counts``), so no step before the bound
+        first allows it can admit."""
+        if run.size >= self.max_batch:
+            return _NO_LIMIT  # nothing is admitted before a request finishes (the segment's end)
+        head = queue[np.argmin(req.qkey[queue])]
+        w, ps = Req(int(req.prompt[head]), int(req.gen[head]), int(req.cap[head])), self.page_size
+        need = pages_for(w.kv_len, ps) * ps + min(w.remaining, CLIP_MAX_NEW_TOKENS) + ps
+        _, held = self._kv(req, run)
+        room = (self.pages - float(held.sum())) * ps
+        left = float(np.minimum(np.maximum(req.cap[run] - req.gen[run], 0), CLIP_MAX_NEW_TOKENS).sum())
+        step = (SGLANG_RATIO.init - SGLANG_RATIO.floor) / SGLANG_RATIO.decay_steps
+        ratio, batch = self.ratio[r], float(run.size)
+
+        def may_admit(k: int) -> bool:  # an upper bound of admit_counts' room after k steps exceeds need
+            low_ratio = max(ratio - k * step - 1e-9, SGLANG_RATIO.floor - 1e-9)
+            return room - low_ratio * max(left - batch * k, 0.0) > need
+
+        if may_admit(1):
+            return 1
+        hi = 2
+        while not may_admit(hi):
+            if hi >= _NO_LIMIT:
+                return _NO_LIMIT
+            hi *= 2
+        lo = hi // 2  # not may_admit(lo), may_admit(hi): the bound is monotone in k
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if may_admit(mid) else (mid, hi)
+        return hi
+
     def _steps_with_pages(self, req: Requests, run: np.ndarray) -> int:
         """The most decode steps whose pages the free pages cover (at least 1: make_room made room)."""
-        ps = self.page_size
-        kv = req.prompt[run] + np.maximum(req.gen[run] - 1, 0)  # Req.kv_len
-        held = np.ceil(kv / ps)
+        kv, held = self._kv(req, run)
         free = self.pages - float(held.sum())
 
-        def need(n: int) -> float:  # pages that n more steps take (step k writes position kv + k - 1)
-            return float((np.ceil((kv + n) / ps) - held).sum())
+        def need(n: int) -> float:
+            return _pages_for_steps(kv, held, n, self.page_size)
 
         hi = 1
         while hi < _NO_LIMIT and need(2 * hi) <= free:
@@ -276,3 +360,9 @@ class Admission:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if need(mid) <= free else (lo, mid)
         return lo
+
+
+def _pages_for_steps(kv: np.ndarray, held: np.ndarray, n: int, page_size: int) -> float:
+    """Pages that ``n`` more decode steps take beyond those ``held`` by requests of ``kv`` cached tokens
+    (step k writes position kv + k - 1; ``n`` = 1: the sum of their ``Req.step_pages``)."""
+    return float((np.ceil((kv + n) / page_size) - held).sum())

@@ -21,7 +21,8 @@ result: ``engine`` (a request is admitted when a slot is free and its prompt + m
 tokens not yet reserved; nothing is ever preempted) and ``sglang`` (admitted when its current tokens fit
 what is used now; when the next step does not fit, the newest request is preempted and later re-prefilled,
 its prompt + generated tokens at the replica's prefill rate). Prefill of the prompts themselves is not
-modelled (the same work for every layout).
+modelled (the same work for every layout), except under ``paged``, which follows the engine step by step
+(:mod:`rollout_profiler.sim.memory`).
 
 Controllers decide switches: by wall clock (``next_time`` / ``on_time``, the planner) or when requests
 finish (``on_finish``: a pushed plan's triggers, schedules replayed from triggers "when unfinished <= n").
@@ -172,6 +173,7 @@ class Simulator:
             rate,
             layout.replicas,
             cfg.page_size,
+            lambda batch, ctx: self.model.step_ms(layout, float(batch), ctx),
         )
 
     # --- one run ------------------------------------------------------------------------------------

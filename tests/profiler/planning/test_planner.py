@@ -209,10 +209,12 @@ def test_kv_capacity_and_admission_price_waiting() -> None:
     snap = snapshot(L81, [5000] * 64)
     assert run(snap).target == L42  # no memory limit: 4x2
     tokens = ((2, 40_800),)
-    kept = run(snap, kv_tokens_per_replica=tokens)  # engine: 2 turns of batch 8: 2 x 7.2 ms > 10.8 ms
-    assert kept.action == "keep"
-    # sglang admits by tokens in use: 16 fit while contexts are short, so 4x2 pays for most of the run
+    kept = run(snap, kv_tokens_per_replica=tokens, admission="engine")  # 2 turns of batch 8: 2 x 7.2 ms
+    assert kept.action == "keep"  # > 10.8 ms
+    # sglang and paged (the default) admit by tokens in use: 16 fit while contexts are short, so 4x2 pays
+    # for most of the run
     assert run(snap, kv_tokens_per_replica=tokens, admission="sglang").target == L42
+    assert run(snap, kv_tokens_per_replica=tokens).target == L42
 
 
 def test_busiest_replica_drifts_after_a_balanced_switch() -> None:
@@ -229,5 +231,5 @@ def test_choose_start_layout() -> None:
     pred = fit(np.zeros(0), np.zeros(64), np.full(64, 5000.0))
     model = LatencyModel(profile())
     assert choose_start(model, waiting, PlannerPolicy(ALL), pred) == L42
-    limited = PlannerPolicy(ALL, kv_tokens_per_replica=((2, 40_800),))
-    assert choose_start(model, waiting, limited, pred) == L81
+    limited = PlannerPolicy(ALL, kv_tokens_per_replica=((2, 40_800),), admission="engine")
+    assert choose_start(model, waiting, limited, pred) == L81  # reserving prompt + max_new_tokens

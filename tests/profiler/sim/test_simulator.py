@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from rollout_profiler.planning.predictor import Prior
 from rollout_profiler.profile import CostModel, KVCapacity, ModelShape, Profile, StepPoint
 from rollout_profiler.profiling import modelled
 from rollout_profiler.sim.config import SimConfig, SimResult, Switch
-from rollout_profiler.sim.memory import DONE
+from rollout_profiler.sim.memory import DONE, Admission
 from rollout_profiler.sim.oracle import oracle
 from rollout_profiler.sim.policies import AdaptiveController, ScheduleController, run_adaptive
 from rollout_profiler.sim.run import parse_policies, simulate
@@ -48,7 +49,9 @@ def workload(lengths: list[int], prompt: int = 10, cap: int | None = None) -> Wo
 def test_static_replicas_step_independently() -> None:
     """2x1, requests dealt 0, 1, 0, 1: replica 0 holds lengths 4 and 1, replica 1 lengths 2 and 2."""
     sim = Simulator(
-        LatencyModel(profile({1: (10.0, 5.0), 2: (6.0, 3.0)})), workload([4, 2, 1, 2]), SimConfig(2)
+        LatencyModel(profile({1: (10.0, 5.0), 2: (6.0, 3.0)})),
+        workload([4, 2, 1, 2]),
+        SimConfig(2, admission="engine"),
     )
     r = sim.run(Layout(2, 1), name="static:1")
     # replica 0: batch 2 (20 ms), then batch 1 for 3 steps (15 ms each) = 65 ms; replica 1: 2 x 20 = 40 ms.
@@ -65,16 +68,18 @@ def test_admission_by_kv_memory_changes_the_result() -> None:
     policy, so two run at a time instead of four."""
     lines = {1: (10.0, 5.0), 2: (6.0, 3.0)}
     wl = workload([5, 5, 5, 5], prompt=10, cap=20)
-    free = Simulator(LatencyModel(profile(lines)), wl, SimConfig(2)).run(Layout(1, 2), name="x")
+    free = Simulator(LatencyModel(profile(lines)), wl, SimConfig(2, admission="engine")).run(
+        Layout(1, 2), name="x"
+    )
     assert free.latency_s == pytest.approx(5 * 18 / 1e3)  # batch 4: 6 + 12 ms, 5 steps
-    limited = Simulator(LatencyModel(profile(lines, {1: 30, 2: 60})), wl, SimConfig(2))
+    limited = Simulator(LatencyModel(profile(lines, {1: 30, 2: 60})), wl, SimConfig(2, admission="engine"))
     r = limited.run(Layout(1, 2), name="x")
     assert r.latency_s == pytest.approx(2 * 5 * 12 / 1e3) and r.preemptions == 0  # two waves of batch 2
     # 2x1: 30 tokens per replica, one request at a time on each: 2 x 5 steps of 15 ms
     assert limited.run(Layout(2, 1), name="x").latency_s == pytest.approx(0.150)
-    assert Simulator(LatencyModel(profile(lines, {1: 30, 2: 60})), wl, SimConfig(2, memory=False)).run(
-        Layout(1, 2), name="x"
-    ).latency_s == pytest.approx(free.latency_s)
+    assert Simulator(
+        LatencyModel(profile(lines, {1: 30, 2: 60})), wl, SimConfig(2, admission="engine", memory=False)
+    ).run(Layout(1, 2), name="x").latency_s == pytest.approx(free.latency_s)
 
 
 def test_sglang_preempts_the_newest_and_pays_its_recompute() -> None:
@@ -90,14 +95,29 @@ def test_sglang_preempts_the_newest_and_pays_its_recompute() -> None:
     assert r.preemptions == 1 and r.recomputed_tokens == 12
     assert r.latency_s == pytest.approx((2 * 18 + 3 * 15 + 12 / 100 + 3 * 9) / 1e3)
     assert r.admission == "sglang"
-    engine = Simulator(LatencyModel(prof), workload([5, 5, 5, 5], prompt=10, cap=5), SimConfig(2))
+    engine = Simulator(
+        LatencyModel(prof), workload([5, 5, 5, 5], prompt=10, cap=5), SimConfig(2, admission="engine")
+    )
     e = engine.run(Layout(1, 2), name="x")  # reserves 15 each: 3 run, then 1
     assert e.preemptions == 0 and e.latency_s == pytest.approx((5 * 15 + 5 * 9) / 1e3)
 
 
+def test_paged_pays_a_prefill_step_per_round_of_admissions() -> None:
+    """``paged`` follows the engine step by step: at most 2 running, 4 requests of prompt 10 and 5 tokens.
+    Each round of 2 is one prefill (20 tokens at 100 tokens/ms = 0.2 ms, but never less than a decode step
+    of 2 rows, 12 ms), which samples the first token; then 4 decode steps of batch 2 (12 ms each)."""
+    prof = profile({1: (10.0, 5.0), 2: (6.0, 3.0)}, {1: 500, 2: 1000})
+    cfg = SimConfig(2, admission="paged", max_batch_per_replica=2, page_size=4)
+    r = Simulator(LatencyModel(prof), workload([5, 5, 5, 5], prompt=10, cap=5), cfg).run(
+        Layout(1, 2), name="x"
+    )
+    assert r.preemptions == 0
+    assert r.latency_s == pytest.approx(2 * (12 + 4 * 12) / 1e3)
+
+
 def test_switch_when_two_are_left_pays_its_cost_and_free_switches_shift_the_run() -> None:
     lines = {1: (10.0, 1.0), 2: (6.0, 1.0)}
-    sim = Simulator(LatencyModel(profile(lines)), workload([1, 2, 3, 5]), SimConfig(2))
+    sim = Simulator(LatencyModel(profile(lines)), workload([1, 2, 3, 5]), SimConfig(2, admission="engine"))
     ctl = ScheduleController([(2, Layout(1, 2))])
     r = sim.run(Layout(2, 1), name="s", controller=ctl)
     # replica 0: [1, 3], replica 1: [2, 5]. At 24 ms replica 1 finishes its 2-token request (2 left);
@@ -241,7 +261,7 @@ def test_the_adaptive_controller_runs_the_operators_tick_a_new_wave_shrinks() ->
     runs four at a time. A controller that called the planner directly never shrank."""
     prof = profile({1: (10.0, 5.0), 2: (6.0, 3.0)})
     wl = workload([50] * 16, cap=50)
-    cfg = SimConfig(2, max_batch_per_replica=2, initial_layout="1x2")
+    cfg = SimConfig(2, admission="engine", max_batch_per_replica=2, initial_layout="1x2")
     sim = Simulator(LatencyModel(prof), wl, cfg)
     assert not sim.policy().allow_shrink
     r = run_adaptive(sim)
@@ -256,7 +276,7 @@ def test_the_cooldown_runs_from_the_commit_of_a_switch() -> None:
     be over before the switch ends)."""
     costs = replace(COSTS, graph_capture_ms=100.0)
     prof = replace(profile({1: (10.0, 5.0), 2: (6.0, 3.0)}), costs=costs)
-    sim = Simulator(LatencyModel(prof), workload([400, 400]), SimConfig(2))
+    sim = Simulator(LatencyModel(prof), workload([400, 400]), SimConfig(2, admission="engine"))
     ctl = AdaptiveController(replace(sim.policy(), cooldown_s=0.045), None, 10.0)
     r = sim.run(Layout(2, 1), name="adaptive", controller=ctl)
     (ev,) = r.reconfigs
@@ -276,3 +296,31 @@ def test_the_pod_state_reports_each_finished_length_once() -> None:
     assert 0 < len(ctl.memory.lengths) < len(lengths)
     assert sorted(ctl.memory.lengths + last.finished.lengths) == sorted(lengths)
     assert last.finished.total == len(lengths) and not any(r.running or r.waiting for r in last.replicas)
+
+
+def test_paged_skips_only_steps_that_admit_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While requests wait, ``paged`` asks the engine's admission only from the step where a bound says it
+    might admit: the run is the one that asks at every step (same retractions, same time but for how
+    segments split the step latency's context). The case admits between completions too: asking only when
+    a request finishes gives another run."""
+    prof = profile({1: (10.0, 5.0), 2: (6.0, 3.0)}, {1: 300, 2: 600})
+    lengths = np.clip(np.round(np.random.default_rng(5).lognormal(np.log(30), 1.0, 64)), 2, 200).astype(int)
+    wl = Workload("tail", lengths, np.full(64, 12), lengths)  # max_new_tokens = length, as the engine's tests
+    cfg = SimConfig(2, admission="paged", max_batch_per_replica=16, page_size=4)
+    real = Admission._steps_admitting_none
+
+    def run(steps: Any) -> SimResult:
+        monkeypatch.setattr(Admission, "_steps_admitting_none", steps)
+        return Simulator(LatencyModel(prof), wl, cfg).run(Layout(2, 1), name="x")
+
+    skipped: list[int] = []
+
+    def bound(self: Admission, *args: Any) -> int:
+        skipped.append(real(self, *args))
+        return skipped[-1]
+
+    fast, every, at_ends = run(bound), run(lambda *_: 1), run(lambda *_: 1 << 40)
+    assert max(skipped) > 1, "the bound never skipped a step: the case does not test it"
+    assert fast.preemptions == every.preemptions
+    assert fast.latency_s == pytest.approx(every.latency_s, rel=1e-9)
+    assert at_ends.latency_s != pytest.approx(every.latency_s, rel=1e-6)

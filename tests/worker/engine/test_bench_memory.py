@@ -7,6 +7,7 @@ import statistics
 from typing import Any
 
 import pytest
+from rollout_worker.engine import bench_sharing
 from rollout_worker.engine.bench_memory import combine, requests, summarise, table, tail_lengths
 
 
@@ -135,3 +136,33 @@ def test_table_lists_every_engine_and_the_ratios() -> None:
     assert rows["tokens/s, whole set"].endswith("| 100.0 | 200.0 | 200.0 | 2.00x | 2.00x |")
     assert rows["retractions"].endswith("| 0 | 0 | 0 |  |  |")
     assert rows["decode steps, whole set (load-independent)"].endswith("| 300 | 300 | 300 |  |  |")
+
+
+def test_grouped_requests_send_the_samples_of_a_prompt_together() -> None:
+    reqs = bench_sharing.grouped_requests([5, 6, 7, 8, 9, 10, 11], prompt_len=4, samples=3, vocab=512)
+    assert [r["id"] for r in reqs] == ["p0-0", "p0-1", "p0-2", "p1-0", "p1-1", "p1-2"]  # 7 // 3 prompts
+    assert [r["max_new_tokens"] for r in reqs] == [5, 6, 7, 8, 9, 10]
+    assert reqs[0]["input_ids"] == reqs[2]["input_ids"] != reqs[3]["input_ids"]
+    assert len({r["sampling"]["seed"] for r in reqs}) == 6  # the samples differ
+
+
+def test_sharing_summary_ratios_and_table() -> None:
+    """Prompt tokens prefilled are summed over prefill steps; ratios on / off are per run, then the median."""
+
+    def result(prefilled: list[int], gen_s: float) -> dict[str, Any]:
+        steps = [{**_step("prefill", 8, 0, 0, 64, 8), "prefill_tokens": n, "ms": 2.0} for n in prefilled]
+        steps.append({**_step("decode", 8, 0, 0, 64, 8), "prefill_tokens": 0})
+        return {"gen_s": gen_s, "tokens": {"a": 40}, "steps": steps}
+
+    on, off = (
+        bench_sharing.summarise(result([128, 7, 7], 2.0)),
+        bench_sharing.summarise(result([128] * 3, 4.0)),
+    )
+    assert (on["prefill_tokens"], on["prefill_ms"], on["tokens_per_s"]) == (142, 6.0, 20.0)
+    slow = {"shared": {**on, "gen_s": 9.0}, "unshared": {**off, "gen_s": 12.0}}
+    out = bench_sharing.combine([{"shared": on, "unshared": off}, slow, {"shared": on, "unshared": off}])
+    assert out["ratios"]["prefill_tokens"] == pytest.approx(142 / 384)
+    assert out["ratios"]["gen_s"] == 0.5 and out["median"]["unshared"]["gen_s"] == 4.0
+    lines = bench_sharing.table({"runs": 3, **out}, prompts=8, samples=8, prompt_len=128)
+    assert lines[0].startswith("8 prompts of 128 tokens x 8 samples")
+    assert "| prompt tokens prefilled | 142 | 384 | 0.370x |" in lines

@@ -21,7 +21,7 @@ longest-decoded request is retracted last (it is also the nearest to finishing a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from rollout_worker.api.pages import pages_for
@@ -80,13 +80,14 @@ class Req:
         return max(pages_for(self.kv_len + 1, page_size) - self.pages, 0)
 
 
-def _estimate(r: Req, ratio: float) -> float:
-    return min(r.remaining, CLIP_MAX_NEW_TOKENS) * ratio
+def clipped_remaining(running: Iterable[Req]) -> int:
+    """The tokens the running requests may still take, each clipped at ``CLIP_MAX_NEW_TOKENS``."""
+    return sum(min(r.remaining, CLIP_MAX_NEW_TOKENS) for r in running)
 
 
 def admit(
     running: Sequence[Req],
-    waiting: Sequence[Req],
+    waiting: Iterable[Req],
     free_pages: int,
     page_size: int,
     ratio: float,
@@ -95,10 +96,34 @@ def admit(
 ) -> int:
     """How many requests from the head of ``waiting`` to prefill now (in order; admission stops at the
     first that does not fit, so the queue is served first come, first served)."""
-    rem = free_pages * page_size - sum(_estimate(r, ratio) for r in running)
+    return admit_counts(
+        len(running),
+        clipped_remaining(running),
+        waiting,
+        free_pages,
+        page_size,
+        ratio,
+        max_batch,
+        max_prefill_tokens,
+    )
+
+
+def admit_counts(
+    n_running: int,
+    running_clipped: int,
+    waiting: Iterable[Req],
+    free_pages: int,
+    page_size: int,
+    ratio: float,
+    max_batch: int,
+    max_prefill_tokens: int,
+) -> int:
+    """:func:`admit` given only the number of running requests and their :func:`clipped_remaining` (what a
+    simulator holding arrays computes at once). ``waiting`` is read lazily, only as far as admission goes."""
+    rem = free_pages * page_size - running_clipped * ratio
     free, n, prefill = free_pages, 0, 0
     for w in waiting:
-        if len(running) + n >= max_batch:
+        if n_running + n >= max_batch:
             break
         fill = w.kv_len - w.cached  # the tokens its prefill computes
         if n and prefill + fill > max_prefill_tokens:
@@ -107,7 +132,7 @@ def admit(
         now = pages_for(w.kv_len, page_size) - cached_pages  # the pages it takes
         first = pages_for(w.kv_len + (1 if w.remaining else 0), page_size) - cached_pages  # and 1st decode
         grow = min(w.remaining, CLIP_MAX_NEW_TOKENS)
-        alone = not running and n == 0  # an idle replica takes its first request whenever it can step
+        alone = not n_running and n == 0  # an idle replica takes its first request whenever it can step
         if first > free or (not alone and now * page_size + grow + page_size >= rem):
             break
         rem -= now * page_size + grow

@@ -79,6 +79,8 @@ class BatchResult:
     reconfigs: list[ReconfigEvent]
     wall_s: float  # the whole call: ranks started, weights loaded, generation, shutdown
     gen_s: float = 0.0  # first request submitted -> last request finished
+    prefill_ms: list[float] = field(default_factory=list)  # every prefill step of every replica
+    retractions: int = 0  # requests retracted for want of KV pages
 
     def tokens(self) -> dict[str, list[int]]:
         """Each request's output ids, by request id."""
@@ -132,10 +134,16 @@ def run_batch(
 
     col = Collector([s.id for s in specs], on_finish=next_one if concurrency else None)
     step_ms: list[float] = []
+    prefill_ms: list[float] = []
+    retractions = 0
 
     def on_report(r: StepReport) -> None:
+        nonlocal retractions
         if r.kind == "decode":
             step_ms.append(r.ms)
+        elif r.kind == "prefill":
+            prefill_ms.append(r.ms)
+        retractions += r.retractions
 
     t0 = time.perf_counter()
     observer = Observer(on_report=on_report, on_switch=on_reconfig)
@@ -163,4 +171,6 @@ def run_batch(
     finally:
         engine.shutdown()
     outputs = [_row(s, col.outs[s.id]) for s in specs]
-    return BatchResult(outputs, steps, step_ms, events, time.perf_counter() - t0, gen_s)
+    return BatchResult(
+        outputs, steps, step_ms, events, time.perf_counter() - t0, gen_s, prefill_ms, retractions
+    )

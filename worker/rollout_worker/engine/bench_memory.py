@@ -39,6 +39,7 @@ from statistics import NormalDist
 from typing import Any
 
 from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.engine import bench_sharing
 
 Echo = Callable[[str], Any]
 SLAB_COMMIT = "5904b9b"  # the last commit with the dense slab
@@ -215,7 +216,11 @@ def run_memory_bench(
     runs: int,
     json_out: Path | None,
     echo: Echo,
+    samples: int = 8,
+    sharing_prompt_len: int = 128,
 ) -> dict[str, Any]:
+    """The three engines (module docstring), then with ``samples`` > 1 prefix sharing on this tree
+    (:mod:`rollout_worker.engine.bench_sharing`) on prompts of ``sharing_prompt_len`` tokens."""
     cfg = ModelConfig.load(model)
     lens = tail_lengths(n, median_new, longest_new)
     reqs = requests(lens, prompt_len, cfg.vocab_size)
@@ -241,6 +246,20 @@ def run_memory_bench(
                     budgets["paged_at_slab"] = got[e]["peak_allocated_tokens"]
             per_run.append(got)
             echo(f"run {i + 1}/{runs}: " + "; ".join(_line(e, got[e]) for e in ENGINES))
+        sharing = None
+        if samples > 1:
+            grouped = bench_sharing.grouped_requests(lens, sharing_prompt_len, samples, cfg.vocab_size)
+
+            def probe(spec: dict[str, Any], label: str) -> dict[str, Any]:
+                scratch = Path(tmp) / label
+                scratch.mkdir()
+                return run_probe(paged_tree, spec, scratch)
+
+            share_base = {
+                **base,
+                "settings": {**settings, "page_size": page_size, "kv_budget_tokens": budget},
+            }
+            sharing = bench_sharing.run_sharing(grouped, share_base, runs, probe, echo)
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # float32 K and V
     report: dict[str, Any] = {
         "benchmark": "memory",
@@ -262,10 +281,15 @@ def run_memory_bench(
         "runs": runs,
         "per_run": per_run,
         **combine(per_run),
+        "sharing": sharing,
     }
     echo("")
     for line in table(report):
         echo(line)
+    if sharing is not None:
+        echo("")
+        for line in bench_sharing.table(sharing, len(lens) // samples, samples, sharing_prompt_len):
+            echo(line)
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(report, indent=1) + "\n")

@@ -1,10 +1,11 @@
 """One run of ``rolloutctl bench memory``, in its own process, against whichever engine tree is first on
 ``PYTHONPATH``: the paged engine of this tree or the dense slab of an older commit. It uses only what both
 trees have (``EngineConfig.load``, ``Engine`` with an ``Observer``, ``Collector``, the ``StepReport`` fields
-``running``, ``waiting``, ``kv_tokens``, ``kv_capacity``); the paged engine's ``kv_paged`` and
-``retractions`` are read when present. The benchmark copies this file alone into a scratch folder and runs
-it as ``python -m bench_memory_probe SPEC OUT`` (SPEC: model, settings, requests; OUT: the step reports and
-the generation time), so the same measuring code runs against both engines.
+``running``, ``waiting``, ``kv_tokens``, ``kv_capacity``); the paged engine's ``kv_paged``,
+``retractions`` and ``prefill_tokens`` are read when present; a request may name its sampling. The
+benchmark copies this file alone into a scratch folder and runs it as ``python -m bench_memory_probe SPEC
+OUT`` (SPEC: model, settings, requests; OUT: the step reports and the generation time), so the same
+measuring code runs against both engines.
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
 
     cfg = EngineConfig.load(spec["model"], 1, dtype=spec["dtype"], **spec["settings"])
     reqs = [
-        RequestSpec(r["id"], tuple(r["input_ids"]), r["max_new_tokens"], Sampling(), ignore_eos=True)
+        RequestSpec(
+            r["id"],
+            tuple(r["input_ids"]),
+            r["max_new_tokens"],
+            Sampling(**r.get("sampling", {})),
+            ignore_eos=True,
+        )
         for r in spec["requests"]
     ]
     steps: list[dict[str, Any]] = []
@@ -44,6 +51,7 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
                 "kv_capacity": r.kv_capacity,
                 "kv_paged": getattr(r, "kv_paged", None),
                 "retractions": getattr(r, "retractions", 0),
+                "prefill_tokens": getattr(r, "prefill_tokens", 0),
             }
         )
 

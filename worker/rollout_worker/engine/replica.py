@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -161,9 +161,11 @@ class Replica:
     def _req(self, seq: Sequence, shared: bool = False, cached: int = 0) -> Req:
         """The scheduler's view of ``seq``; with ``shared``, how many of its pages others hold too (a
         retraction does not free those); ``cached``: prefill tokens the prefix cache holds."""
-        held = self.pool.shared.holders
-        n_shared = sum(1 for p in seq.pages if held(p) > 1) if shared else 0
-        return replace(seq.req, shared=n_shared, cached=cached)
+        n_shared = 0
+        if shared:
+            held = self.pool.shared.holders
+            n_shared = sum(1 for p in seq.pages if held(p) > 1)
+        return seq.sched(n_shared, cached)
 
     def _cacheable(self, seq: Sequence) -> tuple[list[int], int]:
         """The tokens a prefill of ``seq`` computes K/V for, and how many of them it may take from the

@@ -32,4 +32,9 @@ class Sequence:
     @property
     def req(self) -> Req:
         """What the KV scheduler (:mod:`rollout_worker.api.kv_schedule`) knows of this request."""
-        return Req(len(self.spec.prompt_ids), len(self.output), self.spec.max_new_tokens, len(self.pages))
+        return self.sched()
+
+    def sched(self, shared: int = 0, cached: int = 0) -> Req:
+        """:attr:`req`, with ``shared`` of its pages held by others too and ``cached`` prefill tokens."""
+        n_prompt, n_out = len(self.spec.prompt_ids), len(self.output)
+        return Req(n_prompt, n_out, self.spec.max_new_tokens, len(self.pages), shared, cached)
