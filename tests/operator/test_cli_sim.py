@@ -100,8 +100,11 @@ def test_cli_prints_error_and_exits_2(tmp_path: Path) -> None:
 def test_bench_planner_small(tmp_path: Path, lengths: Path) -> None:
     out = tmp_path / "b.json"
     args = ("--workload", str(lengths), "--runs", "1", "--decide-calls", "20", "--json", str(out))
-    code, text, exc = invoke("bench", "planner", "--profile", str(PROFILE), *args)
+    r = CliRunner().invoke(app, ["bench", "planner", "--profile", str(PROFILE), *args])
+    code, text, exc = r.exit_code, r.stdout, r.exception
     assert code == 0, (text, exc)
+    progress = f"llama-3.1-8b-h100x8-modelled {lengths} seed 0: adaptive "
+    assert r.stderr.startswith(progress), r.stderr
     d = json.loads(out.read_text())
     (m,) = d["models"]
     assert m["profile"] == "llama-3.1-8b-h100x8-modelled" and m["profile_method"] == "modelled"

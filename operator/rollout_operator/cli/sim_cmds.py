@@ -186,7 +186,9 @@ def bench_planner_cmd(
             load(w, 0)  # fail fast on a bad name or file
     profiles = bench_planner.load_profiles(list(profile or []))
     with flags():
-        result = bench_planner.run(profiles, workloads, runs, admission, decide_calls)
+        result = bench_planner.run(
+            profiles, workloads, runs, admission, decide_calls, say=lambda line: typer.echo(line, err=True)
+        )
     typer.echo(bench_planner.report(result))
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,13 @@ def _break_even_ms(res: dict[str, SimResult], best_static_s: float) -> float:
     return out
 
 
-def bench_workload(model: LatencyModel, spec: str, runs: int, admission: str) -> dict[str, Any]:
+def _quiet(_: str) -> None:
+    pass
+
+
+def bench_workload(
+    model: LatencyModel, spec: str, runs: int, admission: str, say: Callable[[str], None] = _quiet
+) -> dict[str, Any]:
     per: dict[str, list[float]] = {p: [] for p in POLICIES}
     switches: dict[str, list[int]] = {p: [] for p in POLICIES}
     break_even, switch_cost, preempt, summary = [], [], [], {}
@@ -73,7 +80,12 @@ def bench_workload(model: LatencyModel, spec: str, runs: int, admission: str) ->
         if named:
             prev = synthetic(spec, seed + 1000)
             prior = Prior.from_samples(prev.lengths, prev.caps)
+        t0 = time.perf_counter()
         res = simulate(model, wl, SimConfig(GPUS, admission=admission, prior=prior), list(POLICIES))
+        say(
+            f"{model.profile.name} {spec} seed {seed}: adaptive {res['adaptive'].latency_s:.1f} s "
+            f"(simulated in {time.perf_counter() - t0:.0f} s)"
+        )
         for p, r in res.items():
             per[p].append(r.latency_s)
             switches[p].append(len(r.reconfigs))
@@ -154,7 +166,9 @@ def run(
     runs: int = 3,
     admission: str = "paged",
     decide_calls: int = 2000,
+    say: Callable[[str], None] = _quiet,
 ) -> dict[str, Any]:
+    """``say``: a line per simulated batch (model, workload, seed), as progress."""
     models = []
     for prof in profiles or default_profiles():
         model = LatencyModel(prof)
@@ -166,7 +180,7 @@ def run(
                 "gpus": GPUS,
                 "admission": admission,
                 "kv_capacity": prof.kv_capacity.to_dict() if prof.kv_capacity else None,
-                "workloads": [bench_workload(model, w, runs, admission) for w in workloads],
+                "workloads": [bench_workload(model, w, runs, admission, say) for w in workloads],
                 "decide": bench_decide(model, admission, decide_calls),
             }
         )
