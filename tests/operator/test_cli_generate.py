@@ -209,6 +209,11 @@ def test_bad_checkpoints(tmp_path: Path, tiny64: Path, kind: str, message: str) 
     ("flags", "message"),
     [
         (["--cuda-graphs", "sometimes"], "--cuda-graphs: must be one of on, off, both, got 'sometimes'"),
+        (["--deterministic", "yes"], "--deterministic: must be one of on, off, both, got 'yes'"),
+        (
+            ["--deterministic", "both", "--cuda-graphs", "both"],
+            "--deterministic: compares one setting at a time: not with --cuda-graphs both",
+        ),
         (["--steps", "60"], "--steps: must be 1..50"),
         (["--preset", "huge"], "unknown preset 'huge'"),
     ],

@@ -35,6 +35,7 @@ SAMPLES: dict[str, Any] = {
     "context_length": 1500,
     "collective_timeout_seconds": 33.5,
     "cuda_graphs": True,
+    "deterministic": True,
 }
 
 

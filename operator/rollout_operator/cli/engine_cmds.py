@@ -214,6 +214,9 @@ def bench_engine_cmd(
     breakdown: Annotated[
         bool, typer.Option(help="CUDA: profile each point's step (kernels, launches, idle time).")
     ] = False,
+    deterministic: Annotated[
+        str, typer.Option(help="on | off | both (each point with the default and the deterministic kernels).")
+    ] = "off",
     json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON here.")] = None,
 ) -> None:
     """Per-step latency by layout x batch x context, and reconfiguration phases with bytes moved."""
@@ -221,8 +224,11 @@ def bench_engine_cmd(
     from rollout_worker.engine.presets import preset_config
 
     preset_config(preset)  # an unknown preset is refused before any rank starts
-    if cuda_graphs not in GRAPH_MODES:
-        raise UserError(f"must be one of {', '.join(GRAPH_MODES)}, got {cuda_graphs!r}", "--cuda-graphs")
+    for flag, mode in (("--cuda-graphs", cuda_graphs), ("--deterministic", deterministic)):
+        if mode not in GRAPH_MODES:
+            raise UserError(f"must be one of {', '.join(GRAPH_MODES)}, got {mode!r}", flag)
+    if cuda_graphs == deterministic == "both":
+        raise UserError("compares one setting at a time: not with --cuda-graphs both", "--deterministic")
     if not 1 <= steps <= 50:
         raise UserError(f"must be 1..50 (each point has 64 tokens of headroom), got {steps}", "--steps")
     if runs < 1:
@@ -240,6 +246,7 @@ def bench_engine_cmd(
         echo=typer.echo,
         cuda_graphs=cuda_graphs,
         breakdown=breakdown,
+        deterministic=deterministic,
     )
 
 

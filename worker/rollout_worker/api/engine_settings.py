@@ -60,6 +60,12 @@ class EngineSettings(BaseModel):
     context_length: int = Field(
         0, ge=0, description="Max prompt + output tokens (0: the model's max_position_embeddings)."
     )
+    deterministic: bool = Field(
+        False,
+        description="Batch- and TP-invariant kernels: a request's tokens and logprobs are bitwise the same "
+        "whatever its batch, layout, reconfigurations, retractions and cache hits, in float32 too (SGLang's "
+        "--enable-deterministic-inference); measured on CPU.",
+    )
     collective_timeout_seconds: float = Field(
         120.0, gt=0, description="Timeout of every collective; a rank that waits longer fails the engine."
     )

@@ -25,7 +25,12 @@ from rollout_worker.engine.launcher import run_task
 from rollout_worker.engine.measure import measure_grid, measure_reconfig
 from rollout_worker.engine.presets import preset_config
 
-GRAPH_MODES = ("on", "off", "both")
+GRAPH_MODES = (
+    "on",
+    "off",
+    "both",
+)  # of each boolean setting compared side by side (cuda_graphs, deterministic)
+SIDE_BY_SIDE = ("cuda_graphs", "deterministic")
 
 
 def ensure_model(preset: str, work: Path, dtype: str = "float32", seed: int = 0) -> Path:
@@ -36,7 +41,7 @@ def ensure_model(preset: str, work: Path, dtype: str = "float32", seed: int = 0)
 
 
 def shape_config(
-    preset: str, ranks: int, dtype: str, device: str, max_batch: int = 64, cuda_graphs: bool = False
+    preset: str, ranks: int, dtype: str, device: str, max_batch: int = 64, **settings: Any
 ) -> EngineConfig:
     """An engine of a preset's shape with seeded random weights made on the device: a step's latency
     depends on the shape only, and no checkpoint is written (Llama-3.1-8B's would be 32 GB in float32)."""
@@ -52,7 +57,7 @@ def shape_config(
                 "device": device,
                 "max_batch": max_batch,
                 "collective_timeout_seconds": 300,
-                "cuda_graphs": cuda_graphs,
+                **settings,
             }
         ),
         random_weights=True,
@@ -69,6 +74,19 @@ def reconfig_pairs(cands: tuple[Layout, ...]) -> list[tuple[str, str]]:
     return pairs
 
 
+def variants(modes: dict[str, str]) -> list[dict[str, bool]]:
+    """The settings each grid runs with: one per setting's value, two (off, on) for the one setting that is
+    "both" (at most one is)."""
+    for name, mode in modes.items():
+        if mode not in GRAPH_MODES:
+            raise ValueError(f"{name} must be one of {GRAPH_MODES}, got {mode!r}")
+    both = [n for n, m in modes.items() if m == "both"]
+    if len(both) > 1:
+        raise ValueError(f"only one setting can be compared side by side, got {both}")
+    fixed = {n: m == "on" for n, m in modes.items()}
+    return [{**fixed, both[0]: v} for v in (False, True)] if both else [fixed]
+
+
 def run_engine_bench(
     preset: str,
     ranks: int,
@@ -82,14 +100,14 @@ def run_engine_bench(
     echo: Callable[[str], Any],
     cuda_graphs: str = "off",
     breakdown: bool = False,
+    deterministic: str = "off",
 ) -> dict[str, Any]:
-    """The grid and the reconfiguration phases, ``runs`` times. ``cuda_graphs`` "both" measures every point
-    eagerly and from graphs in the same run (alternating, fresh rank processes each) and reports the ratio."""
-    if cuda_graphs not in GRAPH_MODES:
-        raise ValueError(f"cuda_graphs must be one of {GRAPH_MODES}, got {cuda_graphs!r}")
-    modes = {"on": [True], "off": [False], "both": [False, True]}[cuda_graphs]
-    cfgs = {g: shape_config(preset, ranks, dtype, device, max(64, *batches), g) for g in modes}
-    cfg = cfgs[modes[0]]
+    """The grid and the reconfiguration phases, ``runs`` times. ``cuda_graphs`` or ``deterministic`` "both"
+    measures every point with the setting off and on in the same run (alternating, fresh rank processes
+    each) and reports the ratio."""
+    modes = variants({"cuda_graphs": cuda_graphs, "deterministic": deterministic})
+    cfgs = [shape_config(preset, ranks, dtype, device, max(64, *batches), **m) for m in modes]
+    cfg = cfgs[0]
     grid_args = {
         "layouts": [str(x) for x in cfg.candidates],
         "batches": batches,
@@ -103,19 +121,19 @@ def run_engine_bench(
         "batch": min(4, max(batches)),
         "context": max(contexts),
     }
-    grid_runs: dict[bool, list[list[dict[str, Any]]]] = {g: [] for g in modes}
+    grid_runs: list[list[list[dict[str, Any]]]] = [[] for _ in modes]
     rec_runs, skipped = [], []
     for i in range(runs):
         t0 = time.perf_counter()
-        for g in modes:
-            res = run_task(cfgs[g], measure_grid, grid_args)[0]
+        for g, c in enumerate(cfgs):
+            res = run_task(c, measure_grid, grid_args)[0]
             grid_runs[g].append(res["points"])
             skipped = res["skipped"]
         if rec_args["pairs"]:
-            rec_runs.append(run_task(cfg, measure_reconfig, rec_args)[0]["events"])
+            rec_runs.append(run_task(cfgs[-1], measure_reconfig, rec_args)[0]["events"])
         echo(f"run {i + 1}/{runs}: {time.perf_counter() - t0:.1f} s")
-    grids = {g: _merge_grid(r) for g, r in grid_runs.items()}
-    grid = grids[modes[-1]]
+    grids = [_merge_grid(r) for r in grid_runs]
+    grid = grids[-1]
     report: dict[str, Any] = {
         "preset": preset,
         "ranks": ranks,
@@ -123,6 +141,7 @@ def run_engine_bench(
         "device": device,
         "device_name": _device_name(device),
         "cuda_graphs": cuda_graphs,
+        "deterministic": deterministic,
         "runs": runs,
         "steps": steps,
         "host": {
@@ -136,8 +155,11 @@ def run_engine_bench(
         "tp_ratios": _ratios(grid),
     }
     if cuda_graphs == "both":
-        report["grid_eager"] = grids[False]
-        report["graph_ratios"] = _graph_ratios(grids[False], grids[True])
+        report["grid_eager"] = grids[0]
+        report["graph_ratios"] = _graph_ratios(grids[0], grids[1])
+    if deterministic == "both":
+        report["grid_default"] = grids[0]
+        report["deterministic_cost"] = _deterministic_cost(grids[0], grids[1])
     _print(report, echo)
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
@@ -154,25 +176,44 @@ def _device_name(device: str) -> str:
     return platform.processor() or platform.machine()
 
 
+_POINT = ("layout", "batch", "context", "active")
+
+
+def _pairs(
+    off: list[dict[str, Any]], on: list[dict[str, Any]]
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """The points measured both with a setting off and on (median over runs of each)."""
+    by = {tuple(p[k] for k in _POINT): p for p in off}
+    return [(by[key], p) for p in on if (key := tuple(p[k] for k in _POINT)) in by]
+
+
 def _graph_ratios(eager: list[dict[str, Any]], graphs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Eager over graph step time at each point both measured (median over runs of each)."""
-    key = ("layout", "batch", "context", "active")
-    by = {tuple(p[k] for k in key): p for p in eager}
-    out = []
-    for p in graphs:
-        e = by.get(tuple(p[k] for k in key))
-        if e is not None:
-            out.append(
-                {
-                    **{k: p[k] for k in key},
-                    "eager_ms": e["ms"],
-                    "graphs_ms": p["ms"],
-                    "speedup": e["ms"] / p["ms"],
-                    "eager_breakdown": e.get("breakdown"),
-                    "graphs_breakdown": p.get("breakdown"),
-                }
-            )
-    return out
+    """Eager over graph step time at each point both measured."""
+    return [
+        {
+            **{k: p[k] for k in _POINT},
+            "eager_ms": e["ms"],
+            "graphs_ms": p["ms"],
+            "speedup": e["ms"] / p["ms"],
+            "eager_breakdown": e.get("breakdown"),
+            "graphs_breakdown": p.get("breakdown"),
+        }
+        for e, p in _pairs(eager, graphs)
+    ]
+
+
+def _deterministic_cost(default: list[dict[str, Any]], det: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Decode tokens/s with the deterministic kernels over the default's, at each point both measured (the
+    tokens of a step: its batch, or one for an ``active: one`` point's lone replica)."""
+    return [
+        {
+            **{k: p[k] for k in _POINT},
+            "default_ms": d["ms"],
+            "deterministic_ms": p["ms"],
+            "tokens_per_s_ratio": d["ms"] / p["ms"],
+        }
+        for d, p in _pairs(default, det)
+    ]
 
 
 def _merge_grid(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -264,6 +305,8 @@ def _print(report: dict[str, Any], echo: Callable[[str], Any]) -> None:
         echo(f"{s['layout']:>7} {'':>6} {s['batch']:>5} {s['context']:>7}  skipped: {s['why']}")
     if report.get("graph_ratios"):
         _print_graphs(report["graph_ratios"], echo)
+    if report.get("deterministic_cost"):
+        _print_cost(report["deterministic_cost"], echo)
     echo("\nTP speed-up over one lone TP=1 replica (same batch, context):")
     for r in report["tp_ratios"]:
         echo(
@@ -283,6 +326,18 @@ def _print(report: dict[str, Any], echo: Callable[[str], Any]) -> None:
             f"{r['kv_bytes_moved'] / 1e6:>7.2f} "
             f"{r['weight_bytes_received'] / 1e6:>7.2f} {ph['sync_ms']:>7.2f} {ph['reshard_ms']:>8.2f} "
             f"{kv:>8.2f} {ph['total_ms']:>8.2f}"
+        )
+
+
+def _print_cost(rows: list[dict[str, Any]], echo: Callable[[str], Any]) -> None:
+    echo("\ndeterministic kernels vs default (median step ms; tokens/s of deterministic / default):")
+    echo(
+        f"{'layout':>7} {'active':>6} {'batch':>5} {'context':>7} {'default':>8} {'determ.':>8} {'tok/s':>6}"
+    )
+    for r in rows:
+        echo(
+            f"{r['layout']:>7} {r['active']:>6} {r['batch']:>5} {r['context']:>7} {r['default_ms']:>8.2f}"
+            f" {r['deterministic_ms']:>8.2f} {r['tokens_per_s_ratio']:>6.3f}"
         )
 
 

@@ -38,7 +38,6 @@ from rollout_worker.engine import weight_sync
 from rollout_worker.engine.config import EngineConfig
 from rollout_worker.engine.finish import PAUSE_ABORT, Finish
 from rollout_worker.engine.messages import Faults
-from rollout_worker.engine.model import Decoder
 from rollout_worker.engine.reconfig import reconfigure
 from rollout_worker.engine.rendezvous import join
 from rollout_worker.engine.sequence import Sequence
@@ -162,7 +161,7 @@ class RankLoop:
         ok = self.agree(error)
         if ok:
             st.weights, st.weights_path = weights, cmd.path
-            st.replica.decoder = Decoder(st.model, weights, st.pstate(st.layout))
+            st.replica.decoder = st.decoder(weights, st.layout)
         if st.rank == 0:
             self.outbox.send(m.Done(cmd.ticket, st.rank, ok, error or ("" if ok else "another rank failed")))
         dist.barrier()
@@ -221,7 +220,7 @@ class RankLoop:
                     st.replica.release_weights()
             elif "weights" in cmd.tags and not st.weights:
                 st.weights = load_weights(st.cfg, st.weights_path, st.layout, st.rank, st.device)
-                st.replica.decoder = Decoder(st.model, st.weights, st.pstate(st.layout))
+                st.replica.decoder = st.decoder(st.weights, st.layout)
             self.outbox.send(m.Done(cmd.ticket, st.rank, True))
         except Exception as exc:
             self.outbox.send(

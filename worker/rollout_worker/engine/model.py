@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.engine import invariant
 from rollout_worker.engine.kvcache import KVPool
 from rollout_worker.engine.parallel import ParallelState
 from rollout_worker.engine.sharding import kv_head_range, q_head_range
@@ -63,8 +64,23 @@ class Layer:
 class Decoder:
     """Forward passes of one TP shard. Rebuilt (cheaply) whenever the weights or the layout change."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], ps: ParallelState) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        ps: ParallelState,
+        chunks: invariant.RowChunks | None = None,
+    ) -> None:
+        """``chunks``: the deterministic kernels (:mod:`~rollout_worker.engine.invariant`) with these
+        row-parallel chunks; None: the BLAS's and the backend's own orders."""
         self.cfg, self.ps = cfg, ps
+        self.linear = invariant.linear if chunks else F.linear
+        self.o_chunks = self.down_chunks = None
+        if chunks:
+            self.o_chunks = invariant.Chunks.of(chunks.attn_out, invariant.attn_shards(cfg, ps.tp), ps.shard)
+            self.down_chunks = invariant.Chunks.of(
+                chunks.mlp_down, invariant.mlp_shards(cfg, ps.tp), ps.shard
+            )
         q_lo, q_hi = q_head_range(cfg, ps.tp, ps.shard)  # shards may differ in width (uneven heads)
         kv_lo, kv_hi = kv_head_range(cfg, ps.tp, ps.shard)
         self.heads, self.kv_heads = q_hi - q_lo, kv_hi - kv_lo
@@ -130,7 +146,7 @@ class Decoder:
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [N, vocab] of hidden states [N, hidden] (one all-gather under TP)."""
-        return self.ps.all_gather_cat(F.linear(self.rms(x, self.norm), self.lm_head), dim=-1)
+        return self.ps.all_gather_cat(self.linear(self.rms(x, self.norm), self.lm_head), dim=-1)
 
     def hidden(
         self,
@@ -156,9 +172,9 @@ class Decoder:
         x = F.embedding(tokens, self.embed)
         for i, lw in enumerate(self.layers):
             h = self.rms(x, lw.ln1)
-            q = F.linear(h, lw.wq, lw.bq).view(bsz, seq, self.heads, hd)
-            k = F.linear(h, lw.wk, lw.bk).view(bsz, seq, self.kv_heads, hd)
-            v = F.linear(h, lw.wv, lw.bv).view(bsz, seq, self.kv_heads, hd)
+            q = self.linear(h, lw.wq, lw.bq).view(bsz, seq, self.heads, hd)
+            k = self.linear(h, lw.wk, lw.bk).view(bsz, seq, self.kv_heads, hd)
+            v = self.linear(h, lw.wv, lw.bv).view(bsz, seq, self.kv_heads, hd)
             if lw.q_norm is not None and lw.k_norm is not None:
                 q, k = self.rms(q, lw.q_norm), self.rms(k, lw.k_norm)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
@@ -167,11 +183,27 @@ class Decoder:
             k_all = pool.k[i][read].transpose(1, 2)  # [B, KVh, L, hd], gathered from the request's pages
             v_all = pool.v[i][read].transpose(1, 2)
             attn = self._attend(q, k_all, v_all, mask, scale)
-            x = x + self.ps.all_reduce(F.linear(attn, lw.wo))
+            x = x + self._row_parallel(attn, lw.wo, self.o_chunks)
             h = self.rms(x, lw.ln2)
-            mlp = F.linear(F.silu(F.linear(h, lw.w_gate)) * F.linear(h, lw.w_up), lw.w_down)
-            x = x + self.ps.all_reduce(mlp)
+            act = F.silu(self.linear(h, lw.w_gate)) * self.linear(h, lw.w_up)
+            x = x + self._row_parallel(act, lw.w_down, self.down_chunks)
         return x
+
+    def _row_parallel(
+        self, x: torch.Tensor, w: torch.Tensor, chunks: invariant.Chunks | None
+    ) -> torch.Tensor:
+        """The full product of a row-parallel projection: summed by the backend's all-reduce, or (the
+        deterministic kernels) its fixed chunks' partials all-gathered and added in one fixed tree."""
+        if chunks is None:
+            return self.ps.all_reduce(F.linear(x, w))
+        parts = invariant.partials(x, w, chunks)
+        if self.ps.tp > 1:
+            most = max(chunks.per_shard)
+            if parts.shape[0] < most:
+                parts = torch.cat((parts, parts.new_zeros(most - parts.shape[0], *parts.shape[1:])))
+            everyone = self.ps.all_gather_cat(parts, dim=0).split(most)
+            parts = invariant.gathered(list(everyone), chunks)
+        return invariant.tree_sum(parts)
 
     def _attend(
         self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor, scale: float
@@ -183,6 +215,8 @@ class Decoder:
         with a mask falls back to its math kernel there, which first copies K and V once per query head
         (``enable_gqa``), multiplying the step's cache reads by H / KVh.
         """
+        if self.o_chunks is not None:
+            return invariant.attend(q, keys, vals, mask, scale)
         bsz, seq = q.shape[0], q.shape[1]
         if seq == 1 and q.device.type == "cuda":
             kvh = keys.shape[1]

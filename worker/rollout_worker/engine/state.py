@@ -20,6 +20,7 @@ from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.engine.checkpoint import CheckpointReader, parse_dtype
 from rollout_worker.engine.config import EngineConfig
 from rollout_worker.engine.cudagraph import DecodeGraphs, graphs_supported
+from rollout_worker.engine.invariant import RowChunks
 from rollout_worker.engine.kvcache import KVPool
 from rollout_worker.engine.messages import Faults
 from rollout_worker.engine.model import Decoder
@@ -84,6 +85,10 @@ class RankState:
     def pstate(self, lay: Layout) -> ParallelState:
         return parallel_state(self.rank, lay, self.groups, self.stage_cpu)
 
+    def decoder(self, weights: Weights, lay: Layout) -> Decoder:
+        """This rank's decoder of ``weights`` at ``lay``."""
+        return make_decoder(self.cfg, weights, self.pstate(lay))
+
     def make_replica(self, lay: Layout, weights: Weights) -> Replica:
         rep = make_replica(self.cfg, self.rank, lay, weights, self.groups, self.device, self.stage_cpu)
         rep.poison = self.faults.poison(self.rank) if self.faults is not None else None
@@ -133,6 +138,12 @@ def parallel_state(rank: int, lay: Layout, groups: Groups, stage_cpu: bool) -> P
     )
 
 
+def make_decoder(cfg: EngineConfig, weights: Weights, ps: ParallelState) -> Decoder:
+    """The decoder of ``weights`` on ``ps``, with the deterministic kernels when the settings ask for them."""
+    chunks = RowChunks.of(cfg.model, cfg.world) if cfg.engine.deterministic else None
+    return Decoder(cfg.model, weights, ps, chunks)
+
+
 def make_replica(
     cfg: EngineConfig,
     rank: int,
@@ -143,7 +154,7 @@ def make_replica(
     stage_cpu: bool,
 ) -> Replica:
     m = cfg.model
-    decoder = Decoder(m, weights, parallel_state(rank, lay, groups, stage_cpu))
+    decoder = make_decoder(cfg, weights, parallel_state(rank, lay, groups, stage_cpu))
     eng = cfg.engine
     pool = KVPool(
         m.num_layers,

@@ -1,0 +1,179 @@
+"""The deterministic kernels, one reduction at a time (issue 19, item 2): a row's result is bitwise the same
+alone, among 3, 4 and 63 other rows, at any position, and at TP 1, 2 and 4 (the real model's 9 heads / 3
+KV groups included). Each test also runs the default kernel on the same inputs and requires it to differ
+somewhere: that is what the invariant kernel is for, and it shows the comparison can fail."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.engine import invariant as inv
+from rollout_worker.engine.presets import preset_config
+from rollout_worker.engine.sharding import kv_head_range, q_head_range
+
+OTHERS = (0, 3, 4, 63)  # other rows in the batch
+
+
+def setup_module() -> None:
+    torch.set_num_threads(1)  # as each rank runs
+
+
+def _smollm2() -> ModelConfig:
+    return ModelConfig.from_dict(preset_config("smollm2-135m"), where="smollm2-135m")
+
+
+def _batches(row: torch.Tensor, gen: torch.Generator) -> list[torch.Tensor]:
+    """``row`` [1, ...] among each count of other rows, at the first, a middle and the last position."""
+    out = []
+    for n in OTHERS:
+        for at in sorted({0, n // 2, n}):
+            rest = torch.randn(n, *row.shape[1:], generator=gen)
+            out.append(torch.cat((rest[:at], row, rest[at:])))
+    return out
+
+
+def _row_of(batch: torch.Tensor, row: torch.Tensor) -> int:
+    return next(i for i in range(batch.shape[0]) if torch.equal(batch[i], row[0]))
+
+
+def test_linear_rows_do_not_depend_on_the_batch() -> None:
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(1536, 576, generator=gen)
+    default_differs = False
+    for _ in range(5):
+        row = torch.randn(1, 576, generator=gen)
+        alone, alone_default = inv.linear(row, w), F.linear(row, w)
+        for batch in _batches(row, gen):
+            i = _row_of(batch, row)
+            assert torch.equal(inv.linear(batch, w)[i], alone[0]), batch.shape
+            default_differs |= not torch.equal(F.linear(batch, w)[i], alone_default[0])
+    assert default_differs  # the BLAS's 1-row and 4-row kernels round differently
+
+
+def test_linear_columns_do_not_depend_on_the_tp_split() -> None:
+    """Column-parallel: each shard's columns (real model: q heads split 3 / 6 at TP 2) equal the full
+    product's."""
+    cfg = _smollm2()
+    gen = torch.Generator().manual_seed(1)
+    hd = cfg.head_dim
+    wq = torch.randn(cfg.num_heads * hd, cfg.hidden_size, generator=gen)
+    wk = torch.randn(cfg.num_kv_heads * hd, cfg.hidden_size, generator=gen)
+    for rows in (1, 3, 4, 64):
+        x = torch.randn(rows, 1, cfg.hidden_size, generator=gen)
+        q, k = inv.linear(x, wq), inv.linear(x, wk)
+        for tp in (2, 4):
+            for s in range(tp):
+                lo, hi = q_head_range(cfg, tp, s)
+                assert torch.equal(inv.linear(x, wq[lo * hd : hi * hd]), q[..., lo * hd : hi * hd])
+                lo, hi = kv_head_range(cfg, tp, s)
+                assert torch.equal(inv.linear(x, wk[lo * hd : hi * hd]), k[..., lo * hd : hi * hd])
+
+
+def test_linear_folds_a_strided_3d_input_into_one_product() -> None:
+    """A [B, 1, K] view whose size-1 dimension has an odd stride (what attention's output is at decode)
+    is multiplied as one B-row product, not B one-row products."""
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(576, 64, generator=gen)
+    base = torch.randn(5, 4, 64, generator=gen)
+    odd = base[:, :1]  # [5, 1, 64], strides (256, 64, 1)
+    assert torch.equal(inv.linear(odd, w), inv.linear(odd.contiguous(), w))
+
+
+def _row_parallel(x: torch.Tensor, w: torch.Tensor, bounds: tuple[int, ...], shards: list[tuple[int, int]]):  # type: ignore[no-untyped-def]
+    """The row-parallel product as the ranks compute it: each shard's partials, padded and gathered (here
+    in one process), in chunk order, added in the fixed tree."""
+    parts = []
+    for s, (lo, hi) in enumerate(shards):
+        chunks = inv.Chunks.of(bounds, shards, s)
+        mine = inv.partials(x[..., lo:hi], w[:, lo:hi].contiguous(), chunks)
+        pad = max(chunks.per_shard) - mine.shape[0]
+        parts.append(torch.cat((mine, mine.new_zeros(pad, *mine.shape[1:]))))
+    return inv.tree_sum(inv.gathered(parts, inv.Chunks.of(bounds, shards, 0)))
+
+
+def test_row_parallel_sum_does_not_depend_on_tp_or_batch() -> None:
+    """Attention output (9 heads of 64, uneven at TP 2 and 4) and MLP down (1536) of the real model."""
+    cfg = _smollm2()
+    chunks = inv.RowChunks.of(cfg, 4)
+    gen = torch.Generator().manual_seed(3)
+    cases = [
+        (chunks.attn_out, inv.attn_shards, cfg.num_heads * cfg.head_dim),
+        (chunks.mlp_down, inv.mlp_shards, cfg.intermediate_size),
+    ]
+    default_differs = False
+    for bounds, shards_of, k in cases:
+        w = torch.randn(cfg.hidden_size, k, generator=gen)
+        row = torch.randn(1, 1, k, generator=gen)
+        ref = _row_parallel(row, w, bounds, shards_of(cfg, 1))[0]
+        for tp in (1, 2, 4):
+            for batch in _batches(row, gen):
+                i = _row_of(batch, row)
+                assert torch.equal(_row_parallel(batch, w, bounds, shards_of(cfg, tp))[i], ref), (k, tp)
+                halves = shards_of(cfg, 2)  # the default: each rank's product, summed
+                default = sum(F.linear(batch[..., lo:hi], w[:, lo:hi]) for lo, hi in halves)
+                default_differs |= not torch.equal(default[i], F.linear(row, w)[0])  # type: ignore[index]
+    assert default_differs
+
+
+def test_chunks_are_never_split_by_a_layout() -> None:
+    cfg = _smollm2()
+    chunks = inv.RowChunks.of(cfg, 4)
+    for tp in (1, 2, 4):
+        for lo, hi in inv.attn_shards(cfg, tp):
+            assert lo in chunks.attn_out and hi in chunks.attn_out
+        for lo, hi in inv.mlp_shards(cfg, tp):
+            assert lo in chunks.mlp_down and hi in chunks.mlp_down
+    assert chunks.attn_out[0] == 0 and chunks.attn_out[-1] == cfg.num_heads * cfg.head_dim
+    assert chunks.mlp_down[-1] == cfg.intermediate_size
+
+
+def test_tree_sum_ignores_trailing_zeros() -> None:
+    gen = torch.Generator().manual_seed(4)
+    parts = torch.randn(5, 3, 7, generator=gen)
+    ref = inv.tree_sum(parts)
+    for extra in (1, 3, 11):
+        assert torch.equal(inv.tree_sum(torch.cat((parts, torch.zeros(extra, 3, 7)))), ref)
+    assert not all(torch.equal(inv.tree_sum(parts[p]), ref) for p in ([4, 3, 2, 1, 0], [1, 0, 2, 3, 4]))
+
+
+def test_attention_row_does_not_depend_on_batch_padding_prefill_or_tp() -> None:
+    """A query's output: decoded alone over its own keys; among 3, 4 and 63 other rows whose keys are
+    longer (its keys padded to theirs); as the last row of a prefill of its whole sequence; and per TP
+    shard of the real model's heads (9 query heads over 3 KV heads; at TP 4 a KV head is duplicated)."""
+    cfg = _smollm2()
+    hd, heads, kvh = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    gen = torch.Generator().manual_seed(5)
+    own = 37
+    seq_q = torch.randn(1, own, heads, hd, generator=gen)
+    k = torch.randn(1, kvh, own, hd, generator=gen)
+    v = torch.randn(1, kvh, own, hd, generator=gen)
+    q = seq_q[:, -1:]
+    ref = inv.attend(q, k, v, torch.ones(1, 1, 1, own, dtype=torch.bool), 0.125)
+    default_ref = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, scale=0.125, enable_gqa=True)
+    default_differs = False
+    for n in (3, 4, 63):
+        for length in (own, own + 1, 100, 300):
+            qs = torch.cat((q, torch.randn(n, 1, heads, hd, generator=gen)))
+            ks = torch.cat(
+                (F.pad(k, (0, 0, 0, length - own)), torch.randn(n, kvh, length, hd, generator=gen))
+            )
+            vs = torch.cat(
+                (F.pad(v, (0, 0, 0, length - own)), torch.randn(n, kvh, length, hd, generator=gen))
+            )
+            mask = torch.ones(n + 1, 1, 1, length, dtype=torch.bool)
+            mask[0, ..., own:] = False
+            assert torch.equal(inv.attend(qs, ks, vs, mask, 0.125)[:1], ref), (n, length)
+            default = F.scaled_dot_product_attention(
+                qs.transpose(1, 2), ks, vs, attn_mask=mask, scale=0.125, enable_gqa=True
+            )
+            default_differs |= not torch.equal(default[:1], default_ref)
+    causal = torch.tril(torch.ones(own, own, dtype=torch.bool))[None, None]
+    assert torch.equal(inv.attend(seq_q, k, v, causal, 0.125)[:, -1:], ref)  # the prefill's last row
+    for tp in (2, 4):
+        for s in range(tp):
+            qlo, qhi = q_head_range(cfg, tp, s)
+            klo, khi = kv_head_range(cfg, tp, s)
+            got = inv.attend(q[:, :, qlo:qhi], k[:, klo:khi], v[:, klo:khi], causal[..., -1:, :], 0.125)
+            assert torch.equal(got, ref[..., qlo * hd : qhi * hd]), (tp, s)
+    assert default_differs  # SDPA's sums change with the padded key length

@@ -1,0 +1,184 @@
+"""Batch- and TP-invariant kernels: the ``deterministic`` setting (issue 19).
+
+With them a token's hidden states, K/V and logits are bitwise the same whatever else is in its batch, where
+it sits in a forward (a prefill row or a decode row), the length the batch's keys are padded to, and the TP
+size of its replica. So no reconfiguration, batch change, retraction or re-prefill changes a token or a
+logprob, in float32 as in float64. Each reduction whose order could change gets one fixed order:
+
+- **Products whose rows are independent** (every column-parallel and replicated projection, the logits):
+  the CPU BLAS (oneDNN/MKL sgemm, one thread per rank) computes a row the same way in every product of
+  ``MIN_ROWS`` rows or more, at any position and next to any other rows, and a column the same way in any
+  slice of the weight's rows (measured: a row alone, among 1-3 rows and among 4+ rows are three different
+  roundings); :func:`linear` pads a product of fewer rows to ``MIN_ROWS``.
+- **Row-parallel products** (attention output, MLP down), whose sum over K is split across ranks: K is cut
+  into fixed chunks whose bounds are every shard bound of every TP size the model may run at
+  (:func:`chunk_bounds`), each chunk's partial product is computed alone, the ranks all-gather the
+  partials and each adds them in one fixed tree (:func:`tree_sum`). The same chunks and the same tree on
+  every layout, instead of an all-reduce whose order the backend and the TP size choose.
+- **Attention**: a row's keys are cut into chunks of ``KEY_CHUNK`` positions; scores, the softmax's
+  denominator and the weighted values are computed per chunk (shapes fixed by the chunk, query rows padded
+  to ``MIN_ROWS``), and the chunks are added in :func:`tree_sum`'s tree, which a row's masked trailing
+  chunks (exact zeros) do not change. The row's maximum is exact in any order.
+- RMSNorm's mean, the elementwise functions and the sampler (float64) are already per-row and fixed.
+
+On CUDA the same code runs but cuBLAS chooses its kernels by shape in other ways: the guarantee is measured
+on CPU only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rollout_worker.api import heads
+from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.engine.sharding import q_head_range
+
+MIN_ROWS = 4  # products of fewer rows take another BLAS kernel (1 row: gemv; 2-3 rows: a small-M kernel)
+KEY_CHUNK = 64  # keys per attention chunk (a multiple of the vector width: no scalar tail in exp)
+TP_SIZES = (1, 2, 4, 8)  # chunk bounds cover these TP sizes (and every divisor of the engine's ranks)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` whose rows are each bitwise independent of the rest of the batch: always one 2-D
+    product of at least ``MIN_ROWS`` rows (a 3-D input that does not fold into 2-D by its strides would
+    otherwise be multiplied as a batch of 1-row products)."""
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if rows == 0:
+        return F.linear(x, w, b)
+    flat = x.reshape(rows, k)
+    if rows < MIN_ROWS:
+        flat = torch.cat((flat, flat.new_zeros(MIN_ROWS - rows, k)))
+    return F.linear(flat, w, b)[:rows].reshape(*x.shape[:-1], w.shape[0])
+
+
+def tree_sum(parts: torch.Tensor) -> torch.Tensor:
+    """Sum over dim 0 in a fixed pairwise tree (``((p0 + p1) + (p2 + p3)) + ...``, odd levels padded with
+    zeros), the same for any number of trailing exact zeros."""
+    while parts.shape[0] > 1:
+        if parts.shape[0] % 2:
+            parts = torch.cat((parts, torch.zeros_like(parts[:1])))
+        parts = parts[0::2] + parts[1::2]
+    return parts[0]
+
+
+def chunk_bounds(
+    shard_bounds: Callable[[int], Iterable[tuple[int, int]]], tps: Iterable[int]
+) -> tuple[int, ...]:
+    """Equal chunks that no layout splits: multiples of the greatest common divisor of every shard's bounds
+    at every TP size in ``tps`` (``shard_bounds(tp)``: the [lo, hi) of each shard of ``tp``). Equal widths
+    make a shard's partial products one batched product."""
+    cuts: set[int] = set()
+    for tp in tps:
+        for lo, hi in shard_bounds(tp):
+            cuts.update((lo, hi))
+    width = math.gcd(*cuts)
+    return tuple(range(0, max(cuts) + 1, width))
+
+
+@dataclass(frozen=True, slots=True)
+class Chunks:
+    """The fixed K chunks of one row-parallel product, as one shard sees them: their width, and how many
+    every shard holds (its own: ``per_shard[shard]``; all: to pick the gathered partials in order)."""
+
+    width: int
+    per_shard: tuple[int, ...]
+    shard: int
+
+    @property
+    def local(self) -> int:
+        return self.per_shard[self.shard]
+
+    @classmethod
+    def of(cls, bounds: tuple[int, ...], shards: list[tuple[int, int]], shard: int) -> Chunks:
+        width = bounds[1] - bounds[0]
+        for lo, hi in shards:
+            if lo % width or hi % width:
+                raise ValueError(f"shard [{lo}, {hi}) splits a chunk of {width}")
+        return cls(width, tuple((hi - lo) // width for lo, hi in shards), shard)
+
+
+@dataclass(frozen=True, slots=True)
+class RowChunks:
+    """The chunk bounds of a model's two row-parallel products on an engine of ``world`` ranks: every shard
+    bound of every TP size in ``TP_SIZES`` or dividing ``world`` that the model can run at."""
+
+    attn_out: tuple[int, ...]  # in o_proj's input columns (query heads x head_dim)
+    mlp_down: tuple[int, ...]  # in down_proj's input columns (the intermediate size)
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, world: int) -> RowChunks:
+        sizes = set(TP_SIZES) | {d for d in range(1, world + 1) if world % d == 0}
+        tps = [t for t in sorted(sizes) if cfg.tp_problem(t) is None]
+        return cls(
+            chunk_bounds(lambda tp: attn_shards(cfg, tp), tps),
+            chunk_bounds(lambda tp: mlp_shards(cfg, tp), tps),
+        )
+
+
+def attn_shards(cfg: ModelConfig, tp: int) -> list[tuple[int, int]]:
+    """Each shard's columns of o_proj's input at ``tp`` (its query heads)."""
+    hd = cfg.head_dim
+    return [(lo * hd, hi * hd) for lo, hi in (q_head_range(cfg, tp, s) for s in range(tp))]
+
+
+def mlp_shards(cfg: ModelConfig, tp: int) -> list[tuple[int, int]]:
+    """Each shard's columns of down_proj's input at ``tp``."""
+    return [heads.split(cfg.intermediate_size, tp, s) for s in range(tp)]
+
+
+def partials(x: torch.Tensor, w: torch.Tensor, chunks: Chunks) -> torch.Tensor:
+    """[chunks, *rows, out]: each local chunk's partial product of x [*rows, K_shard] and w [out, K_shard],
+    as one batched product of at least ``MIN_ROWS`` rows over strided views (no copy of the weight)."""
+    k, n, width = x.shape[-1], chunks.local, chunks.width
+    rows = x.numel() // k
+    flat = x.reshape(rows, k)
+    if rows < MIN_ROWS:
+        flat = torch.cat((flat, flat.new_zeros(MIN_ROWS - rows, k)))
+    xc = flat.view(flat.shape[0], n, width).transpose(0, 1)  # [n, rows, width]
+    wc = w.view(w.shape[0], n, width).permute(1, 2, 0)  # [n, width, out]
+    return torch.bmm(xc, wc)[:, :rows].reshape(n, *x.shape[:-1], w.shape[0])
+
+
+def gathered(parts: list[torch.Tensor], chunks: Chunks) -> torch.Tensor:
+    """Every shard's partials (each padded to the largest count for the all-gather) in chunk order."""
+    return torch.cat([p[:n] for p, n in zip(parts, chunks.per_shard, strict=True)])
+
+
+def attend(
+    q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of q [B, S, H, hd] over keys/vals [B, KVh, L, hd] under mask [B, 1, S, L] (a query's
+    visible keys): [B, S, H * hd], each query row bitwise independent of B, S, L and the other rows. Head
+    ``h`` uses KV head ``h // (H // KVh)``, as in grouped-query attention."""
+    bsz, seq, heads, hd = q.shape
+    kvh, length = keys.shape[1], keys.shape[2]
+    group = heads // kvh
+    rows = group * seq
+    qg = (q * scale).view(bsz, seq, kvh, group, hd).permute(0, 2, 3, 1, 4).reshape(bsz, kvh, rows, hd)
+    vis = mask[:, :, None].expand(bsz, 1, group, seq, length).reshape(bsz, 1, rows, length)  # rows (g, s)
+    if rows < MIN_ROWS:
+        qg = torch.cat((qg, qg.new_zeros(bsz, kvh, MIN_ROWS - rows, hd)), dim=2)
+        vis = torch.cat((vis, vis.new_ones(bsz, 1, MIN_ROWS - rows, length)), dim=2)
+    n = max(math.ceil(length / KEY_CHUNK), 1)
+    pad = n * KEY_CHUNK - length
+    if pad:
+        keys = F.pad(keys, (0, 0, 0, pad))
+        vals = F.pad(vals, (0, 0, 0, pad))
+        vis = F.pad(vis, (0, pad), value=False)
+    kc = keys.view(bsz, kvh, n, KEY_CHUNK, hd)
+    vc = vals.view(bsz, kvh, n, KEY_CHUNK, hd)
+    vis = vis.view(bsz, 1, vis.shape[2], n, KEY_CHUNK).transpose(2, 3)  # [B, 1, n, rows, C]
+    scores = torch.matmul(qg[:, :, None], kc.transpose(-1, -2))  # [B, KVh, n, rows, C]
+    scores = scores.masked_fill(~vis, float("-inf"))
+    top = scores.amax(dim=(2, 4), keepdim=True)  # exact in any order
+    e = torch.exp(scores - top)
+    den = tree_sum(e.sum(-1).movedim(2, 0))  # [B, KVh, rows]
+    num = tree_sum(torch.matmul(e, vc).movedim(2, 0))  # [B, KVh, rows, hd]
+    out = (num / den[..., None])[:, :, :rows]
+    return out.view(bsz, kvh, group, seq, hd).permute(0, 3, 1, 2, 4).reshape(bsz, seq, heads * hd)
