@@ -171,6 +171,29 @@ class Admission:
             DEFAULTS.max_prefill_tokens,
         )
 
+    def carry(self, req: Requests, r: int, idx: np.ndarray) -> np.ndarray:
+        """``paged``: a switch carries the KV of requests ``idx`` (in their old slot order) onto replica
+        ``r``; those that keep running there, as the engine's placement keeps them
+        (``rollout_worker.engine.migration.place``): one at a time, each when :func:`admit_counts` would
+        admit it beside those kept before it. They run at once, with no prefill (their KV is moved or
+        recomputed by the switch, which the switch's cost prices); the others wait, their KV dropped
+        (re-prefilled when admitted). Returns the kept ones."""
+        ps, free, n, left, keep = self.page_size, self.pages, 0, 0, []
+        for i, q in zip(idx.tolist(), self._reqs(req, idx, False), strict=True):
+            if admit_counts(n, left, [q], free, ps, self.ratio[r], self.max_batch, 1) == 1:
+                keep.append(i)
+                free -= pages_for(q.kv_len, ps)
+                n += 1
+                left += min(q.remaining, CLIP_MAX_NEW_TOKENS)
+        kept = np.asarray(keep, dtype=np.int64)
+        req.has_kv[np.setdiff1d(idx, kept)] = False
+        if kept.size:
+            req.status[kept] = RUNNING
+            req.has_kv[kept] = True
+            req.seq[kept] = np.arange(req.next_seq, req.next_seq + kept.size)
+            req.next_seq += kept.size
+        return kept
+
     def stepped(self, r: int, steps: int) -> None:
         """``steps`` decode steps of replica ``r`` retracted nothing: its ratio decays as the engine's."""
         if self.policy == "paged":

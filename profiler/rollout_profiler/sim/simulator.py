@@ -205,6 +205,9 @@ class Simulator:
         self._finished_at = np.where(req.status == DONE, 0, -1)  # engine step at which each finished
         live = np.nonzero(req.status != DONE)[0]
         req.rep[live] = balance(np.zeros(req.gen.size) if work is None else work, live, layout.replicas)
+        if start_gen > 0 and self.cfg.admission == "paged":  # their KV is there: they run, as after a switch
+            for d in range(layout.replicas):
+                self.mem.carry(req, d, live[req.rep[live] == d])
         self._reset_replicas(0.0)
         self.busy = 0.0
         self.timeline = [(0.0, int(live.size), layout.tp)]
@@ -346,8 +349,16 @@ class Simulator:
         req.qkey[unfinished[np.argsort(carried_first, kind="stable")]] = np.arange(
             unfinished.size, dtype=float
         )
+        old_rep, old_ratio = req.rep[running], max(self.mem.ratio)
         self.layout, self.mem = sw.layout, self._admission(sw.layout)
         req.rep[unfinished] = balance(sw.work, unfinished, sw.layout.replicas)
+        if self.cfg.admission == "paged":
+            # as the engine's switch: the new replicas start from the old ones' largest new-token ratio,
+            # and the carried requests that its placement keeps running run at once, without a prefill
+            self.mem.ratio = [old_ratio] * sw.layout.replicas
+            slots = running[np.lexsort((req.seq[running], old_rep))]  # old replica, then slot order
+            for d in range(sw.layout.replicas):
+                self.mem.carry(req, d, slots[req.rep[slots] == d])
         self._reset_replicas(t0 + ms, int(self._steps.max()))
         self.timeline.append(((t0 + ms) / 1e3, int(unfinished.size), sw.layout.tp))
         if controller is not None:

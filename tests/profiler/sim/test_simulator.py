@@ -115,6 +115,26 @@ def test_paged_pays_a_prefill_step_per_round_of_admissions() -> None:
     assert r.latency_s == pytest.approx(2 * (12 + 4 * 12) / 1e3)
 
 
+def test_paged_switch_carries_running_requests_without_a_prefill() -> None:
+    """As the engine's switch (``engine.migration.place``): the requests whose KV a switch carries keep
+    running on the new replicas when the admission rule admits them there, with no prefill step (the
+    switch's cost prices moving their KV); those that do not fit wait, their KV dropped, and are
+    re-prefilled when admitted."""
+    lines = {1: (10.0, 1.0), 2: (6.0, 1.0)}
+    wl = workload([1, 2, 3, 5, 6])
+    cfg = SimConfig(2, admission="paged")
+    sim = Simulator(LatencyModel(profile(lines, {1: 1000, 2: 2000})), wl, cfg)
+    r = sim.run(Layout(2, 1), name="s", controller=ScheduleController([(3, Layout(1, 2))]))
+    (ev,) = r.reconfigs
+    # 3 carried at 41 ms; then decode steps only, 6 + batch ms: 3, 2, 1, 1 running (no prefill round)
+    assert ev.time_s == pytest.approx(0.041) and ev.requests_running == 3
+    assert r.latency_s == pytest.approx((41 + 9 + 8 + 7 + 7) / 1e3)
+    assert r.recomputed_tokens == 0 and r.preemptions == 0
+    tight = Simulator(LatencyModel(profile(lines, {1: 1000, 2: 28})), wl, cfg)
+    t = tight.run(Layout(2, 1), name="s", controller=ScheduleController([(3, Layout(1, 2))]))
+    assert t.recomputed_tokens > 0 and t.latency_s > r.latency_s  # 28 tokens: not all 3 are kept
+
+
 def test_switch_when_two_are_left_pays_its_cost_and_free_switches_shift_the_run() -> None:
     lines = {1: (10.0, 1.0), 2: (6.0, 1.0)}
     sim = Simulator(LatencyModel(profile(lines)), workload([1, 2, 3, 5]), SimConfig(2, admission="engine"))
