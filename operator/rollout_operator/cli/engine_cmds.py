@@ -288,11 +288,14 @@ def bench_lossless_cmd(
         int, typer.Option(help="The longest request's cap (the shortest: an eighth).")
     ] = 48,
     work: Annotated[Path, typer.Option(help="Where checkpoints are cached.")] = Path("build/models"),
+    deterministic: Annotated[
+        bool, typer.Option(help="Also run DTYPE with the deterministic kernels (which must not differ).")
+    ] = True,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON here.")] = None,
 ) -> None:
     """Every layout of 2 and 4 ranks and two chains of switches mid-decode against the static TP=1 run:
-    the samples that differ and where, in DTYPE; fails when float64 differs anywhere or a switch did not
-    happen as planned."""
+    the samples that differ and where, in DTYPE; fails when float64 or the deterministic kernels differ
+    anywhere or a switch did not happen as planned."""
     from rollout_worker.engine.bench import ensure_model
     from rollout_worker.engine.bench_lossless import MIN_REQUESTS, run_lossless_bench
     from rollout_worker.engine.presets import preset_config
@@ -309,6 +312,8 @@ def bench_lossless_cmd(
         check_writable(json_out, "--json")
     preset_config(preset)  # an unknown preset is refused before anything is made
     model = ensure_model(preset, work)
-    report = run_lossless_bench(model, preset, prompts, requests, max_new_tokens, dtype, json_out, typer.echo)
+    report = run_lossless_bench(
+        model, preset, prompts, requests, max_new_tokens, dtype, json_out, typer.echo, deterministic
+    )
     if report["failures"]:
         raise typer.Exit(1)

@@ -109,6 +109,9 @@ def test_table_and_failures() -> None:
         "| float64 | 2x1 -m-> 1x2 -r-> 2x1 | 0/2 | - | 3, 1 |",
     ]
     assert failures(report) == []  # float32 may differ
+    report["runs"]["float32 deterministic"] = [record(CHAIN, ref, {"p0": [1, 2, 0], "p1": [4, 5, 6]}, evs, 1)]
+    assert failures(report) == ["float32 deterministic 2x1 -m-> 1x2 -r-> 2x1: 1 of 2 samples differ"]
+    del report["runs"]["float32 deterministic"]
     report["runs"]["float64"][1] = record(CHAIN, ref, {"p0": [1, 2, 3], "p1": [4, 5, 7]}, evs[:1], 1)
     assert failures(report) == [
         "float64 2x1 -m-> 1x2 -r-> 2x1: 1 of 2 samples differ",

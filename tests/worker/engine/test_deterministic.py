@@ -1,8 +1,8 @@
-"""Lossless in float32 (issue 19, item 1): with ``deterministic`` on, the same requests give identical tokens
-and bit-identical logprobs across every layout of 2 and 4 ranks and every transition (grow, shrink, migrate,
-recompute) on the real model, and across batch sizes 1 to 64, arrival orders, retraction and prefix sharing
-on ``tiny``; real gloo ranks. Without it, the same float32 runs differ (the control: the comparison can
-fail)."""
+"""Lossless in float32 (issue 19, item 1): with ``deterministic`` on, the same requests give identical
+tokens and bit-identical logprobs across every layout of 2 and 4 ranks and every transition (grow, shrink,
+migrate, recompute) on the real model and ``small``, and across batch sizes 1 to 64, arrival orders,
+retraction and prefix sharing on ``tiny``; real gloo ranks. Without it, the same float32 runs differ (the
+control: the comparison can fail)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import Sampling
 from rollout_worker.engine.batch import BatchResult
 from rollout_worker.engine.bench_lossless import CHAINS, REFERENCE, STATIC, Case, chat_requests, run_case
+from rollout_worker.engine.checkpoint import make_model
 
 from tests.worker.engine.engine_util import assert_chain_ran, requests, run
 
@@ -56,6 +57,24 @@ def test_real_model_every_layout_and_transition_is_bitwise_equal(
     assert outputs(res) == real_reference
     if case.switches:
         assert_chain_ran(case, res, {rid: toks for rid, (toks, _) in real_reference.items()})
+
+
+@pytest.fixture(scope="module")
+def small32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("models") / "small32"
+    make_model("small", 0, out, "float32")
+    return out
+
+
+def test_small_through_both_chains_is_bitwise_equal(small32: Path) -> None:
+    """``small`` (8 heads over 4 KV heads, 1536 intermediate): both chains of switches (every layout of 2
+    and 4 ranks on the way) against two TP=1 replicas."""
+    specs = logprobs(requests(16, 5, 4096))
+    ref = outputs(run_case(small32, REFERENCE, specs, "float32", deterministic=True))
+    for case in CHAINS:
+        res = run_case(small32, case, specs, "float32", deterministic=True)
+        assert outputs(res) == ref, case.name
+        assert_chain_ran(case, res, {rid: toks for rid, (toks, _) in ref.items()})
 
 
 def test_real_model_without_it_differs(

@@ -33,6 +33,7 @@ from rollout_worker.engine.tokenizer import TextCodec
 
 Echo = Callable[[str], Any]
 EXACT = "float64"
+DETERMINISTIC = " deterministic"  # the label's suffix of runs with the deterministic kernels: exact too
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,27 +187,30 @@ def problems(case: Case, events: list[dict[str, Any]], spanning: int) -> list[st
     return out
 
 
-def measure(model: Path, specs: list[RequestSpec], dtype: str, echo: Echo) -> list[dict[str, Any]]:
-    """Every case in ``dtype``, each against the static TP = 1 run's tokens."""
+def measure(model: Path, specs: list[RequestSpec], label: str, echo: Echo) -> list[dict[str, Any]]:
+    """Every case in the dtype ``label`` names (with the deterministic kernels when it ends with
+    ``DETERMINISTIC``), each against the static TP = 1 run's tokens."""
+    dtype = label.removesuffix(DETERMINISTIC)
     out: list[dict[str, Any]] = []
     reference: dict[str, list[int]] = {}
     for case in CASES:
         t0 = time.perf_counter()
-        res = run_case(model, case, specs, dtype)
+        res = run_case(model, case, specs, dtype, deterministic=label.endswith(DETERMINISTIC))
         if case == REFERENCE:
             reference = res.tokens()
         rec = compare(case, res, reference)
         out.append(rec)
-        echo(f"{row(dtype, rec)} {time.perf_counter() - t0:.1f} s")
+        echo(f"{row(label, rec)} {time.perf_counter() - t0:.1f} s")
     return out
 
 
 def failures(report: dict[str, Any]) -> list[str]:
-    """What makes the benchmark fail: any float64 difference, and any switch not as planned (any dtype)."""
+    """What makes the benchmark fail: any difference in float64 or with the deterministic kernels, and any
+    switch not as planned (any dtype)."""
     out = []
     for dtype, recs in report["runs"].items():
         for r in recs:
-            if dtype == EXACT and r["differ"]:
+            if (dtype == EXACT or dtype.endswith(DETERMINISTIC)) and r["differ"]:
                 out.append(f"{dtype} {r['run']}: {r['differ']} of {r['samples']} samples differ")
             out += [f"{dtype} {r['run']}: {p}" for p in r["problems"]]
     return out
@@ -246,9 +250,11 @@ def run_lossless_bench(
     dtype: str,
     json_out: Path | None,
     echo: Echo,
+    deterministic: bool = True,
 ) -> dict[str, Any]:
-    """``dtype`` measured, float64 checked (once when ``dtype`` is float64); the report with its
-    ``failures``."""
+    """``dtype`` measured with the default kernels and (``deterministic``) with the deterministic ones,
+    float64 checked (once when ``dtype`` is float64); the report with its ``failures``."""
+    labels = [dtype, *([dtype + DETERMINISTIC] if deterministic and dtype != EXACT else []), EXACT]
     specs = chat_requests(model, prompts, requests, max_new_tokens)
     report: dict[str, Any] = {
         "benchmark": "lossless",
@@ -256,7 +262,7 @@ def run_lossless_bench(
         "prompts": str(prompts),
         "requests": requests,
         "max_new_tokens": max_new_tokens,
-        "runs": {d: measure(model, specs, d, echo) for d in dict.fromkeys([dtype, EXACT])},
+        "runs": {d: measure(model, specs, d, echo) for d in dict.fromkeys(labels)},
     }
     report["failures"] = failures(report)
     echo("")
