@@ -8,13 +8,13 @@ logprob, in float32 as in float64. Each reduction whose order could change gets 
 - **Products whose rows are independent** (every column-parallel and replicated projection, the logits):
   the CPU BLAS (oneDNN/MKL sgemm, one thread per rank) computes a row the same way in every product of
   ``MIN_ROWS`` rows or more, at any position and next to any other rows, and a column the same way in any
-  slice of the weight's rows (measured: a row alone, among 1-3 rows and among 4+ rows are three different
+  slice of the weight's rows (measured: a row alone, among 2-3 rows and among 4+ rows are three different
   roundings); :func:`linear` pads a product of fewer rows to ``MIN_ROWS``.
 - **Row-parallel products** (attention output, MLP down), whose sum over K is split across ranks: K is cut
-  into fixed chunks whose bounds are every shard bound of every TP size the model may run at
-  (:func:`chunk_bounds`), each chunk's partial product is computed alone, the ranks all-gather the
-  partials and each adds them in one fixed tree (:func:`tree_sum`). The same chunks and the same tree on
-  every layout, instead of an all-reduce whose order the backend and the TP size choose.
+  into equal chunks that no layout the model may run at splits (:func:`chunk_bounds`), each chunk's
+  partial product is computed alone (:func:`partials`), the ranks all-gather the partials and each adds
+  them in one fixed tree (:func:`tree_sum`). The same chunks and the same tree on every layout, instead of
+  an all-reduce whose order the backend and the TP size choose.
 - **Attention**: a row's keys are cut into chunks of ``KEY_CHUNK`` positions; scores, the softmax's
   denominator and the weighted values are computed per chunk (shapes fixed by the chunk, query rows padded
   to ``MIN_ROWS``), and the chunks are added in :func:`tree_sum`'s tree, which a row's masked trailing

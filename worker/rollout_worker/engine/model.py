@@ -2,7 +2,9 @@
 
 Attention is written out explicitly and shared by prefill and decode: both write K/V into the paged pool at
 the tokens' slots and attend over the keys gathered from the pool, with a causal mask. The only TP code is
-two all-reduces per layer (after o_proj and down_proj) and one all-gather of the vocab-parallel logits. A
+two all-reduces per layer (after o_proj and down_proj; with the deterministic kernels of
+:mod:`~rollout_worker.engine.invariant`, all-gathers of fixed chunks' partial products added in one fixed
+order) and one all-gather of the vocab-parallel logits. A
 shard's width (its query and KV heads) comes from :mod:`~rollout_worker.engine.sharding`: whole heads,
 unevenly when the head counts do not divide TP, so each rank runs plain grouped-query attention over its
 own heads.
