@@ -394,6 +394,7 @@ def test_info_endpoints(server: Served) -> None:
     assert isinstance(info["internal_states"], list) and info["version"]
     # no KV budget: one replica's pool holds max_batch (64) requests of context_length + 1 tokens, pages of 1
     assert info["page_size"] == 1 and info["max_total_num_tokens"] == 64 * (info["context_length"] + 1)
+    assert info["enable_deterministic_inference"] is False
     assert server.get("/server_info").json()["tp_size"] == 1
     model = server.get("/get_model_info").json()
     assert model["model_path"] and model["is_generation"] is True

@@ -105,6 +105,7 @@ def _server_info(state: ServerState) -> dict[str, Any]:
         "enable_memory_saver": True,  # release / resume_memory_occupation are supported
         "memory_tags": list(MEMORY_TAGS),
         "disable_cuda_graph": not graphs,
+        "enable_deterministic_inference": cfg.engine.deterministic,  # SGLang's name of the setting
         "cuda_graph_max_bs": cfg.engine.max_batch if graphs else None,
         "host": s.host,
         "port": s.port,
