@@ -15,10 +15,11 @@ logprob, in float32 as in float64. Each reduction whose order could change gets 
   partial product is computed alone (:func:`partials`), the ranks all-gather the partials and each adds
   them in one fixed tree (:func:`tree_sum`). The same chunks and the same tree on every layout, instead of
   an all-reduce whose order the backend and the TP size choose.
-- **Attention**: a row's keys are cut into chunks of ``KEY_CHUNK`` positions; scores, the softmax's
-  denominator and the weighted values are computed per chunk (shapes fixed by the chunk, query rows padded
-  to ``MIN_ROWS``), and the chunks are added in :func:`tree_sum`'s tree, which a row's masked trailing
-  chunks (exact zeros) do not change. The row's maximum is exact in any order.
+- **Attention**: the scores are one product per KV head (their sum runs over the head dimension, whatever
+  the number of keys); the softmax's denominator and the weighted values are summed per chunk of
+  ``KEY_CHUNK`` keys (query rows padded to ``MIN_ROWS``), and the chunks are added in :func:`tree_sum`'s
+  tree, which a row's masked trailing chunks (exact zeros) do not change. The row's maximum is exact in any
+  order.
 - RMSNorm's mean, the elementwise functions and the sampler (float64) are already per-row and fixed.
 
 On CUDA the same code runs but cuBLAS chooses its kernels by shape in other ways: the guarantee is measured
@@ -39,7 +40,7 @@ from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.engine.sharding import q_head_range
 
 MIN_ROWS = 4  # products of fewer rows take another BLAS kernel (1 row: gemv; 2-3 rows: a small-M kernel)
-KEY_CHUNK = 64  # keys per attention chunk (a multiple of the vector width: no scalar tail in exp)
+KEY_CHUNK = 128  # keys per attention chunk (a multiple of the vector width: no scalar tail in exp)
 TP_SIZES = (1, 2, 4, 8)  # chunk bounds cover these TP sizes (and every divisor of the engine's ranks)
 
 
@@ -150,12 +151,19 @@ def gathered(parts: list[torch.Tensor], chunks: Chunks) -> torch.Tensor:
     return torch.cat([p[:n] for p, n in zip(parts, chunks.per_shard, strict=True)])
 
 
+def key_span(length: int) -> int:
+    """Keys a row attends over, rounded up to whole chunks (gather the pool's padding slots rather than pad
+    the gathered keys: one copy instead of two)."""
+    return max(math.ceil(length / KEY_CHUNK), 1) * KEY_CHUNK
+
+
 def attend(
     q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Attention of q [B, S, H, hd] over keys/vals [B, KVh, L, hd] under mask [B, 1, S, L] (a query's
     visible keys): [B, S, H * hd], each query row bitwise independent of B, S, L and the other rows. Head
-    ``h`` uses KV head ``h // (H // KVh)``, as in grouped-query attention."""
+    ``h`` uses KV head ``h // (H // KVh)``, as in grouped-query attention. The scores are one product per
+    (row, KV head) (a score's sum runs over ``hd`` whatever L is); the sums over keys run per chunk."""
     bsz, seq, heads, hd = q.shape
     kvh, length = keys.shape[1], keys.shape[2]
     group = heads // kvh
@@ -165,20 +173,16 @@ def attend(
     if rows < MIN_ROWS:
         qg = torch.cat((qg, qg.new_zeros(bsz, kvh, MIN_ROWS - rows, hd)), dim=2)
         vis = torch.cat((vis, vis.new_ones(bsz, 1, MIN_ROWS - rows, length)), dim=2)
-    n = max(math.ceil(length / KEY_CHUNK), 1)
-    pad = n * KEY_CHUNK - length
-    if pad:
-        keys = F.pad(keys, (0, 0, 0, pad))
-        vals = F.pad(vals, (0, 0, 0, pad))
-        vis = F.pad(vis, (0, pad), value=False)
-    kc = keys.view(bsz, kvh, n, KEY_CHUNK, hd)
-    vc = vals.view(bsz, kvh, n, KEY_CHUNK, hd)
-    vis = vis.view(bsz, 1, vis.shape[2], n, KEY_CHUNK).transpose(2, 3)  # [B, 1, n, rows, C]
-    scores = torch.matmul(qg[:, :, None], kc.transpose(-1, -2))  # [B, KVh, n, rows, C]
-    scores = scores.masked_fill(~vis, float("-inf"))
-    top = scores.amax(dim=(2, 4), keepdim=True)  # exact in any order
-    e = torch.exp(scores - top)
+    span = key_span(length)
+    if span > length:
+        keys = F.pad(keys, (0, 0, 0, span - length))
+        vals = F.pad(vals, (0, 0, 0, span - length))
+        vis = F.pad(vis, (0, span - length), value=False)
+    n, padded = span // KEY_CHUNK, qg.shape[2]
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).masked_fill(~vis, float("-inf"))  # [B, KVh, rows, L]
+    top = scores.amax(dim=-1, keepdim=True)  # exact in any order
+    e = torch.exp(scores - top).view(bsz, kvh, padded, n, KEY_CHUNK).transpose(2, 3)  # [B, KVh, n, rows, C]
     den = tree_sum(e.sum(-1).movedim(2, 0))  # [B, KVh, rows]
-    num = tree_sum(torch.matmul(e, vc).movedim(2, 0))  # [B, KVh, rows, hd]
+    num = tree_sum(torch.matmul(e, vals.view(bsz, kvh, n, KEY_CHUNK, hd)).movedim(2, 0))  # [B, KVh, rows, hd]
     out = (num / den[..., None])[:, :, :rows]
     return out.view(bsz, kvh, group, seq, hd).permute(0, 3, 1, 2, 4).reshape(bsz, seq, heads * hd)
