@@ -60,6 +60,7 @@ def test_generate_refuses_two_reconfigurations_at_one_threshold(
     ("flags", "message"),
     [
         (["--ranks", "0"], "--ranks: must be >= 1, got 0"),
+        (["--ranks", str(10**15)], "--ranks: must be <= 64 (the ranks of one engine), got 1000000000000000"),
         (["--steps", "0"], "--steps: must be >= 1, got 0"),
         (["--shard-equivalent", "--gpus", "0"], "--gpus: must be >= 1, got 0"),
         (["--device", "tpu"], "--device: must be one of cpu, cuda"),

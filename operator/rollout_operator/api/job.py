@@ -40,7 +40,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 from rollout_worker.api.engine_settings import Dtype, EngineSettings
 from rollout_worker.api.errors import FieldAt
-from rollout_worker.api.layout import Layout, coerce_layout
+from rollout_worker.api.layout import MAX_RANKS, Layout, coerce_layout
 from rollout_worker.api.sidecar import SamplingSettings
 
 API_VERSION = "elasticrollout.dev/v1alpha1"
@@ -174,7 +174,7 @@ class RolloutJobSpec(_Spec):
     model: ModelSpec
     engine: EngineSpec = EngineSpec()
     pods: int = Field(1, ge=1, le=1024)
-    gpus_per_pod: int = Field(1, ge=1, le=64, description="Engine ranks per pod.")
+    gpus_per_pod: int = Field(1, ge=1, le=MAX_RANKS, description="Engine ranks per pod.")
     mode: Literal["job", "service"] = Field(
         "job",
         description="job: each pod's sidecar submits its shard of `prompts` and writes the samples; service: "

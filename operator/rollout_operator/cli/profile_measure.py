@@ -47,10 +47,13 @@ def comm_table(path: Path | None) -> tuple[list[tuple[int, float]], str]:
 def check_options(opts: dict[str, Any]) -> None:
     """Every flag that can be wrong, before a model is made or a rank starts."""
     from rollout_worker.api.engine_settings import DEVICES
+    from rollout_worker.api.layout import MAX_RANKS
 
     for flag in ("ranks", "steps", "gpus"):
         if opts[flag] < 1:
             raise UserError(f"must be >= 1, got {opts[flag]}", "--" + flag)
+    if opts["ranks"] > MAX_RANKS:
+        raise UserError(f"must be <= {MAX_RANKS} (the ranks of one engine), got {opts['ranks']}", "--ranks")
     if opts["device"] not in DEVICES:
         raise UserError(f"must be one of {', '.join(DEVICES)}, got {opts['device']!r}", "--device")
     if opts["device"] == "cuda":

@@ -60,6 +60,9 @@ class Layout:
         return [self.ranks_of(d) for d in range(self.replicas)]
 
 
+MAX_RANKS = 64  # rank processes of one engine: a pod's GPUs (the job's gpusPerPod, an engine's --ranks)
+
+
 def tp_problem(tp: int, num_heads: int, vocab_size: int) -> str | None:
     """Why a model of this shape cannot run at TP size ``tp`` (heads, vocabulary), or None when it can.
 
@@ -80,7 +83,7 @@ def candidate_layouts(world: int, num_heads: int, vocab_size: int) -> list[Layou
     that says which layouts exist: the engine, the planner and the simulator all call it."""
     return [
         Layout(world // tp, tp)
-        for tp in range(1, world + 1)
+        for tp in range(1, min(world, num_heads) + 1)  # (a larger TP size leaves a rank without a head)
         if world % tp == 0 and tp_problem(tp, num_heads, vocab_size) is None
     ]
 

@@ -10,7 +10,7 @@ from typing import Any
 from rollout_worker.api.costs import DEFAULT_COSTS, CostModel
 from rollout_worker.api.engine_settings import DEFAULTS, DTYPES, EngineSettings, parse_settings
 from rollout_worker.api.errors import UserError
-from rollout_worker.api.layout import Layout
+from rollout_worker.api.layout import MAX_RANKS, Layout
 from rollout_worker.api.model_config import ModelConfig
 
 
@@ -33,6 +33,8 @@ class EngineConfig:
         m = self.model
         if self.world < 1:
             raise UserError(f"must be >= 1, got {self.world}", "ranks")
+        if self.world > MAX_RANKS:
+            raise UserError(f"must be <= {MAX_RANKS} (the ranks of one engine), got {self.world}", "ranks")
         if self.layout.world != self.world:
             raise UserError(
                 f"{self.layout} uses {self.layout.world} ranks (D x T), but the engine has {self.world}",
