@@ -67,5 +67,6 @@ def test_a_killed_rank_fails_the_engine_at_once_and_is_named_first(
     assert time.monotonic() - exited < FAILED_WITHIN_S
     failure = eng.status.failure or ""
     assert failure.startswith("rank 1 was killed by signal 9"), failure
+    wait_until(lambda: any(u.finish is not None for u in updates), what="the request's end", timeout=10)
     finish = [u.finish for u in updates if u.finish is not None]
     assert len(finish) == 1 and "rank 1 was killed by signal 9" in str(finish[0]), finish
