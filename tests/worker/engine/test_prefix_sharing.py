@@ -126,9 +126,11 @@ def test_shared_prefixes_survive_every_transition(
     triggers = [f"{n}:{Layout.parse(lay).tp}:{m}" for n, lay, m in zip(at, chain, methods, strict=False)]
     res = run(tiny64, world, src, triggers, specs=_groups(), page_size=4)
     assert tokens(res) == unshared
-    assert [(str(e.dst), e.method, e.outcome) for e in res.reconfigs] == [
-        (lay, m, "committed") for lay, m in zip(chain, methods, strict=True)
-    ]
+    # a plan fires the lowest threshold reached when requests finish past several at once (the README), so
+    # under load one planned switch may be skipped: the rest happen in order, each committed
+    planned = iter([(lay, m, "committed") for lay, m in zip(chain, methods, strict=True)])
+    got = [(str(e.dst), e.method, e.outcome) for e in res.reconfigs]
+    assert len(got) >= len(chain) - 1 and all(g in planned for g in got), got
     for e in res.reconfigs:  # each switch carried requests mid-decode, sharing pages
         assert e.requests_mid_decode > 0, e
         if e.method == "migrate" and (str(e.src), str(e.dst)) != ("1x4", "2x2"):
