@@ -48,14 +48,20 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     """``F.linear`` whose rows are each bitwise independent of the rest of the batch: always one 2-D
     product of at least ``MIN_ROWS`` rows (a 3-D input that does not fold into 2-D by its strides would
     otherwise be multiplied as a batch of 1-row products)."""
-    k = x.shape[-1]
-    rows = x.numel() // k if k else 0
-    if rows == 0:
+    if x.numel() == 0:
         return F.linear(x, w, b)
+    flat, rows = _rows(x)
+    return F.linear(flat, w, b)[:rows].reshape(*x.shape[:-1], w.shape[0])
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """x [*rows, K] as one 2-D matrix of at least ``MIN_ROWS`` rows (zeros appended), and its row count."""
+    k = x.shape[-1]
+    rows = x.numel() // k
     flat = x.reshape(rows, k)
     if rows < MIN_ROWS:
         flat = torch.cat((flat, flat.new_zeros(MIN_ROWS - rows, k)))
-    return F.linear(flat, w, b)[:rows].reshape(*x.shape[:-1], w.shape[0])
+    return flat, rows
 
 
 def tree_sum(parts: torch.Tensor) -> torch.Tensor:
@@ -136,11 +142,8 @@ def mlp_shards(cfg: ModelConfig, tp: int) -> list[tuple[int, int]]:
 def partials(x: torch.Tensor, w: torch.Tensor, chunks: Chunks) -> torch.Tensor:
     """[chunks, *rows, out]: each local chunk's partial product of x [*rows, K_shard] and w [out, K_shard],
     as one batched product of at least ``MIN_ROWS`` rows over strided views (no copy of the weight)."""
-    k, n, width = x.shape[-1], chunks.local, chunks.width
-    rows = x.numel() // k
-    flat = x.reshape(rows, k)
-    if rows < MIN_ROWS:
-        flat = torch.cat((flat, flat.new_zeros(MIN_ROWS - rows, k)))
+    n, width = chunks.local, chunks.width
+    flat, rows = _rows(x)
     xc = flat.view(flat.shape[0], n, width).transpose(0, 1)  # [n, rows, width]
     wc = w.view(w.shape[0], n, width).permute(1, 2, 0)  # [n, width, out]
     return torch.bmm(xc, wc)[:, :rows].reshape(n, *x.shape[:-1], w.shape[0])
