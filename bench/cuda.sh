@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# The CUDA path on a GPU machine (README, "The CUDA path"): the GPU tests, then the step-time table of
-# Llama-3.1-8B's shape in bfloat16, eager against CUDA graphs, with a profile of where each step goes.
-# Usage (repository root, on the GPU machine): [OUT=DIR] bench/cuda.sh [tests] [bench]
+# The CUDA path on a GPU machine (README, "The CUDA path"), in parts, each under its own time limit:
+#   tests          the GPU tests (bfloat16, ranks sharing the GPU, CUDA graphs, paged attention against the
+#                  CPU path, the deterministic kernels' batch invariance)
+#   invariance     which kernels round a row by its batch on this GPU (bench/cuda_invariance.py)
+#   bench          Llama-3.1-8B's shape in bfloat16, eager against CUDA graphs, with a profile of each step
+#   deterministic  the same shape, the deterministic kernels against the default ones
+#   slab           the dense slab of 5904b9b (its worker/ tree in .slab/) at batch 64 and 256, for the paged
+#                  engine's figures of the same call
+# Usage (repository root, on the GPU machine): [OUT=DIR] bench/cuda.sh [PART ...]   (default: all)
 # Uses the machine's own torch; our small pure-Python dependencies come as wheels in .whl/ when present.
 set -uo pipefail
 out=${OUT:-build/cuda}
@@ -10,26 +16,50 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site
 fi
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/worker:$PWD/profiler:$PWD/operator:$PWD"
+root="$PWD"
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$root/worker:$root/profiler:$root/operator:$root"
 export PYTHONUNBUFFERED=1
+py=$(python3 -c 'import sys; print(sys.executable)')
+cli="$(dirname "$py")/rolloutctl"  # the servers the tests start run the console script next to python
+[ -x "$cli" ] || printf '#!/bin/sh\nexec "%s" -m rollout_operator.cli.main "$@"\n' "$py" >"$cli" && chmod +x "$cli"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
+bench_engine() {  # bench engine of Llama-3.1-8B's shape, bfloat16, one rank: SECONDS NAME ARGS...
+  local limit=$1 name=$2
+  shift 2
+  timeout "$limit" python3 -m rollout_operator.cli.main bench engine --device cuda --preset llama-3.1-8b --dtype bfloat16 \
+    --ranks 1 "$@" --json "$out/bench-engine-$name-$gpu.json" 2>&1 | tee "$out/bench-engine-$name.log"
+}
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests bench)
+[ ${#parts[@]} -eq 0 ] && parts=(tests invariance bench deterministic slab)
 rc=0
 for what in "${parts[@]}"; do
+  echo "=== $what ($(date +%T))"
   case "$what" in
     tests)
-      timeout 300 python3 -m pytest -p no:cacheprovider -m gpu tests/worker/engine/test_gpu.py -v -rs 2>&1 \
-        | tee "$out/gpu-tests.log"
-      rc=$(( rc || PIPESTATUS[0] )) ;;
+      timeout 240 python3 -m pytest -p no:cacheprovider -m gpu tests/worker/engine/test_gpu.py -v -rs -s \
+        --timeout 120 2>&1 | tee "$out/gpu-tests.log"
+      rc=$((rc || PIPESTATUS[0])) ;;
+    invariance)
+      timeout 120 python3 bench/cuda_invariance.py "$out/cuda-invariance-$gpu.json" 2>&1 | tee "$out/invariance.log"
+      rc=$((rc || PIPESTATUS[0])) ;;
     bench)
-      timeout 420 python3 -m rollout_operator.cli.main bench engine --device cuda --preset llama-3.1-8b \
-        --dtype bfloat16 --ranks 1 --batch 1,8,32,64,128,256 --context 512,4096 --steps 20 --runs 3 \
-        --cuda-graphs both --breakdown --json "$out/bench-engine-llama-3.1-8b-h100.json" 2>&1 \
-        | tee "$out/bench-engine.log"
-      rc=$(( rc || PIPESTATUS[0] )) ;;
-    *) echo "unknown part $what (tests | bench)"; exit 2 ;;
+      bench_engine 300 graphs --batch 1,8,32,64,128,256 --context 512,4096 --steps 20 --runs 2 \
+        --cuda-graphs both --breakdown
+      rc=$((rc || PIPESTATUS[0])) ;;
+    deterministic)
+      bench_engine 200 deterministic --batch 1,16,64 --context 512,4096 --steps 20 --runs 2 \
+        --deterministic both
+      rc=$((rc || PIPESTATUS[0])) ;;
+    slab)
+      [ -d .slab/worker ] || { echo "slab: no .slab/ (git archive 5904b9b worker operator profiler | tar -x -C .slab)"; exit 2; }
+      (
+        export PYTHONPATH="${PYTHONPATH//$root\//$root/.slab/}"
+        bench_engine 200 slab --batch 64,256 --context 512,4096 --steps 20 --runs 2
+      )
+      rc=$((rc || $?)) ;;
+    *) echo "unknown part $what (tests | invariance | bench | deterministic | slab)"; exit 2 ;;
   esac
 done
 exit $rc

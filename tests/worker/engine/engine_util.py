@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from rollout_worker.api.layout import Layout
 from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.api.plan import Trigger
 from rollout_worker.api.requests import RequestSpec, parse_request
+from rollout_worker.api.sampling import Sampling
 from rollout_worker.engine.batch import BatchResult, run_batch
 from rollout_worker.engine.bench_lossless import Case, compare
 from rollout_worker.engine.checkpoint import CheckpointReader
@@ -36,6 +38,21 @@ def requests(n: int = 16, seed: int = 0, vocab: int = 512) -> list[RequestSpec]:
             obj.update(temperature=0.9, top_p=0.95, top_k=50 if i % 3 else 0, seed=1000 + i)
         specs.append(parse_request(obj, f"req {i}", None, vocab))
     return specs
+
+
+def grpo_groups(prompts: list[RequestSpec], samples: int = 8) -> list[RequestSpec]:
+    """GRPO's groups: ``samples`` sampled continuations of each prompt (same prompt, own seed), each run to
+    its length."""
+    return [
+        dataclasses.replace(
+            p,
+            id=f"{p.id}-s{j}",
+            sampling=Sampling(temperature=0.9, top_p=0.95, seed=100 * i + j),
+            ignore_eos=True,
+        )
+        for i, p in enumerate(prompts)
+        for j in range(samples)
+    ]
 
 
 def config(model: Path, world: int, layout: str, **kw: Any) -> EngineConfig:

@@ -13,12 +13,11 @@ from typing import Any
 import pytest
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.requests import RequestSpec
-from rollout_worker.api.sampling import Sampling
 from rollout_worker.engine.batch import BatchResult
 from rollout_worker.engine.bench_lossless import CHAINS, REFERENCE, STATIC, Case, chat_requests, run_case
 from rollout_worker.engine.checkpoint import make_model
 
-from tests.worker.engine.engine_util import assert_chain_ran, requests, run
+from tests.worker.engine.engine_util import assert_chain_ran, grpo_groups, requests, run
 
 pytestmark = pytest.mark.multiproc
 
@@ -109,17 +108,7 @@ def test_batch_sizes_and_arrival_order_change_nothing(tiny32: Path) -> None:
 def test_retraction_and_prefix_sharing_change_nothing(tiny32: Path) -> None:
     """GRPO groups (8 samples of each of 4 prompts) with the prefix cache on and off, and with a KV pool
     so small that decode steps retract requests (re-prefilled later from prompt + output)."""
-    base = _tiny(4, 3)
-    specs = [
-        dataclasses.replace(
-            p,
-            id=f"{p.id}-s{j}",
-            sampling=Sampling(temperature=0.9, top_p=0.95, seed=100 * i + j),
-            ignore_eos=True,
-        )
-        for i, p in enumerate(base)
-        for j in range(8)
-    ]
+    specs = grpo_groups(_tiny(4, 3))
     ref = outputs(_run(tiny32, "1x1", specs, prefix_cache=False))
     shared = _run(tiny32, "1x1", specs, page_size=4)
     assert outputs(shared) == ref and sum(o["cached_tokens"] for o in shared.outputs) > 0

@@ -5,6 +5,7 @@ somewhere: that is what the invariant kernel is for, and it shows the comparison
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from rollout_worker.api.model_config import ModelConfig
@@ -177,3 +178,21 @@ def test_attention_row_does_not_depend_on_batch_padding_prefill_or_tp() -> None:
             got = inv.attend(q[:, :, qlo:qhi], k[:, klo:khi], v[:, klo:khi], causal[..., -1:, :], 0.125)
             assert torch.equal(got, ref[..., qlo * hd : qhi * hd]), (tp, s)
     assert default_differs  # SDPA's sums change with the padded key length
+
+
+def test_cuda_row_blocks_are_fixed_and_reassembled_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA every product has exactly ``CUDA_ROWS`` rows per block (one cuBLAS kernel whatever the
+    batch; measured on a GPU in test_gpu.py). The padding rule, and the blocks' reassembly run here on CPU
+    (the split forced): each row's result is the unblocked product's, in order, for 1 to 3 blocks."""
+    assert [inv.padded_rows(n, cuda=True) for n in (1, 127, 128, 129, 300)] == [128, 128, 128, 256, 384]
+    assert [inv.padded_rows(n, cuda=False) for n in (1, 3, 4, 63)] == [4, 4, 4, 63]
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(24, 64, generator=gen, dtype=torch.float64)
+    chunks = inv.Chunks(16, (4,), 0)
+    monkeypatch.setattr(inv, "_blocks", lambda flat: flat.split(8))
+    for rows in (1, 8, 9, 20):
+        x = torch.randn(rows, 64, generator=gen, dtype=torch.float64)
+        assert torch.allclose(inv.linear(x, w), F.linear(x, w), rtol=0, atol=1e-12)
+        parts = inv.partials(x, w, chunks)
+        assert parts.shape == (4, rows, 24)
+        assert torch.allclose(parts.sum(0), F.linear(x, w), rtol=0, atol=1e-12)

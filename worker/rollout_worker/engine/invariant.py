@@ -22,8 +22,13 @@ logprob, in float32 as in float64. Each reduction whose order could change gets 
   order.
 - RMSNorm's mean, the elementwise functions and the sampler (float64) are already per-row and fixed.
 
-On CUDA the same code runs but cuBLAS chooses its kernels by shape in other ways: the guarantee is measured
-on CPU only.
+On CUDA, cuBLAS chooses a GEMM kernel (tile shape, split-K) by the product's shape, so a row's rounding
+follows the batch size; and torch's reductions pick their thread layout by the number of rows. So on CUDA
+every product runs in blocks of exactly ``CUDA_ROWS`` rows (padded with zeros: one shape, one kernel, and a
+decode batch of up to ``CUDA_ROWS`` rows costs what one row costs while the weights' reads bound the step),
+and the sums over a row (RMSNorm's mean, the softmax's denominator) are fixed pairwise trees of elementwise
+adds (:func:`mean_last`, :func:`sum_last`). Measured on a GPU at TP 1 (``tests/worker/engine/test_gpu.py``);
+TP > 1 on CUDA is not claimed (a column shard is a product of another width).
 """
 
 from __future__ import annotations
@@ -40,28 +45,50 @@ from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.engine.sharding import q_head_range
 
 MIN_ROWS = 4  # products of fewer rows take another BLAS kernel (1 row: gemv; 2-3 rows: a small-M kernel)
+CUDA_ROWS = (
+    128  # rows of every product on CUDA (one GEMM shape; still bound by the weights' reads on an H200)
+)
 KEY_CHUNK = 128  # keys per attention chunk (a multiple of the vector width: no scalar tail in exp)
 TP_SIZES = (1, 2, 4, 8)  # chunk bounds cover these TP sizes (and every divisor of the engine's ranks)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` whose rows are each bitwise independent of the rest of the batch: always one 2-D
-    product of at least ``MIN_ROWS`` rows (a 3-D input that does not fold into 2-D by its strides would
+    """``F.linear`` whose rows are each bitwise independent of the rest of the batch: always 2-D products of
+    one fixed row count (:func:`_rows`; a 3-D input that does not fold into 2-D by its strides would
     otherwise be multiplied as a batch of 1-row products)."""
     if x.numel() == 0:
         return F.linear(x, w, b)
     flat, rows = _rows(x)
-    return F.linear(flat, w, b)[:rows].reshape(*x.shape[:-1], w.shape[0])
+    out = _cat([F.linear(block, w, b) for block in _blocks(flat)], 0)
+    return out[:rows].reshape(*x.shape[:-1], w.shape[0])
+
+
+def padded_rows(rows: int, cuda: bool) -> int:
+    """The rows a product of ``rows`` rows is computed with: at least ``MIN_ROWS`` on CPU (MKL computes a
+    row the same way in any product of that many rows or more); a multiple of ``CUDA_ROWS`` on CUDA."""
+    if cuda:
+        return max(math.ceil(rows / CUDA_ROWS), 1) * CUDA_ROWS
+    return max(rows, MIN_ROWS)
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """x [*rows, K] as one 2-D matrix of at least ``MIN_ROWS`` rows (zeros appended), and its row count."""
+    """x [*rows, K] as one 2-D matrix of :func:`padded_rows` rows (zeros appended), and its row count."""
     k = x.shape[-1]
     rows = x.numel() // k
     flat = x.reshape(rows, k)
-    if rows < MIN_ROWS:
-        flat = torch.cat((flat, flat.new_zeros(MIN_ROWS - rows, k)))
+    want = padded_rows(rows, x.is_cuda)
+    if want > rows:
+        flat = torch.cat((flat, flat.new_zeros(want - rows, k)))
     return flat, rows
+
+
+def _blocks(flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The row blocks a padded matrix is multiplied in: ``CUDA_ROWS`` each on CUDA, the whole on CPU."""
+    return flat.split(CUDA_ROWS) if flat.is_cuda else (flat,)
+
+
+def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
 def tree_sum(parts: torch.Tensor) -> torch.Tensor:
@@ -72,6 +99,17 @@ def tree_sum(parts: torch.Tensor) -> torch.Tensor:
             parts = torch.cat((parts, torch.zeros_like(parts[:1])))
         parts = parts[0::2] + parts[1::2]
     return parts[0]
+
+
+def sum_last(x: torch.Tensor) -> torch.Tensor:
+    """The sum over the last dimension: torch's on CPU (vectorised the same way for every row), a fixed
+    pairwise tree of elementwise adds on CUDA (whose reduction kernels lay out threads by the row count)."""
+    return tree_sum(x.movedim(-1, 0)) if x.is_cuda else x.sum(-1)
+
+
+def mean_last(x: torch.Tensor) -> torch.Tensor:
+    """The mean over the last dimension, kept (RMSNorm's), each row's the same whatever the batch."""
+    return (sum_last(x) / x.shape[-1])[..., None] if x.is_cuda else x.mean(-1, keepdim=True)
 
 
 def chunk_bounds(
@@ -144,9 +182,9 @@ def partials(x: torch.Tensor, w: torch.Tensor, chunks: Chunks) -> torch.Tensor:
     as one batched product of at least ``MIN_ROWS`` rows over strided views (no copy of the weight)."""
     n, width = chunks.local, chunks.width
     flat, rows = _rows(x)
-    xc = flat.view(flat.shape[0], n, width).transpose(0, 1)  # [n, rows, width]
     wc = w.view(w.shape[0], n, width).permute(1, 2, 0)  # [n, width, out]
-    return torch.bmm(xc, wc)[:, :rows].reshape(n, *x.shape[:-1], w.shape[0])
+    xcs = [b.view(b.shape[0], n, width).transpose(0, 1) for b in _blocks(flat)]  # [n, rows, width]
+    return _cat([torch.bmm(xc, wc) for xc in xcs], 1)[:, :rows].reshape(n, *x.shape[:-1], w.shape[0])
 
 
 def gathered(parts: list[torch.Tensor], chunks: Chunks) -> torch.Tensor:
@@ -185,7 +223,7 @@ def attend(
     scores = torch.matmul(qg, keys.transpose(-1, -2)).masked_fill(~vis, float("-inf"))  # [B, KVh, rows, L]
     top = scores.amax(dim=-1, keepdim=True)  # exact in any order
     e = torch.exp(scores - top).view(bsz, kvh, padded, n, KEY_CHUNK).transpose(2, 3)  # [B, KVh, n, rows, C]
-    den = tree_sum(e.sum(-1).movedim(2, 0))  # [B, KVh, rows]
+    den = tree_sum(sum_last(e).movedim(2, 0))  # [B, KVh, rows]
     num = tree_sum(torch.matmul(e, vals.view(bsz, kvh, n, KEY_CHUNK, hd)).movedim(2, 0))  # [B, KVh, rows, hd]
     out = (num / den[..., None])[:, :, :rows]
     return out.view(bsz, kvh, group, seq, hd).permute(0, 3, 1, 2, 4).reshape(bsz, seq, heads * hd)

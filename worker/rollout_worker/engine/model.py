@@ -45,6 +45,10 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv
 
 
+def _mean_last(x: torch.Tensor) -> torch.Tensor:
+    return x.mean(-1, keepdim=True)
+
+
 @dataclass(slots=True)
 class Layer:
     ln1: torch.Tensor
@@ -77,6 +81,7 @@ class Decoder:
         row-parallel chunks; None: the BLAS's and the backend's own orders."""
         self.cfg, self.ps = cfg, ps
         self.linear = invariant.linear if chunks else F.linear
+        self.mean_last = invariant.mean_last if chunks else _mean_last
         self.o_chunks = self.down_chunks = None
         if chunks:
             self.o_chunks = invariant.Chunks.of(chunks.attn_out, invariant.attn_shards(cfg, ps.tp), ps.shard)
@@ -123,7 +128,7 @@ class Decoder:
 
     def rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         h = x.to(self.norm_dtype)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
+        h = h * torch.rsqrt(self.mean_last(h.pow(2)) + self.cfg.rms_norm_eps)
         return w * h.to(x.dtype)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

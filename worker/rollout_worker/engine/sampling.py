@@ -108,7 +108,10 @@ def _draw(row: torch.Tensor, p: Sampling, u: float, want_logprob: bool, top_n: i
         probs = probs[: p.top_k]
     if p.top_p < 1.0:
         cum = torch.cumsum(probs, dim=0)
-        keep = int(torch.searchsorted(cum, torch.tensor([p.top_p], dtype=cum.dtype)).item()) + 1
+        keep = (
+            int(torch.searchsorted(cum, torch.tensor([p.top_p], dtype=cum.dtype, device=cum.device)).item())
+            + 1
+        )
         probs = probs[:keep]
     if p.min_p > 0.0:
         probs = probs[probs >= p.min_p * probs[0]]
@@ -117,7 +120,11 @@ def _draw(row: torch.Tensor, p: Sampling, u: float, want_logprob: bool, top_n: i
     if not 0.0 < total < float("inf"):
         raise ValueError(f"the sampling distribution sums to {total} (temperature {p.temperature})")
     pick = min(
-        int(torch.searchsorted(cum, torch.tensor([u * total], dtype=cum.dtype), right=True).item()),
+        int(
+            torch.searchsorted(
+                cum, torch.tensor([u * total], dtype=cum.dtype, device=cum.device), right=True
+            ).item()
+        ),
         probs.numel() - 1,
     )
     tok = int(order[pick].item())
