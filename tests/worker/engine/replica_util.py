@@ -8,6 +8,7 @@ import torch
 from rollout_worker.api.kv_schedule import SGLANG_RATIO, RatioPolicy
 from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.engine.checkpoint import CheckpointReader
+from rollout_worker.engine.invariant import RowChunks
 from rollout_worker.engine.kvcache import KVPool
 from rollout_worker.engine.model import Decoder
 from rollout_worker.engine.parallel import SINGLE
@@ -22,11 +23,13 @@ def replica(
     ratio: RatioPolicy = SGLANG_RATIO,
     max_batch: int = 8,
     prefix_cache: bool = True,
+    dtype: torch.dtype = torch.float64,
+    deterministic: bool = False,
 ) -> Replica:
     cfg = ModelConfig.load(model_dir)
     cpu = torch.device("cpu")
-    w = load_shard(CheckpointReader(model_dir, cfg), cfg, 1, 0, torch.float64, cpu)
-    dec = Decoder(cfg, w, SINGLE)
+    w = load_shard(CheckpointReader(model_dir, cfg), cfg, 1, 0, dtype, cpu)
+    dec = Decoder(cfg, w, SINGLE, RowChunks.of(cfg, 1) if deterministic else None)
     pool = KVPool(
         cfg.num_layers,
         cfg.num_kv_heads,
@@ -35,7 +38,7 @@ def replica(
         pages,
         max_batch,
         256,
-        torch.float64,
+        dtype,
         cpu,
         prefix_cache,
     )

@@ -54,6 +54,7 @@ class KVPool:
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.table = torch.zeros((0, 0), dtype=torch.long, device=device)
+        self.version = 0  # bumped by every write a GatheredKV does not mirror (see there)
 
     @property
     def tokens(self) -> int:
@@ -126,6 +127,7 @@ class KVPool:
             for dst, src in zip((*self.k, *self.v), old, strict=True):
                 dst[:n] = src
         self.held = new
+        self.version += 1
 
     def slots(self, pages: list[int]) -> torch.Tensor:
         """Token slots of every position ``pages`` hold, in order (on the pool's device)."""
@@ -176,6 +178,7 @@ class KVPool:
             raise RuntimeError(f"cannot release a KV pool with {self.shared.held} page(s) in use")
         self.k, self.v, self.held = [], [], 0
         self.table = torch.zeros((0, 0), dtype=torch.long, device=self.device)
+        self.version += 1
 
     # -- migration -------------------------------------------------------------------------------------
     def extract(self, pages: list[int], heads: tuple[int, int]) -> torch.Tensor:
@@ -197,6 +200,82 @@ class KVPool:
             for c in pair:
                 c[idx, lo:hi] = flat[off : off + n].view(len(idx), hi - lo, self.head_dim)
                 off += n
+        self.version += 1
+
+
+class GatheredKV:
+    """The running batch's K/V as a decode step reads them, ``storage[read]`` per layer with ``read`` the
+    token table's ``[B, L]`` slots, kept from one decode step to the next (eager decode on CPU).
+
+    Between two decode steps of the same batch the table's rows read the same slots plus the new position,
+    and the pool's slots change only by the step's own K/V writes, which this mirrors; so the last gather
+    and those writes are this step's gather, and a step copies one column per row instead of ``B x L``
+    tokens per layer. It is valid while the pool's ``version`` (bumped by every other write: prefill,
+    migration, reallocation, release) is the one it was built at and the rows read the same slots as
+    before; otherwise it starts over with one full gather. What attention reads is bitwise the gather's.
+    It costs a second copy of the running batch's K/V."""
+
+    _STEP = 64  # positions are allocated in multiples of these
+
+    def __init__(self) -> None:
+        self.k: list[torch.Tensor] = []  # per layer [B, KVh, capacity, hd], as attention reads them
+        self.v: list[torch.Tensor] = []
+        self.read = torch.zeros((0, 0), dtype=torch.long)  # the slots gathered so far [B, length]
+        self.version = -1
+        self.start = 0  # this step gathers positions [start, L) of every row
+        self.kept = self.gathers = 0  # steps that kept the last gather / gathered everything
+
+    def clear(self) -> None:
+        self.k, self.v, self.version = [], [], -1
+        self.read = torch.zeros((0, 0), dtype=torch.long)
+
+    def begin(self, pool: KVPool, read: torch.Tensor, positions: torch.Tensor) -> None:
+        """Before a decode step over ``read`` [B, L] writing row b's K/V at ``positions[b]``: keep what is
+        still the gather (every slot read before is read again but at the new positions, which held the
+        null slot), else start over."""
+        rows, length = read.shape
+        done = self.read.shape[1]
+        keep = self.version == pool.version and self.read.shape[0] == rows and done <= length
+        if keep:
+            moved = read[:, :done] != self.read
+            new = (positions < done).nonzero()[:, 0]
+            moved[new, positions[new]] = False
+            keep = not bool(moved.any())
+        self.start = done if keep else 0
+        if keep:
+            self.kept += 1
+        else:
+            self.gathers += 1
+        cap = self.k[0].shape[2] if self.k else 0
+        if keep and length <= cap:
+            return
+        new = _round_up(max(length, 2 * cap if keep else 0), self._STEP)
+        shape = (rows, pool.kv_heads, new, pool.head_dim)
+        old = (*self.k, *self.v) if keep else ()
+        self.k = [torch.empty(shape, dtype=pool.dtype, device=pool.device) for _ in range(pool.layers)]
+        self.v = [torch.empty(shape, dtype=pool.dtype, device=pool.device) for _ in range(pool.layers)]
+        for dst, src in zip((*self.k, *self.v), old, strict=False):
+            dst[:, :, :done] = src[:, :, :done]
+
+    def layer(
+        self, i: int, pool: KVPool, read: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s keys and values [B, KVh, L, hd] once the step has written its K/V to the pool:
+        the positions not gathered yet, and each row's new position (``positions`` [B], row ``rows``)."""
+        lo, length = self.start, read.shape[1]
+        out = []
+        for buf, src in ((self.k[i], pool.k[i]), (self.v[i], pool.v[i])):
+            if lo < length:
+                buf[:, :, lo:length] = src[read[:, lo:]].transpose(1, 2)
+            if lo:
+                buf[rows, :, positions] = src[read[rows, positions]]
+            out.append(buf[:, :, :length])
+        return out[0], out[1]
+
+    def end(self, pool: KVPool, read: torch.Tensor) -> None:
+        """After the step: what is gathered now (the pool's version is unchanged by a mirrored step)."""
+        self.read = read.clone()
+        self.version = pool.version
 
 
 def single_row(pool: KVPool, tokens: int) -> torch.Tensor:

@@ -64,6 +64,7 @@ def _fake_running(st: RankState, batch: int, context: int, tag: str, seed: int) 
     gen = torch.Generator(device=st.device).manual_seed(seed)
     for cache in (*pool.k, *pool.v):
         cache.copy_(torch.randn(cache.shape, generator=gen, device=st.device, dtype=cache.dtype))
+    pool.version += 1  # written behind the decoder's back
 
 
 def kv_fits(st: RankState, batch: int, context: int) -> bool:

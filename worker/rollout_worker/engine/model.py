@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.engine import invariant
-from rollout_worker.engine.kvcache import KVPool
+from rollout_worker.engine.kvcache import GatheredKV, KVPool
 from rollout_worker.engine.parallel import ParallelState
 from rollout_worker.engine.sharding import kv_head_range, q_head_range
 
@@ -143,13 +143,20 @@ class Decoder:
         return x * cos + rot * sin
 
     def step_logits(
-        self, tokens: torch.Tensor, positions: torch.Tensor, pool: KVPool, write: torch.Tensor, keys: int
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        pool: KVPool,
+        write: torch.Tensor,
+        keys: int,
+        gathered: GatheredKV | None = None,
     ) -> torch.Tensor:
         """One decode step: logits [B, vocab] of tokens [B, 1] at positions [B, 1] (row b: row b of the
         pool's token table), K/V written at token slots ``write`` [B, 1], attending over the first ``keys``
-        positions of each row. No host synchronisation: a CUDA graph captures it."""
+        positions of each row (through ``gathered`` when given). No host synchronisation: a CUDA graph
+        captures it."""
         read = pool.table[: tokens.shape[0], :keys]
-        return self.logits(self.hidden(tokens, positions, pool, write, read)[:, 0])
+        return self.logits(self.hidden(tokens, positions, pool, write, read, gathered)[:, 0])
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [N, vocab] of hidden states [N, hidden] (one all-gather under TP)."""
@@ -162,13 +169,15 @@ class Decoder:
         pool: KVPool,
         write: torch.Tensor,
         read: torch.Tensor,
+        gathered: GatheredKV | None = None,
     ) -> torch.Tensor:
         """Final hidden states [B, S, hidden].
 
         tokens, positions: [B, S] (right-padded rows; padding is written past the row's length and is
         never attended to by its real tokens). ``write`` [B, S]: the pool's token slot of each input
         token's K/V; ``read`` [B, L]: the token slots of each row's positions 0..L-1 (masked by position),
-        gathered from the pool into the step's batch. The pool must already hold every slot.
+        gathered from the pool into the step's batch. The pool must already hold every slot. ``gathered``
+        (a decode step, S = 1): the keys and values come from it, kept from the last step, instead.
         """
         bsz, seq = tokens.shape
         cos, sin = self.rope(positions)
@@ -179,6 +188,11 @@ class Decoder:
         hd = self.cfg.head_dim
         scale = 1.0 / math.sqrt(hd)
         x = F.embedding(tokens, self.embed)
+        if gathered is not None:
+            rows, last = torch.arange(bsz, device=tokens.device), positions[:, 0]
+            gathered.begin(pool, read, last)
+        else:
+            pool.version += 1  # writes that no GatheredKV mirrors
         for i, lw in enumerate(self.layers):
             h = self.rms(x, lw.ln1)
             q = self.linear(h, lw.wq, lw.bq).view(bsz, seq, self.heads, hd)
@@ -189,13 +203,18 @@ class Decoder:
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
             pool.k[i][write] = k
             pool.v[i][write] = v
-            k_all = pool.k[i][read].transpose(1, 2)  # [B, KVh, L, hd], gathered from the request's pages
-            v_all = pool.v[i][read].transpose(1, 2)
+            if gathered is not None:
+                k_all, v_all = gathered.layer(i, pool, read, rows, last)
+            else:
+                k_all = pool.k[i][read].transpose(1, 2)  # [B, KVh, L, hd], gathered from the request's pages
+                v_all = pool.v[i][read].transpose(1, 2)
             attn = self._attend(q, k_all, v_all, mask, scale)
             x = x + self._row_parallel(attn, lw.wo, self.o_chunks)
             h = self.rms(x, lw.ln2)
             act = F.silu(self.linear(h, lw.w_gate)) * self.linear(h, lw.w_up)
             x = x + self._row_parallel(act, lw.w_down, self.down_chunks)
+        if gathered is not None:
+            gathered.end(pool, read)
         return x
 
     def _row_parallel(

@@ -33,7 +33,7 @@ from rollout_worker.api.kv_schedule import (
 )
 from rollout_worker.engine.cudagraph import DecodeGraphs, key_span
 from rollout_worker.engine.finish import Finish, FinishAbort, FinishLength, FinishStop
-from rollout_worker.engine.kvcache import KVPool
+from rollout_worker.engine.kvcache import GatheredKV, KVPool
 from rollout_worker.engine.messages import PromptLogprobs
 from rollout_worker.engine.model import Decoder
 from rollout_worker.engine.sampling import Draw, Failure, prompt_logprobs, sample
@@ -75,6 +75,9 @@ class Replica:
         self.admissions = 0  # requests admitted so far (Sequence.admitted: the order of admission)
         self.pool, self.limits, self.eos_ids = pool, limits, eos_ids
         self.graphs = graphs  # decode steps replayed from CUDA graphs (None: eager)
+        # eager decode on CPU keeps the running batch's gathered K/V between steps (a second copy of it;
+        # on a GPU the memory is worth more: not used there)
+        self.gathered = GatheredKV() if graphs is None and pool.device.type == "cpu" else None
         self._decoder = decoder
         self.running: list[Sequence] = []  # running[i] occupies row i of the pool's token table
         self.waiting: deque[Sequence] = deque()
@@ -98,6 +101,8 @@ class Replica:
         """Free the KV cache's memory (and the graphs that address it)."""
         if self.graphs is not None:
             self.graphs.clear()
+        if self.gathered is not None:
+            self.gathered.clear()
         self.pool.release()
 
     def release_weights(self) -> None:
@@ -142,6 +147,8 @@ class Replica:
             self.pool.free(seq.pages)
             self.pool.clear_row(row)
         self.running.clear()
+        if self.gathered is not None:
+            self.gathered.clear()
 
     def hold_running_kv(self, shared: dict[str, tuple[str, int]] | None = None) -> None:
         """Pages and token-table rows for the running requests' cached tokens (a new replica's requests
@@ -342,6 +349,8 @@ class Replica:
         logits = self.step_logits()
         out = StepOutput("decode", retracted=retracted)
         self._append(seqs, sample(self._poisoned(logits, seqs), seqs, self.eos_ids), out)
+        if not self.running and self.gathered is not None:
+            self.gathered.clear()  # the batch is done: its copy goes
         return out
 
     def _poisoned(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -384,6 +393,7 @@ class Replica:
             self.pool,
             write[:, None],
             keys,
+            self.gathered,
         )
 
     def _append(self, seqs: list[Sequence], draws: list[Draw | Failure], out: StepOutput) -> None:
