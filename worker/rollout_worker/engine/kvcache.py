@@ -238,8 +238,8 @@ class GatheredKV:
         keep = self.version == pool.version and self.read.shape[0] == rows and done <= length
         if keep:
             moved = read[:, :done] != self.read
-            new = (positions < done).nonzero()[:, 0]
-            moved[new, positions[new]] = False
+            grown = (positions < done).nonzero()[:, 0]  # rows whose new position was read before
+            moved[grown, positions[grown]] = False
             keep = not bool(moved.any())
         self.start = done if keep else 0
         if keep:
@@ -249,8 +249,8 @@ class GatheredKV:
         cap = self.k[0].shape[2] if self.k else 0
         if keep and length <= cap:
             return
-        new = _round_up(max(length, 2 * cap if keep else 0), self._STEP)
-        shape = (rows, pool.kv_heads, new, pool.head_dim)
+        size = _round_up(max(length, 2 * cap if keep else 0), self._STEP)
+        shape = (rows, pool.kv_heads, size, pool.head_dim)
         old = (*self.k, *self.v) if keep else ()
         self.k = [torch.empty(shape, dtype=pool.dtype, device=pool.device) for _ in range(pool.layers)]
         self.v = [torch.empty(shape, dtype=pool.dtype, device=pool.device) for _ in range(pool.layers)]
