@@ -231,45 +231,66 @@ class GatheredKV:
 
     def begin(self, pool: KVPool, read: torch.Tensor, positions: torch.Tensor) -> None:
         """Before a decode step over ``read`` [B, L] writing row b's K/V at ``positions[b]``: keep what is
-        still the gather (every slot read before is read again but at the new positions, which held the
-        null slot), else start over."""
+        still the gather, else start over. A row is still gathered when some row of the last step read the
+        same slots (but at its new position, which then read the null slot): the same row, or the one a
+        finished request's row took over (the replica moves its last row into the hole), which is copied."""
         rows, length = read.shape
         done = self.read.shape[1]
-        keep = self.version == pool.version and self.read.shape[0] == rows and done <= length
-        if keep:
-            moved = read[:, :done] != self.read
-            grown = (positions < done).nonzero()[:, 0]  # rows whose new position was read before
-            moved[grown, positions[grown]] = False
-            keep = not bool(moved.any())
-        self.start = done if keep else 0
-        if keep:
-            self.kept += 1
-        else:
+        src = self._sources(pool, read, positions) if done <= length else None
+        self.start = done if src is not None else 0
+        if src is None:
             self.gathers += 1
-        cap = self.k[0].shape[2] if self.k else 0
-        if keep and length <= cap:
-            return
-        size = _round_up(max(length, 2 * cap if keep else 0), self._STEP)
-        shape = (rows, pool.kv_heads, size, pool.head_dim)
-        old = (*self.k, *self.v) if keep else ()
-        self.k = [torch.empty(shape, dtype=pool.dtype, device=pool.device) for _ in range(pool.layers)]
-        self.v = [torch.empty(shape, dtype=pool.dtype, device=pool.device) for _ in range(pool.layers)]
-        for dst, src in zip((*self.k, *self.v), old, strict=False):
-            dst[:, :, :done] = src[:, :, :done]
+        else:
+            self.kept += 1
+        have_rows, cap = (self.k[0].shape[0], self.k[0].shape[2]) if self.k else (0, 0)
+        if rows > have_rows or length > cap:
+            size = _round_up(max(length, 2 * cap if src is not None else 0), self._STEP)
+            shape = (max(rows, have_rows), pool.kv_heads, size, pool.head_dim)
+            old = (*self.k, *self.v) if src is not None else ()
+            self.k = [torch.empty(shape, dtype=pool.dtype, device=pool.device) for _ in range(pool.layers)]
+            self.v = [torch.empty(shape, dtype=pool.dtype, device=pool.device) for _ in range(pool.layers)]
+            for dst, was in zip((*self.k, *self.v), old, strict=False):
+                dst[: was.shape[0], :, :done] = was[:, :, :done]
+        if src is not None:
+            moved = (src != torch.arange(rows)).nonzero()[:, 0]
+            if len(moved):
+                for buf in (*self.k, *self.v):
+                    buf[moved] = buf[src[moved]]  # the right side is copied first
+
+    def _sources(self, pool: KVPool, read: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """For each row of ``read``, the row of the last step that read its slots, or None when some row has
+        none (or the pool was written behind this object's back)."""
+        if self.version != pool.version or not self.k:
+            return None
+        done = self.read.shape[1]
+        was = read[:, :done].clone()
+        grown = (positions < done).nonzero()[:, 0]  # rows whose new position was read before
+        was[grown, positions[grown]] = 0  # what the last step read there: the null slot
+        rows = was.shape[0]
+        n = min(rows, self.read.shape[0])
+        src = torch.full((rows,), -1, dtype=torch.long)
+        same = (was[:n] == self.read[:n]).all(1)
+        src[:n][same] = torch.arange(n)[same]
+        for b in (src < 0).nonzero()[:, 0].tolist():
+            hit = (self.read == was[b]).all(1).nonzero()[:, 0]
+            if not len(hit):
+                return None
+            src[b] = hit[0]
+        return src
 
     def layer(
         self, i: int, pool: KVPool, read: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i``'s keys and values [B, KVh, L, hd] once the step has written its K/V to the pool:
         the positions not gathered yet, and each row's new position (``positions`` [B], row ``rows``)."""
-        lo, length = self.start, read.shape[1]
+        lo, (b, length) = self.start, read.shape
         out = []
         for buf, src in ((self.k[i], pool.k[i]), (self.v[i], pool.v[i])):
             if lo < length:
-                buf[:, :, lo:length] = src[read[:, lo:]].transpose(1, 2)
+                buf[:b, :, lo:length] = src[read[:, lo:]].transpose(1, 2)
             if lo:
                 buf[rows, :, positions] = src[read[rows, positions]]
-            out.append(buf[:, :, :length])
+            out.append(buf[:b, :, :length])
         return out[0], out[1]
 
     def end(self, pool: KVPool, read: torch.Tensor) -> None:
