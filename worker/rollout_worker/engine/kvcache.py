@@ -235,8 +235,8 @@ class GatheredKV:
         same slots (but at its new position, which then read the null slot): the same row, or the one a
         finished request's row took over (the replica moves its last row into the hole), which is copied."""
         rows, length = read.shape
-        done = self.read.shape[1]
-        src = self._sources(pool, read, positions) if done <= length else None
+        done = min(self.read.shape[1], length)  # a batch whose longest request finished reads fewer
+        src = self._sources(pool, read, positions, done)
         self.start = done if src is not None else 0
         if src is None:
             self.gathers += 1
@@ -257,22 +257,24 @@ class GatheredKV:
                 for buf in (*self.k, *self.v):
                     buf[moved] = buf[src[moved]]  # the right side is copied first
 
-    def _sources(self, pool: KVPool, read: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """For each row of ``read``, the row of the last step that read its slots, or None when some row has
-        none (or the pool was written behind this object's back)."""
+    def _sources(
+        self, pool: KVPool, read: torch.Tensor, positions: torch.Tensor, done: int
+    ) -> torch.Tensor | None:
+        """For each row of ``read``, the row of the last step that read its first ``done`` slots, or None when
+        some row has none (or the pool was written behind this object's back)."""
         if self.version != pool.version or not self.k:
             return None
-        done = self.read.shape[1]
         was = read[:, :done].clone()
+        last = self.read[:, :done]
         grown = (positions < done).nonzero()[:, 0]  # rows whose new position was read before
         was[grown, positions[grown]] = 0  # what the last step read there: the null slot
         rows = was.shape[0]
         n = min(rows, self.read.shape[0])
         src = torch.full((rows,), -1, dtype=torch.long)
-        same = (was[:n] == self.read[:n]).all(1)
+        same = (was[:n] == last[:n]).all(1)
         src[:n][same] = torch.arange(n)[same]
         for b in (src < 0).nonzero()[:, 0].tolist():
-            hit = (self.read == was[b]).all(1).nonzero()[:, 0]
+            hit = (last == was[b]).all(1).nonzero()[:, 0]
             if not len(hit):
                 return None
             src[b] = hit[0]
