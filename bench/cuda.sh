@@ -21,7 +21,10 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$root/worker:$root/profiler:$root/
 export PYTHONUNBUFFERED=1
 py=$(python3 -c 'import sys; print(sys.executable)')
 cli="$(dirname "$py")/rolloutctl"  # the servers the tests start run the console script next to python
-[ -x "$cli" ] || printf '#!/bin/sh\nexec "%s" -m rollout_operator.cli.main "$@"\n' "$py" >"$cli" && chmod +x "$cli"
+if [ ! -x "$cli" ]; then
+  printf '#!/bin/sh\nexec "%s" -m rollout_operator.cli.main "$@"\n' "$py" >"$cli"
+  chmod +x "$cli"
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")

@@ -20,7 +20,7 @@ from rollout_worker.engine.measure import probe_logits
 from tests.worker.engine.engine_util import grpo_groups, requests, run, tokens
 
 
-def _tiny_on_cuda(
+def _decoder_on_cuda(
     dtype: torch.dtype, max_batch: int = 16, preset: str = "tiny", deterministic: bool = False
 ) -> tuple[Any, Any, list[list[int]]]:
     """A TP=1 decoder of ``preset``'s shape with random weights on the GPU and a KV pool whose first
@@ -73,7 +73,7 @@ def test_graph_replay_is_the_eager_step_bit_for_bit(dtype: torch.dtype) -> None:
     unpadded batch (other GEMM shapes) the logits agree to rounding and every argmax is the same."""
     from rollout_worker.engine.cudagraph import DecodeGraphs, pad_step
 
-    dec, pool, rows = _tiny_on_cuda(dtype)
+    dec, pool, rows = _decoder_on_cuda(dtype)
     graphs = DecodeGraphs(16)
     for n in (1, 3, 8, 13, 16):
         toks = [(7 * i + n) % 500 for i in range(n)]
@@ -101,7 +101,7 @@ def test_graphs_are_dropped_when_the_pool_or_weights_change() -> None:
     from rollout_worker.engine.model import Decoder
     from rollout_worker.engine.weights import random_shard
 
-    dec, pool, rows = _tiny_on_cuda(torch.float32)
+    dec, pool, rows = _decoder_on_cuda(torch.float32)
     graphs = DecodeGraphs(16)
     toks, pos = [1, 2, 3, 4], [5, 50, 500, 10]
     write = [pool.slot(rows[b], pos[b]) for b in range(4)]
@@ -206,10 +206,10 @@ def test_deterministic_decode_rows_are_batch_invariant_in_bfloat16(preset: str) 
     """Issue 19 on CUDA: with the deterministic kernels a row's logits are bitwise the same alone and among
     1 to 63 other rows (bfloat16, TP 1, the model's real shape with random weights). The default kernels'
     differences are printed beside (the control)."""
-    dec, pool, rows = _tiny_on_cuda(torch.bfloat16, 64, preset, deterministic=True)
+    dec, pool, rows = _decoder_on_cuda(torch.bfloat16, 64, preset, deterministic=True)
     assert _rows_differing(dec, pool, rows, range(1, 65)) == []
     del dec
-    dec, pool, rows = _tiny_on_cuda(torch.bfloat16, 64, preset, deterministic=False)
+    dec, pool, rows = _decoder_on_cuda(torch.bfloat16, 64, preset, deterministic=False)
     print(f"{preset}: default kernels differ at batch sizes {_rows_differing(dec, pool, rows, range(1, 65))}")
 
 

@@ -45,9 +45,7 @@ from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.engine.sharding import q_head_range
 
 MIN_ROWS = 4  # products of fewer rows take another BLAS kernel (1 row: gemv; 2-3 rows: a small-M kernel)
-CUDA_ROWS = (
-    128  # rows of every product on CUDA (one GEMM shape; still bound by the weights' reads on an H200)
-)
+CUDA_ROWS = 128  # rows of every product on CUDA: one GEMM shape (still bound by the weights' reads)
 KEY_CHUNK = 128  # keys per attention chunk (a multiple of the vector width: no scalar tail in exp)
 TP_SIZES = (1, 2, 4, 8)  # chunk bounds cover these TP sizes (and every divisor of the engine's ranks)
 
@@ -179,7 +177,8 @@ def mlp_shards(cfg: ModelConfig, tp: int) -> list[tuple[int, int]]:
 
 def partials(x: torch.Tensor, w: torch.Tensor, chunks: Chunks) -> torch.Tensor:
     """[chunks, *rows, out]: each local chunk's partial product of x [*rows, K_shard] and w [out, K_shard],
-    as one batched product of at least ``MIN_ROWS`` rows over strided views (no copy of the weight)."""
+    as batched products of :func:`_rows`'s padded rows (one per row block on CUDA) over strided views (no
+    copy of the weight)."""
     n, width = chunks.local, chunks.width
     flat, rows = _rows(x)
     wc = w.view(w.shape[0], n, width).permute(1, 2, 0)  # [n, width, out]

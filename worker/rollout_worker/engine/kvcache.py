@@ -211,9 +211,9 @@ class GatheredKV:
     and the pool's slots change only by the step's own K/V writes, which this mirrors; so the last gather
     and those writes are this step's gather, and a step copies one column per row instead of ``B x L``
     tokens per layer. It is valid while the pool's ``version`` (bumped by every other write: prefill,
-    migration, reallocation, release) is the one it was built at and the rows read the same slots as
-    before; otherwise it starts over with one full gather. What attention reads is bitwise the gather's.
-    It costs a second copy of the running batch's K/V."""
+    migration, reallocation, release) is the one it was built at and every row reads slots some row read
+    before (:meth:`begin`); otherwise it starts over with one full gather. What attention reads is bitwise
+    the gather's. It costs a second copy of the running batch's K/V."""
 
     _STEP = 64  # positions are allocated in multiples of these
 
