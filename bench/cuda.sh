@@ -3,8 +3,11 @@
 #   tests          the GPU tests (bfloat16, ranks sharing the GPU, CUDA graphs, paged attention against the
 #                  CPU path, the deterministic kernels' batch invariance)
 #   invariance     which kernels round a row by its batch on this GPU (bench/cuda_invariance.py)
-#   bench          Llama-3.1-8B's shape in bfloat16, eager against CUDA graphs, with a profile of each step
-#   deterministic  the same shape, the deterministic kernels against the default ones
+#   bench          Llama-3.1-8B's shape in bfloat16, eager against CUDA graphs (BREAKDOWN=1: with a profile
+#                  of each step, several minutes more)
+#   deterministic  the same shape, the deterministic kernels against the default ones, eager
+#   det-graphs     the same, both with CUDA graphs
+#   paged          the paged engine at batch 64 and 256, eager and with CUDA graphs
 #   slab           the dense slab of 5904b9b (its worker/ tree in .slab/) at batch 64 and 256, for the paged
 #                  engine's figures of the same call
 # Usage (repository root, on the GPU machine): [OUT=DIR] bench/cuda.sh [PART ...]   (default: all)
@@ -35,7 +38,7 @@ bench_engine() {  # bench engine of Llama-3.1-8B's shape, bfloat16, one rank: SE
     --ranks 1 "$@" --json "$out/bench-engine-$name-$gpu.json" 2>&1 | tee "$out/bench-engine-$name.log"
 }
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests invariance bench deterministic slab)
+[ ${#parts[@]} -eq 0 ] && parts=(tests invariance paged slab deterministic det-graphs bench)
 rc=0
 for what in "${parts[@]}"; do
   echo "=== $what ($(date +%T))"
@@ -48,12 +51,19 @@ for what in "${parts[@]}"; do
       timeout 120 python3 bench/cuda_invariance.py "$out/cuda-invariance-$gpu.json" 2>&1 | tee "$out/invariance.log"
       rc=$((rc || PIPESTATUS[0])) ;;
     bench)
-      bench_engine 300 graphs --batch 1,8,32,64,128,256 --context 512,4096 --steps 20 --runs 2 \
-        --cuda-graphs both --breakdown
+      bench_engine 300 graphs --batch 1,16,64,256 --context 512,4096 --steps 20 --runs 2 \
+        --cuda-graphs both ${BREAKDOWN:+--breakdown}
       rc=$((rc || PIPESTATUS[0])) ;;
     deterministic)
       bench_engine 200 deterministic --batch 1,16,64 --context 512,4096 --steps 20 --runs 2 \
         --deterministic both
+      rc=$((rc || PIPESTATUS[0])) ;;
+    det-graphs)
+      bench_engine 200 det-graphs --batch 1,16,64 --context 512,4096 --steps 20 --runs 2 \
+        --deterministic both --cuda-graphs on
+      rc=$((rc || PIPESTATUS[0])) ;;
+    paged)
+      bench_engine 200 paged --batch 64,256 --context 512,4096 --steps 20 --runs 2 --cuda-graphs both
       rc=$((rc || PIPESTATUS[0])) ;;
     slab)
       [ -d .slab/worker ] || { echo "slab: no .slab/ (git archive 5904b9b worker operator profiler | tar -x -C .slab)"; exit 2; }
@@ -62,7 +72,7 @@ for what in "${parts[@]}"; do
         bench_engine 200 slab --batch 64,256 --context 512,4096 --steps 20 --runs 2
       )
       rc=$((rc || $?)) ;;
-    *) echo "unknown part $what (tests | invariance | bench | deterministic | slab)"; exit 2 ;;
+    *) echo "unknown part $what (tests | invariance | bench | deterministic | det-graphs | paged | slab)"; exit 2 ;;
   esac
 done
 exit $rc

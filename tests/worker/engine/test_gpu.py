@@ -253,5 +253,10 @@ def test_paged_attention_on_cuda_matches_the_cpu_path(tiny64: Path) -> None:
     cpu = finished(run(tiny64, 1, "1x1", (), specs, **kw))
     assert tokens(gpu) == tokens(cpu)
     assert gpu.retractions > 0 and sum(o["cached_tokens"] for o in gpu.outputs) > 0
-    for a, b in zip(gpu.outputs, cpu.outputs, strict=True):
-        assert a["output_token_logprobs"] == pytest.approx(b["output_token_logprobs"], abs=1e-6)
+    diff = max(
+        abs(x - y)
+        for a, b in zip(gpu.outputs, cpu.outputs, strict=True)
+        for x, y in zip(a["output_token_logprobs"], b["output_token_logprobs"], strict=True)
+    )
+    print(f"paged attention, CUDA against CPU (float64): largest logprob difference {diff:.3g}")
+    assert diff <= 1e-6

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rollout_worker.engine.kvcache import KVPool
+from rollout_worker.engine.kvcache import KVPool, gather_slots
 
 CPU = torch.device("cpu")
 
@@ -76,3 +76,20 @@ def test_extract_insert_moves_whole_pages_between_pools() -> None:
         assert d[dst.slots(b), 0:1].abs().sum() == 0  # only the heads asked for
     with pytest.raises(ValueError, match="expected"):
         dst.insert(b, (0, 2), src.extract(a, (1, 2)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [8, 3])  # 3: no whole 8-byte units (moved element by element)
+def test_gather_slots_is_the_cache_at_those_slots_bit_for_bit(dtype: torch.dtype, head_dim: int) -> None:
+    cache = torch.randn(50, 3, head_dim, dtype=torch.float64).to(dtype)
+    cache[7, 1, 0] = float("nan")  # bits, not values: a NaN comes through as it is
+    read = torch.randint(0, 50, (4, 9))
+    read[2, 3] = 7
+    rows = gather_slots(cache, read)
+    assert rows.shape == (4, 9, 3, head_dim) and rows.dtype == dtype
+    assert torch.equal(rows.view(-1).view(torch.uint8), cache[read].reshape(-1).view(torch.uint8))
+    heads = gather_slots(cache, read, kv_major=True)
+    assert heads.shape == (3, 4, 9, head_dim) and heads.is_contiguous()
+    assert torch.equal(heads.view(torch.uint8), cache.transpose(0, 1)[:, read].contiguous().view(torch.uint8))
+    one = gather_slots(cache, read[:, 3])  # one slot per row, as a kept decode gather copies
+    assert torch.equal(one.view(torch.uint8), cache[read[:, 3]].view(torch.uint8))

@@ -84,14 +84,18 @@ def test_a_request_that_wants_its_prompt_logprobs_computes_its_whole_prompt(tiny
 
 
 def _groups(seed: int = 3) -> list[RequestSpec]:
-    """4 prompts x 4 samples (GRPO's shape), prompts of 9 to 14 tokens, varied lengths."""
+    """4 prompts x 4 samples (GRPO's shape), prompts of 9 to 14 tokens, lengths 8 to 53 three tokens apart
+    (shuffled): requests finish a few steps apart, so a switch planned each time two more have finished
+    is not skipped because several finished at once."""
     rng = random.Random(seed)
+    lengths = list(range(8, 8 + 3 * 16, 3))
+    rng.shuffle(lengths)
     specs = []
     for g in range(4):
         prompt = tuple(rng.randrange(512) for _ in range(rng.randint(9, 14)))
         for i in range(4):
             sampling = Sampling(temperature=0.9, top_p=0.95, seed=1000 + 10 * g + i)
-            specs.append(RequestSpec(f"g{g}-{i}", prompt, rng.randint(8, 60), sampling, ignore_eos=True))
+            specs.append(RequestSpec(f"g{g}-{i}", prompt, lengths[4 * g + i], sampling, ignore_eos=True))
     return specs
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.engine import invariant
-from rollout_worker.engine.kvcache import GatheredKV, KVPool
+from rollout_worker.engine.kvcache import GatheredKV, KVPool, gather_slots
 from rollout_worker.engine.parallel import ParallelState
 from rollout_worker.engine.sharding import kv_head_range, q_head_range
 
@@ -188,6 +188,8 @@ class Decoder:
         hd = self.cfg.head_dim
         scale = 1.0 / math.sqrt(hd)
         x = F.embedding(tokens, self.embed)
+        # a CUDA decode step (default kernels) gathers its keys KV-head-major, as its products read them
+        kv_major = gathered is None and seq == 1 and self.o_chunks is None and tokens.is_cuda
         if gathered is not None:
             rows, last = torch.arange(bsz, device=tokens.device), positions[:, 0]
             gathered.begin(pool, read, last)
@@ -204,11 +206,13 @@ class Decoder:
             pool.k[i][write] = k
             pool.v[i][write] = v
             if gathered is not None:
-                k_all, v_all = gathered.layer(i, pool, read, rows, last)
-            else:
-                k_all = pool.k[i][read].transpose(1, 2)  # [B, KVh, L, hd], gathered from the request's pages
-                v_all = pool.v[i][read].transpose(1, 2)
-            attn = self._attend(q, k_all, v_all, mask, scale)
+                attn = self._attend(q, *gathered.layer(i, pool, read, rows, last), mask, scale)
+            elif kv_major:  # [KVh, B, L, hd]: one gather from the request's pages into the products' layout
+                k_all, v_all = gather_slots(pool.k[i], read, True), gather_slots(pool.v[i], read, True)
+                attn = attend_kv_major(q, k_all, v_all, mask, scale)
+            else:  # [B, KVh, L, hd], gathered from the request's pages
+                k_all, v_all = gather_slots(pool.k[i], read), gather_slots(pool.v[i], read)
+                attn = self._attend(q, k_all.transpose(1, 2), v_all.transpose(1, 2), mask, scale)
             x = x + self._row_parallel(attn, lw.wo, self.o_chunks)
             h = self.rms(x, lw.ln2)
             act = F.silu(self.linear(h, lw.w_gate)) * self.linear(h, lw.w_up)
@@ -238,23 +242,33 @@ class Decoder:
     ) -> torch.Tensor:
         """Attention of q [B, S, H, hd] over keys/vals [B, KVh, L, hd] under mask [B, 1, S, L]: [B, S, H*hd].
 
-        Each head is computed on its own, so TP (which splits heads) changes nothing. On CUDA a decode
-        step (S = 1) groups the query heads of each KV head into one matrix product over the cache: SDPA
-        with a mask falls back to its math kernel there, which first copies K and V once per query head
-        (``enable_gqa``), multiplying the step's cache reads by H / KVh.
+        Each head is computed on its own, so TP (which splits heads) changes nothing. (A CUDA decode step
+        with the default kernels goes through :func:`attend_kv_major` instead.)
         """
         if self.o_chunks is not None:
             return invariant.attend(q, keys, vals, mask, scale)
         bsz, seq = q.shape[0], q.shape[1]
-        if seq == 1 and q.device.type == "cuda":
-            kvh = keys.shape[1]
-            group = self.heads // kvh
-            qg = q.view(bsz, kvh, group, -1)  # heads h = kv * group + g: [B, KVh, G, hd]
-            scores = torch.matmul(qg * scale, keys.transpose(-1, -2))  # [B, KVh, G, L]
-            scores = scores.masked_fill(~mask, float("-inf"))  # mask [B, 1, 1, L] broadcasts
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(vals.dtype)
-            return torch.matmul(probs, vals).reshape(bsz, 1, self.heads * q.shape[-1])
         attn = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, vals, attn_mask=mask, scale=scale, enable_gqa=True
         )  # [B, H, S, hd]
         return attn.transpose(1, 2).reshape(bsz, seq, self.heads * q.shape[-1])
+
+
+def attend_kv_major(
+    q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One decode step's attention (the default kernels on CUDA): q [B, 1, H, hd] over keys/vals
+    [KVh, B, L, hd] (gathered KV-head-major) under mask [B, 1, 1, L]: [B, 1, H * hd].
+
+    The query heads of each KV head form one matrix (head ``h`` uses KV head ``h // (H // KVh)``), so the
+    scores and the weighted values are two batched products that read the gathered keys in place. SDPA with
+    a mask falls back to its math kernel here, which first copies K and V once per query head
+    (``enable_gqa``); and keys gathered ``[B, L, KVh, hd]`` would be copied once more into a product's layout.
+    """
+    kvh, bsz, length, hd = keys.shape
+    heads = q.shape[2]
+    qg = q.view(bsz, kvh, heads // kvh, hd).transpose(0, 1)  # [KVh, B, G, hd]
+    scores = torch.matmul(qg * scale, keys.transpose(-1, -2))  # [KVh, B, G, L]
+    scores = scores.masked_fill(~mask.view(1, bsz, 1, length), float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(vals.dtype, torch.float32)).to(vals.dtype)
+    return torch.matmul(probs, vals).transpose(0, 1).reshape(bsz, 1, heads * hd)  # [B, KVh, G, hd] flat
