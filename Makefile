@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 
-.PHONY: setup setup-engine run test crds test-fast lint typecheck imports check bench-engine bench-planner bench-serve bench-peer clean
+.PHONY: setup setup-engine run test test-all crds test-fast lint typecheck imports check bench-engine bench-planner bench-serve bench-peer clean
 
 # Two stamps: `make run` installs what running a job needs (the package and its `engine` extra: torch);
 # `make test` (and `make setup`, which .ci/run calls) adds the `dev` extra on top (test tools, sglang,
@@ -46,6 +46,10 @@ run: setup-engine
 	$(BIN)/rolloutctl run examples/quickstart.yaml --compare static
 
 test: setup
+	$(BIN)/pytest -m "not long"
+
+# everything, the `long` whole-job tests too (about 3 minutes more on 2 cores)
+test-all: setup
 	$(BIN)/pytest
 
 test-fast: setup

@@ -45,6 +45,7 @@ def _writing(c: Cluster, job: str) -> bool:
     return st.get("phase") == "Running" and 0 < st.get("samplesDone", 0) < len(ALL)
 
 
+@pytest.mark.long
 def test_the_operator_killed_mid_job_and_a_sidecar_away_for_a_while(
     cluster: Cluster, tiny64: Path, prompts: Path, tmp_path: Path
 ) -> None:

@@ -140,7 +140,9 @@ def _kill_rank(out: Path, runner: int) -> str:
     return "tiny-e2e-1-engine"
 
 
-@pytest.mark.parametrize("kill", [_kill_sidecar, _kill_rank], ids=["sidecar", "engine-rank"])
+@pytest.mark.parametrize(
+    "kill", [pytest.param(_kill_sidecar, marks=pytest.mark.long), _kill_rank], ids=["sidecar", "engine-rank"]
+)
 def test_a_run_killed_mid_way_resumes_to_the_uninterrupted_outputs(
     kill: Killer, tiny64: Path, prompts: Path, reference: Path, tmp_path: Path
 ) -> None:

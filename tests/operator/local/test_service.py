@@ -94,6 +94,7 @@ def _stop(runner: subprocess.Popen[bytes], log: Path) -> str:
     return log.read_text()
 
 
+@pytest.mark.long
 def test_two_waves_consolidate_then_spread_with_static_outputs(tiny64: Path, tmp_path: Path) -> None:
     runner, pod, log = _serve(tmp_path, tiny64, "adaptive")
     try:
