@@ -63,6 +63,11 @@ def postgres_schema(base_url: str, prefix: str = "er_test_") -> Iterator[str]:
         admin.dispose()
 
 
+def sqlite_url(tmp_path: Path) -> str:
+    """URL of an empty SQLite database: a file in a folder not yet created (the store makes both)."""
+    return f"sqlite:///{tmp_path / 'not-yet' / 'rollout.db'}"
+
+
 @contextmanager
 def fresh_database(backend: str, tmp_path: Path) -> Iterator[str]:
     """URL of an empty database: a SQLite file in a folder not yet created, or a fresh PostgreSQL schema.
@@ -70,7 +75,7 @@ def fresh_database(backend: str, tmp_path: Path) -> Iterator[str]:
     Raises ``PostgresUnavailable`` (with a one-line reason) when the PostgreSQL server cannot be reached.
     """
     if backend == "sqlite":
-        yield f"sqlite:///{tmp_path / 'not-yet' / 'rollout.db'}"
+        yield sqlite_url(tmp_path)
         return
     if backend != "postgres":
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

@@ -23,6 +23,7 @@ import pytest
 from rollout_profiler.profile import Profile
 from rollout_profiler.store import engine as db_engine
 from rollout_profiler.store import runs
+from rollout_profiler.store.testing import sqlite_url
 from rollout_worker.api.sidecar import read_outputs
 from sqlalchemy.orm import Session
 
@@ -71,7 +72,7 @@ def test_the_planner_switches_honestly_and_the_outputs_equal_static(
 ) -> None:
     # the embedded SQLite database, in a folder still to create: a whole job on PostgreSQL is the operator's
     # end-to-end test (tests/operator/kube/test_e2e.py), and the store runs on both in tests/profiler/store
-    empty_url = f"sqlite:///{tmp_path / 'not-yet' / 'rollout.db'}"
+    empty_url = sqlite_url(tmp_path)
     job = write_job(tmp_path / "job.yaml", job_doc(tiny64, prompts, tmp_path / "out"))
     got = run_cli("run", str(job), "--db", empty_url, "--report", str(tmp_path / "report.json"))
     assert got.returncode == 0, got.stdout + got.stderr
