@@ -1,8 +1,9 @@
 """The gathered K/V kept between decode steps (``kvcache.GatheredKV``, eager decode on CPU) is bitwise what
-gathering every step reads: two in-process replicas, one keeping it and one gathering every step, run the
-same requests in lockstep (admissions as others finish, retractions from a tight pool, prefix sharing,
-pages of 1 and 4 tokens) and every step's tokens and logprobs are equal, in float32 with the default and
-the deterministic kernels, where any change in what attention reads would show in the last bits."""
+gathering every step reads, wherever attention looks: two in-process replicas, one keeping it and one
+gathering every step, run the same requests in lockstep (admissions as others finish, retractions from a
+tight pool, prefix sharing, pages of 1 and 4 tokens) and every step's tokens and logprobs are equal, in
+float32 with the default and the deterministic kernels, where any change in what attention reads would
+show in the last bits."""
 
 from __future__ import annotations
 

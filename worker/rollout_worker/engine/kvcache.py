@@ -209,11 +209,12 @@ class GatheredKV:
 
     Between two decode steps of the same batch the table's rows read the same slots plus the new position,
     and the pool's slots change only by the step's own K/V writes, which this mirrors; so the last gather
-    and those writes are this step's gather, and a step copies one column per row instead of ``B x L``
-    tokens per layer. It is valid while the pool's ``version`` (bumped by every other write: prefill,
-    migration, reallocation, release) is the one it was built at and every row reads slots some row read
-    before (:meth:`begin`); otherwise it starts over with one full gather. What attention reads is bitwise
-    the gather's. It costs a second copy of the running batch's K/V."""
+    and those writes are this step's gather, and a step writes its own K/V (one position per row) instead
+    of gathering ``B x L`` tokens per layer. It is valid while the pool's ``version`` (bumped by every other
+    write: prefill, migration, reallocation, release) is the one it was built at and every row reads slots
+    some row read before (:meth:`begin`); otherwise it starts over with one full gather. Every position
+    attention sees is bitwise the gather's (masked ones may hold zeros instead of the null slot's values).
+    It costs a second copy of the running batch's K/V."""
 
     _STEP = 64  # positions are allocated in multiples of these
 
@@ -281,17 +282,29 @@ class GatheredKV:
         return src
 
     def layer(
-        self, i: int, pool: KVPool, read: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor
+        self,
+        i: int,
+        pool: KVPool,
+        read: torch.Tensor,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        new: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``i``'s keys and values [B, KVh, L, hd] once the step has written its K/V to the pool:
-        the positions not gathered yet, and each row's new position (``positions`` [B], row ``rows``)."""
+        """Layer ``i``'s keys and values [B, KVh, L, hd] once the step has written its K/V ``new`` ([B, 1,
+        KVh, hd] each) to the pool: each row's new position (``positions`` [B], row ``rows``) is the step's
+        own K/V, the positions not kept yet are gathered (all of them when the step starts over) or, past
+        the last step's length, zeros: a decode step grows its rows by one position each, so the only
+        position there a row sees is its new one, and attention's mask drops the rest (which must be
+        finite, as the null slot's are)."""
         lo, (b, length) = self.start, read.shape
         out = []
-        for buf, src in ((self.k[i], pool.k[i]), (self.v[i], pool.v[i])):
-            if lo < length:
-                buf[:b, :, lo:length] = gather_slots(src, read[:, lo:]).transpose(1, 2)
-            if lo:
-                buf[rows, :, positions] = gather_slots(src, read[rows, positions])
+        for buf, src, kv in ((self.k[i], pool.k[i], new[0]), (self.v[i], pool.v[i], new[1])):
+            if not lo:
+                buf[:b, :, :length] = gather_slots(src, read).transpose(1, 2)
+            else:
+                if lo < length:
+                    buf[:b, :, lo:length] = 0
+                buf[rows, :, positions] = kv[:, 0]
             out.append(buf[:b, :, :length])
         return out[0], out[1]
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout_worker.api.model_config import ModelConfig
-from rollout_worker.engine import invariant
+from rollout_worker.engine import invariant, packed
 from rollout_worker.engine.kvcache import GatheredKV, KVPool, gather_slots
 from rollout_worker.engine.parallel import ParallelState
 from rollout_worker.engine.sharding import kv_head_range, q_head_range
@@ -80,7 +80,9 @@ class Decoder:
         """``chunks``: the deterministic kernels (:mod:`~rollout_worker.engine.invariant`) with these
         row-parallel chunks; None: the BLAS's and the backend's own orders."""
         self.cfg, self.ps = cfg, ps
-        self.linear = invariant.linear if chunks else F.linear
+        # the default kernels on CPU in float32 multiply by weights packed once for oneDNN (engine.packed)
+        self.packed = chunks is None and packed.packs(weights["model.embed_tokens.weight"])
+        self.linear = invariant.linear if chunks else packed.linear if self.packed else F.linear
         self.mean_last = invariant.mean_last if chunks else _mean_last
         self.o_chunks = self.down_chunks = None
         if chunks:
@@ -93,7 +95,7 @@ class Decoder:
         self.heads, self.kv_heads = q_hi - q_lo, kv_hi - kv_lo
         self.embed = weights["model.embed_tokens.weight"]
         self.norm = weights["model.norm.weight"]
-        self.lm_head = weights["lm_head.weight"]
+        self.lm_head = self._product(weights["lm_head.weight"])
         self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
         dev = self.embed.device
         self.inv_freq = rope_inv_freq(cfg).to(dev)
@@ -105,25 +107,29 @@ class Decoder:
         self.layers = []
         self.embed = self.norm = self.lm_head = torch.empty(0, device=self.embed.device)
 
-    @staticmethod
-    def _layer(w: dict[str, torch.Tensor], i: int) -> Layer:
+    def _product(self, w: torch.Tensor) -> torch.Tensor:
+        """A projection's weight as :attr:`linear` reads it (packed: a copy in oneDNN's layout)."""
+        return packed.pack(w) if self.packed else w
+
+    def _layer(self, w: dict[str, torch.Tensor], i: int) -> Layer:
         p = f"model.layers.{i}."
         a = p + "self_attn."
+        product = self._product
         return Layer(
             ln1=w[p + "input_layernorm.weight"],
-            wq=w[a + "q_proj.weight"],
-            wk=w[a + "k_proj.weight"],
-            wv=w[a + "v_proj.weight"],
+            wq=product(w[a + "q_proj.weight"]),
+            wk=product(w[a + "k_proj.weight"]),
+            wv=product(w[a + "v_proj.weight"]),
             bq=w.get(a + "q_proj.bias"),
             bk=w.get(a + "k_proj.bias"),
             bv=w.get(a + "v_proj.bias"),
             q_norm=w.get(a + "q_norm.weight"),
             k_norm=w.get(a + "k_norm.weight"),
-            wo=w[a + "o_proj.weight"],
+            wo=product(w[a + "o_proj.weight"]),
             ln2=w[p + "post_attention_layernorm.weight"],
-            w_gate=w[p + "mlp.gate_proj.weight"],
-            w_up=w[p + "mlp.up_proj.weight"],
-            w_down=w[p + "mlp.down_proj.weight"],
+            w_gate=product(w[p + "mlp.gate_proj.weight"]),
+            w_up=product(w[p + "mlp.up_proj.weight"]),
+            w_down=product(w[p + "mlp.down_proj.weight"]),
         )
 
     def rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -206,7 +212,7 @@ class Decoder:
             pool.k[i][write] = k
             pool.v[i][write] = v
             if gathered is not None:
-                attn = self._attend(q, *gathered.layer(i, pool, read, rows, last), mask, scale)
+                attn = self._attend(q, *gathered.layer(i, pool, read, rows, last, (k, v)), mask, scale)
             elif kv_major:  # [KVh, B, L, hd]: one gather from the request's pages into the products' layout
                 k_all, v_all = gather_slots(pool.k[i], read, True), gather_slots(pool.v[i], read, True)
                 attn = attend_kv_major(q, k_all, v_all, mask, scale)
@@ -227,7 +233,7 @@ class Decoder:
         """The full product of a row-parallel projection: summed by the backend's all-reduce, or (the
         deterministic kernels) its fixed chunks' partials all-gathered and added in one fixed tree."""
         if chunks is None:
-            return self.ps.all_reduce(F.linear(x, w))
+            return self.ps.all_reduce(self.linear(x, w))
         parts = invariant.partials(x, w, chunks)
         if self.ps.tp > 1:
             most = max(chunks.per_shard)

@@ -1,0 +1,73 @@
+"""The default kernels' products on CPU in float32 run on weights packed once for oneDNN
+(``engine.packed``): the same products as ``F.linear`` within float32 rounding (2-D, 3-D and strided inputs,
+biases, an empty batch), used by the decoder only where they apply (not in float64, not with the
+deterministic kernels, whose guarantee is measured on MKL), and a replica on them decodes as one on
+``F.linear`` does."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from rollout_worker.engine import packed
+from rollout_worker.engine.sequence import Sequence
+
+from tests.worker.engine.engine_util import requests
+from tests.worker.engine.replica_util import replica
+
+pytestmark = pytest.mark.skipif(not packed.available(), reason="this torch has no oneDNN packed linear")
+
+
+@pytest.mark.parametrize("out, k", [(48, 32), (512, 1536), (4096, 512)])
+def test_packed_products_are_f_linear_within_float32_rounding(out: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(out + k)
+    w, b = torch.randn(out, k, generator=gen) / k**0.5, torch.randn(out, generator=gen)
+    wp = packed.pack(w)
+    for x in (
+        torch.randn(1, k, generator=gen),
+        torch.randn(16, k, generator=gen),
+        torch.randn(3, 5, k, generator=gen),  # [B, S, K]
+        torch.randn(4, 2 * k, generator=gen)[:, ::2],  # strided
+    ):
+        for bias in (None, b):
+            got, want = packed.linear(x, wp, bias), F.linear(x, w, bias)
+            assert got.shape == want.shape and got.dtype == torch.float32
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+    assert packed.linear(torch.zeros(0, k), wp).shape == (0, out)
+
+
+def test_packs_float32_on_cpu_only() -> None:
+    assert packed.packs(torch.zeros(2, 2))
+    assert not packed.packs(torch.zeros(2, 2, dtype=torch.float64))
+    assert not packed.packs(torch.zeros(2, 2, dtype=torch.bfloat16))
+
+
+def test_decoder_packs_only_the_default_float32_kernels(tiny32: Path, tiny64: Path) -> None:
+    assert replica(tiny32, 64, 4, dtype=torch.float32).decoder.packed
+    assert not replica(tiny32, 64, 4, dtype=torch.float32, deterministic=True).decoder.packed
+    assert not replica(tiny64, 64, 4).decoder.packed  # float64
+
+
+def test_packed_replica_decodes_as_one_on_f_linear(tiny32: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same requests on two replicas, one on packed weights and one on ``F.linear``, stepped together:
+    every step draws the same tokens, with logprobs equal to float32 rounding (the kernels add in other
+    orders, so not bitwise)."""
+    on = replica(tiny32, 4096, 4, dtype=torch.float32)
+    monkeypatch.setattr(packed, "available", lambda: False)
+    off = replica(tiny32, 4096, 4, dtype=torch.float32)
+    assert on.decoder.packed and not off.decoder.packed
+    specs = [dataclasses.replace(s, return_logprob=True) for s in requests(10, 3)]
+    for rep in (on, off):
+        for s in specs:
+            rep.add(Sequence(spec=s))
+    steps = 0
+    while on.unfinished:
+        a, b = on.step(), off.step()
+        assert [(q.spec.id, d.token) for q, d in a.draws] == [(q.spec.id, d.token) for q, d in b.draws]
+        lp_a, lp_b = ([d.logprob for _, d in o.draws] for o in (a, b))
+        assert lp_a == pytest.approx(lp_b, abs=1e-4), steps
+        steps += 1
+    assert steps > 20 and not off.unfinished
