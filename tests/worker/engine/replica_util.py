@@ -25,11 +25,12 @@ def replica(
     prefix_cache: bool = True,
     dtype: torch.dtype = torch.float64,
     deterministic: bool = False,
+    pack: bool = True,
 ) -> Replica:
     cfg = ModelConfig.load(model_dir)
     cpu = torch.device("cpu")
     w = load_shard(CheckpointReader(model_dir, cfg), cfg, 1, 0, dtype, cpu)
-    dec = Decoder(cfg, w, SINGLE, RowChunks.of(cfg, 1) if deterministic else None)
+    dec = Decoder(cfg, w, SINGLE, RowChunks.of(cfg, 1) if deterministic else None, pack)
     pool = KVPool(
         cfg.num_layers,
         cfg.num_kv_heads,

@@ -1,19 +1,39 @@
 """The deterministic kernels, one reduction at a time (issue 19, item 2): a row's result is bitwise the same
 alone, among 3, 4 and 63 other rows, at any position, and at TP 1, 2 and 4 (the real model's 9 heads / 3
 KV groups included). Each test also runs the default kernel on the same inputs and requires it to differ
-somewhere: that is what the invariant kernel is for, and it shows the comparison can fail."""
+somewhere: that is what the invariant kernel is for, and it shows the comparison can fail. The products are
+tested on both kernels the engine uses: MKL's ``sgemm`` (float64, bfloat16) and oneDNN's product on packed
+weights (float32, ``engine.packed``)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
 from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.engine import invariant as inv
+from rollout_worker.engine import packed
 from rollout_worker.engine.presets import preset_config
 from rollout_worker.engine.sharding import kv_head_range, q_head_range
 
 OTHERS = (0, 3, 4, 63)  # other rows in the batch
+Product = Callable[..., torch.Tensor]
+# kernel: (the invariant product, how it takes a weight, the default product on that weight)
+KERNELS: dict[str, tuple[Product, Callable[[torch.Tensor], torch.Tensor], Product]] = {
+    "sgemm": (inv.linear, lambda w: w, F.linear),
+    "packed": (inv.packed_linear, packed.pack, packed.linear),
+}
+kernels = pytest.mark.parametrize(
+    "kernel",
+    [
+        "sgemm",
+        pytest.param(
+            "packed", marks=pytest.mark.skipif(not packed.available(), reason="no oneDNN packed linear")
+        ),
+    ],
+)
 
 
 def setup_module() -> None:
@@ -38,23 +58,29 @@ def _row_of(batch: torch.Tensor, row: torch.Tensor) -> int:
     return next(i for i in range(batch.shape[0]) if torch.equal(batch[i], row[0]))
 
 
-def test_linear_rows_do_not_depend_on_the_batch() -> None:
+@kernels
+@pytest.mark.parametrize("out, k", [(1536, 576), (576, 1536)])
+def test_linear_rows_do_not_depend_on_the_batch(kernel: str, out: int, k: int) -> None:
+    linear, prepare, default = KERNELS[kernel]
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(1536, 576, generator=gen)
+    w = prepare(torch.randn(out, k, generator=gen))
     default_differs = False
     for _ in range(5):
-        row = torch.randn(1, 576, generator=gen)
-        alone, alone_default = inv.linear(row, w), F.linear(row, w)
+        row = torch.randn(1, k, generator=gen)
+        alone, alone_default = linear(row, w), default(row, w)
         for batch in _batches(row, gen):
             i = _row_of(batch, row)
-            assert torch.equal(inv.linear(batch, w)[i], alone[0]), batch.shape
-            default_differs |= not torch.equal(F.linear(batch, w)[i], alone_default[0])
-    assert default_differs  # the BLAS's 1-row and 4-row kernels round differently
+            assert torch.equal(linear(batch, w)[i], alone[0]), batch.shape
+            default_differs |= not torch.equal(default(batch, w)[i], alone_default[0])
+    # sgemm's 1-row and 4-row kernels round differently; oneDNN's 1-row kernel differs where K > 1024
+    assert default_differs or (kernel == "packed" and k <= 1024)
 
 
-def test_linear_columns_do_not_depend_on_the_tp_split() -> None:
+@kernels
+def test_linear_columns_do_not_depend_on_the_tp_split(kernel: str) -> None:
     """Column-parallel: each shard's columns (real model: q heads split 3 / 6 at TP 2) equal the full
-    product's."""
+    product's (packed: each shard's rows of the weight packed on their own, as a rank packs its shard)."""
+    linear, prepare, _ = KERNELS[kernel]
     cfg = _smollm2()
     gen = torch.Generator().manual_seed(1)
     hd = cfg.head_dim
@@ -62,38 +88,46 @@ def test_linear_columns_do_not_depend_on_the_tp_split() -> None:
     wk = torch.randn(cfg.num_kv_heads * hd, cfg.hidden_size, generator=gen)
     for rows in (1, 3, 4, 64):
         x = torch.randn(rows, 1, cfg.hidden_size, generator=gen)
-        q, k = inv.linear(x, wq), inv.linear(x, wk)
+        q, k = linear(x, prepare(wq)), linear(x, prepare(wk))
         for tp in (2, 4):
             for s in range(tp):
                 lo, hi = q_head_range(cfg, tp, s)
-                assert torch.equal(inv.linear(x, wq[lo * hd : hi * hd]), q[..., lo * hd : hi * hd])
+                assert torch.equal(linear(x, prepare(wq[lo * hd : hi * hd])), q[..., lo * hd : hi * hd])
                 lo, hi = kv_head_range(cfg, tp, s)
-                assert torch.equal(inv.linear(x, wk[lo * hd : hi * hd]), k[..., lo * hd : hi * hd])
+                assert torch.equal(linear(x, prepare(wk[lo * hd : hi * hd])), k[..., lo * hd : hi * hd])
 
 
-def test_linear_folds_a_strided_3d_input_into_one_product() -> None:
+@kernels
+def test_linear_folds_a_strided_3d_input_into_one_product(kernel: str) -> None:
     """A [B, 1, K] view whose size-1 dimension has an odd stride (what attention's output is at decode)
     is multiplied as one B-row product, not B one-row products."""
+    linear, prepare, _ = KERNELS[kernel]
     gen = torch.Generator().manual_seed(2)
-    w = torch.randn(576, 64, generator=gen)
+    w = prepare(torch.randn(576, 64, generator=gen))
     base = torch.randn(5, 4, 64, generator=gen)
     odd = base[:, :1]  # [5, 1, 64], strides (256, 64, 1)
-    assert torch.equal(inv.linear(odd, w), inv.linear(odd.contiguous(), w))
+    assert torch.equal(linear(odd, w), linear(odd.contiguous(), w))
 
 
-def _row_parallel(x: torch.Tensor, w: torch.Tensor, bounds: tuple[int, ...], shards: list[tuple[int, int]]):  # type: ignore[no-untyped-def]
+def _row_parallel(
+    x: torch.Tensor, w: torch.Tensor, bounds: tuple[int, ...], shards: list[tuple[int, int]], kernel: str
+) -> torch.Tensor:
     """The row-parallel product as the ranks compute it: each shard's partials, padded and gathered (here
     in one process), in chunk order, added in the fixed tree."""
     parts = []
     for s, (lo, hi) in enumerate(shards):
         chunks = inv.Chunks.of(bounds, shards, s)
-        mine = inv.partials(x[..., lo:hi], w[:, lo:hi].contiguous(), chunks)
+        shard = w[:, lo:hi].contiguous()
+        mine = inv.partials(
+            x[..., lo:hi], inv.pack_chunks(shard, chunks) if kernel == "packed" else shard, chunks
+        )
         pad = max(chunks.per_shard) - mine.shape[0]
         parts.append(torch.cat((mine, mine.new_zeros(pad, *mine.shape[1:]))))
     return inv.tree_sum(inv.gathered(parts, inv.Chunks.of(bounds, shards, 0)))
 
 
-def test_row_parallel_sum_does_not_depend_on_tp_or_batch() -> None:
+@kernels
+def test_row_parallel_sum_does_not_depend_on_tp_or_batch(kernel: str) -> None:
     """Attention output (9 heads of 64, uneven at TP 2 and 4) and MLP down (1536) of the real model."""
     cfg = _smollm2()
     chunks = inv.RowChunks.of(cfg, 4)
@@ -106,11 +140,14 @@ def test_row_parallel_sum_does_not_depend_on_tp_or_batch() -> None:
     for bounds, shards_of, k in cases:
         w = torch.randn(cfg.hidden_size, k, generator=gen)
         row = torch.randn(1, 1, k, generator=gen)
-        ref = _row_parallel(row, w, bounds, shards_of(cfg, 1))[0]
+        ref = _row_parallel(row, w, bounds, shards_of(cfg, 1), kernel)[0]
         for tp in (1, 2, 4):
             for batch in _batches(row, gen):
                 i = _row_of(batch, row)
-                assert torch.equal(_row_parallel(batch, w, bounds, shards_of(cfg, tp))[i], ref), (k, tp)
+                assert torch.equal(_row_parallel(batch, w, bounds, shards_of(cfg, tp), kernel)[i], ref), (
+                    k,
+                    tp,
+                )
                 halves = shards_of(cfg, 2)  # the default: each rank's product, summed
                 default = sum(F.linear(batch[..., lo:hi], w[:, lo:hi]) for lo, hi in halves)
                 default_differs |= not torch.equal(default[i], F.linear(row, w)[0])  # type: ignore[index]

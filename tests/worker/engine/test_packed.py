@@ -1,8 +1,7 @@
 """The default kernels' products on CPU in float32 run on weights packed once for oneDNN
 (``engine.packed``): the same products as ``F.linear`` within float32 rounding (2-D, 3-D and strided inputs,
-biases, an empty batch), used by the decoder only where they apply (not in float64, not with the
-deterministic kernels, whose guarantee is measured on MKL), and a replica on them decodes as one on
-``F.linear`` does."""
+biases, an empty batch), used by the decoder in float32 only (the deterministic kernels too, under their
+own row rule: ``test_invariant.py``), and a replica on them decodes as one on ``F.linear`` does."""
 
 from __future__ import annotations
 
@@ -45,19 +44,23 @@ def test_packs_float32_on_cpu_only() -> None:
     assert not packed.packs(torch.zeros(2, 2, dtype=torch.bfloat16))
 
 
-def test_decoder_packs_only_the_default_float32_kernels(tiny32: Path, tiny64: Path) -> None:
-    assert replica(tiny32, 64, 4, dtype=torch.float32).decoder.packed
-    assert not replica(tiny32, 64, 4, dtype=torch.float32, deterministic=True).decoder.packed
-    assert not replica(tiny64, 64, 4).decoder.packed  # float64
+def test_decoder_packs_float32_weights_only(tiny32: Path, tiny64: Path) -> None:
+    default = replica(tiny32, 64, 4, dtype=torch.float32).decoder
+    assert (
+        default.packed and isinstance(default.layers[0].wo, torch.Tensor) and default.layers[0].wo.is_mkldnn
+    )
+    det = replica(tiny32, 64, 4, dtype=torch.float32, deterministic=True).decoder
+    assert det.packed and det.o_chunks is not None  # the row-parallel weights: each fixed chunk packed
+    assert isinstance(det.layers[0].wo, tuple) and len(det.layers[0].wo) == det.o_chunks.local
+    assert not replica(tiny64, 64, 4).decoder.packed  # float64: sgemm
 
 
-def test_packed_replica_decodes_as_one_on_f_linear(tiny32: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same requests on two replicas, one on packed weights and one on ``F.linear``, stepped together:
-    every step draws the same tokens, with logprobs equal to float32 rounding (the kernels add in other
-    orders, so not bitwise)."""
+def test_packed_replica_decodes_as_one_on_f_linear(tiny32: Path) -> None:
+    """The same requests on two replicas, one on packed weights and one on ``F.linear`` (the setting
+    ``packed_weights`` off), stepped together: every step draws the same tokens, with logprobs equal to
+    float32 rounding (the kernels add in other orders, so not bitwise)."""
     on = replica(tiny32, 4096, 4, dtype=torch.float32)
-    monkeypatch.setattr(packed, "available", lambda: False)
-    off = replica(tiny32, 4096, 4, dtype=torch.float32)
+    off = replica(tiny32, 4096, 4, dtype=torch.float32, pack=False)
     assert on.decoder.packed and not off.decoder.packed
     specs = [dataclasses.replace(s, return_logprob=True) for s in requests(10, 3)]
     for rep in (on, off):

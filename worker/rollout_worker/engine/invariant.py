@@ -6,13 +6,18 @@ size of its replica. So no reconfiguration, batch change, retraction or re-prefi
 logprob, in float32 as in float64. Each reduction whose order could change gets one fixed order:
 
 - **Products whose rows are independent** (every column-parallel and replicated projection, the logits):
-  the CPU BLAS (oneDNN/MKL sgemm, one thread per rank) computes a row the same way in every product of
+  the CPU BLAS (MKL sgemm, one thread per rank) computes a row the same way in every product of
   ``MIN_ROWS`` rows or more, at any position and next to any other rows, and a column the same way in any
   slice of the weight's rows (measured: a row alone, among 2-3 rows and among 4+ rows are three different
-  roundings); :func:`linear` pads a product of fewer rows to ``MIN_ROWS``.
+  roundings); :func:`linear` pads a product of fewer rows to ``MIN_ROWS``. In float32 the products run on
+  weights packed for oneDNN (:mod:`~rollout_worker.engine.packed`), whose rule is ``PACKED_MIN_ROWS``
+  (measured: a row alone differs from a row among others when K > 1024, and every product of 2 rows or
+  more gives it the same bits, at any position, for any slice of the weight's rows);
+  :func:`packed_linear` pads to that.
 - **Row-parallel products** (attention output, MLP down), whose sum over K is split across ranks: K is cut
   into equal chunks that no layout the model may run at splits (:func:`chunk_bounds`), each chunk's
-  partial product is computed alone (:func:`partials`), the ranks all-gather the partials and each adds
+  partial product is computed alone (:func:`partials`; packed: each chunk's columns packed on their own,
+  :func:`pack_chunks`), the ranks all-gather the partials and each adds
   them in one fixed tree (:func:`tree_sum`). The same chunks and the same tree on every layout, instead of
   an all-reduce whose order the backend and the TP size choose.
 - **Attention**: the scores are one product per KV head (their sum runs over the head dimension, whatever
@@ -42,9 +47,11 @@ import torch.nn.functional as F
 
 from rollout_worker.api import heads
 from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.engine import packed
 from rollout_worker.engine.sharding import q_head_range
 
 MIN_ROWS = 4  # products of fewer rows take another BLAS kernel (1 row: gemv; 2-3 rows: a small-M kernel)
+PACKED_MIN_ROWS = 2  # oneDNN's packed product: 1 row takes another kernel (when K > 1024)
 CUDA_ROWS = 128  # rows of every product on CUDA: one GEMM shape (still bound by the weights' reads)
 KEY_CHUNK = 128  # keys per attention chunk (a multiple of the vector width: no scalar tail in exp)
 TP_SIZES = (1, 2, 4, 8)  # chunk bounds cover these TP sizes (and every divisor of the engine's ranks)
@@ -61,20 +68,30 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return out[:rows].reshape(*x.shape[:-1], w.shape[0])
 
 
-def padded_rows(rows: int, cuda: bool) -> int:
-    """The rows a product of ``rows`` rows is computed with: at least ``MIN_ROWS`` on CPU (MKL computes a
-    row the same way in any product of that many rows or more); a multiple of ``CUDA_ROWS`` on CUDA."""
+def packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`linear` on a weight packed for oneDNN (:func:`packed.pack`, float32 on CPU): one 2-D product
+    of at least ``PACKED_MIN_ROWS`` rows."""
+    if x.numel() == 0:
+        return packed.linear(x, w, b)
+    flat, rows = _rows(x, PACKED_MIN_ROWS)
+    return packed.linear(flat, w, b)[:rows].reshape(*x.shape[:-1], w.shape[0])
+
+
+def padded_rows(rows: int, cuda: bool, least: int = MIN_ROWS) -> int:
+    """The rows a product of ``rows`` rows is computed with: at least ``least`` on CPU (the kernel computes
+    a row the same way in any product of that many rows or more: ``MIN_ROWS`` for MKL,
+    ``PACKED_MIN_ROWS`` for oneDNN's packed product); a multiple of ``CUDA_ROWS`` on CUDA."""
     if cuda:
         return max(math.ceil(rows / CUDA_ROWS), 1) * CUDA_ROWS
-    return max(rows, MIN_ROWS)
+    return max(rows, least)
 
 
-def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+def _rows(x: torch.Tensor, least: int = MIN_ROWS) -> tuple[torch.Tensor, int]:
     """x [*rows, K] as one 2-D matrix of :func:`padded_rows` rows (zeros appended), and its row count."""
     k = x.shape[-1]
     rows = x.numel() // k
     flat = x.reshape(rows, k)
-    want = padded_rows(rows, x.is_cuda)
+    want = padded_rows(rows, x.is_cuda, least)
     if want > rows:
         flat = torch.cat((flat, flat.new_zeros(want - rows, k)))
     return flat, rows
@@ -175,11 +192,23 @@ def mlp_shards(cfg: ModelConfig, tp: int) -> list[tuple[int, int]]:
     return [heads.split(cfg.intermediate_size, tp, s) for s in range(tp)]
 
 
-def partials(x: torch.Tensor, w: torch.Tensor, chunks: Chunks) -> torch.Tensor:
+def pack_chunks(w: torch.Tensor, chunks: Chunks) -> tuple[torch.Tensor, ...]:
+    """w [out, K_shard] as :func:`partials` reads it on packed weights: each local chunk's columns packed
+    on their own."""
+    width = chunks.width
+    return tuple(packed.pack(w[:, i * width : (i + 1) * width]) for i in range(chunks.local))
+
+
+def partials(x: torch.Tensor, w: torch.Tensor | tuple[torch.Tensor, ...], chunks: Chunks) -> torch.Tensor:
     """[chunks, *rows, out]: each local chunk's partial product of x [*rows, K_shard] and w [out, K_shard],
     as batched products of :func:`_rows`'s padded rows (one per row block on CUDA) over strided views (no
-    copy of the weight)."""
+    copy of the weight); or, with ``w`` from :func:`pack_chunks`, one packed product per chunk."""
     n, width = chunks.local, chunks.width
+    if isinstance(w, tuple):
+        flat, rows = _rows(x, PACKED_MIN_ROWS)
+        xc = flat.view(flat.shape[0], n, width)
+        out = torch.stack([packed.linear(xc[:, i], wc) for i, wc in enumerate(w)])
+        return out[:, :rows].reshape(n, *x.shape[:-1], out.shape[-1])
     flat, rows = _rows(x)
     wc = w.view(w.shape[0], n, width).permute(1, 2, 0)  # [n, width, out]
     xcs = [b.view(b.shape[0], n, width).transpose(0, 1) for b in _blocks(flat)]  # [n, rows, width]

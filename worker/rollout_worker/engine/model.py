@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,17 @@ def _mean_last(x: torch.Tensor) -> torch.Tensor:
     return x.mean(-1, keepdim=True)
 
 
+RowWeight = torch.Tensor | tuple[torch.Tensor, ...]  # a row-parallel weight; a tuple: packed chunks
+
+
+class Linear(Protocol):
+    """A product as ``F.linear`` takes it: (x, w, b=None)."""
+
+    def __call__(
+        self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, /
+    ) -> torch.Tensor: ...
+
+
 @dataclass(slots=True)
 class Layer:
     ln1: torch.Tensor
@@ -60,11 +72,11 @@ class Layer:
     bv: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    wo: torch.Tensor
+    wo: RowWeight
     ln2: torch.Tensor
     w_gate: torch.Tensor
     w_up: torch.Tensor
-    w_down: torch.Tensor
+    w_down: RowWeight
 
 
 class Decoder:
@@ -76,13 +88,17 @@ class Decoder:
         weights: dict[str, torch.Tensor],
         ps: ParallelState,
         chunks: invariant.RowChunks | None = None,
+        pack: bool = True,
     ) -> None:
         """``chunks``: the deterministic kernels (:mod:`~rollout_worker.engine.invariant`) with these
-        row-parallel chunks; None: the BLAS's and the backend's own orders."""
+        row-parallel chunks; None: the BLAS's and the backend's own orders. ``pack``: float32 products on
+        CPU run on weights packed once for oneDNN (:mod:`~rollout_worker.engine.packed`)."""
         self.cfg, self.ps = cfg, ps
-        # the default kernels on CPU in float32 multiply by weights packed once for oneDNN (engine.packed)
-        self.packed = chunks is None and packed.packs(weights["model.embed_tokens.weight"])
-        self.linear = invariant.linear if chunks else packed.linear if self.packed else F.linear
+        self.packed = pack and packed.packs(weights["model.embed_tokens.weight"])
+        kernels: tuple[Linear, Linear] = (
+            (invariant.packed_linear, invariant.linear) if chunks else (packed.linear, F.linear)
+        )
+        self.linear = kernels[0] if self.packed else kernels[1]
         self.mean_last = invariant.mean_last if chunks else _mean_last
         self.o_chunks = self.down_chunks = None
         if chunks:
@@ -111,6 +127,13 @@ class Decoder:
         """A projection's weight as :attr:`linear` reads it (packed: a copy in oneDNN's layout)."""
         return packed.pack(w) if self.packed else w
 
+    def _row_product(self, w: torch.Tensor, chunks: invariant.Chunks | None) -> RowWeight:
+        """A row-parallel projection's weight as :meth:`_row_parallel` reads it (packed with the
+        deterministic kernels: each fixed chunk's columns on their own)."""
+        if chunks is not None and self.packed:
+            return invariant.pack_chunks(w, chunks)
+        return self._product(w)
+
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> Layer:
         p = f"model.layers.{i}."
         a = p + "self_attn."
@@ -125,11 +148,11 @@ class Decoder:
             bv=w.get(a + "v_proj.bias"),
             q_norm=w.get(a + "q_norm.weight"),
             k_norm=w.get(a + "k_norm.weight"),
-            wo=product(w[a + "o_proj.weight"]),
+            wo=self._row_product(w[a + "o_proj.weight"], self.o_chunks),
             ln2=w[p + "post_attention_layernorm.weight"],
             w_gate=product(w[p + "mlp.gate_proj.weight"]),
             w_up=product(w[p + "mlp.up_proj.weight"]),
-            w_down=product(w[p + "mlp.down_proj.weight"]),
+            w_down=self._row_product(w[p + "mlp.down_proj.weight"], self.down_chunks),
         )
 
     def rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -227,12 +250,11 @@ class Decoder:
             gathered.end(pool, read)
         return x
 
-    def _row_parallel(
-        self, x: torch.Tensor, w: torch.Tensor, chunks: invariant.Chunks | None
-    ) -> torch.Tensor:
+    def _row_parallel(self, x: torch.Tensor, w: RowWeight, chunks: invariant.Chunks | None) -> torch.Tensor:
         """The full product of a row-parallel projection: summed by the backend's all-reduce, or (the
         deterministic kernels) its fixed chunks' partials all-gathered and added in one fixed tree."""
         if chunks is None:
+            assert isinstance(w, torch.Tensor)
             return self.ps.all_reduce(self.linear(x, w))
         parts = invariant.partials(x, w, chunks)
         if self.ps.tp > 1:

@@ -1,17 +1,17 @@
-"""Float32 products on CPU through oneDNN over weights packed once (the default kernels' linear).
+"""Float32 products on CPU through oneDNN over weights packed once.
 
-``F.linear`` on CPU runs MKL's ``sgemm``, which repacks the weight into its blocked layout on every call: a
-decode step (a few to a few dozen rows) then reads each weight twice and writes it once. oneDNN's linear
-over a weight reordered once, when the decoder is built, into the blocked layout its kernels read
-(``torch.ops.mkldnn._reorder_linear_weight``, the prepacking inductor's CPU backend uses), reads it once.
-Measured with one thread (AMD EPYC, AVX2; ``bench/packed_linear.py``): 2-2.7x faster at 16 and 64 rows,
-as fast or faster at 1 row. It costs a second copy of the weights, made in about 0.6 ms per MB at each
-decoder build (a layout switch, a weight load).
+``F.linear`` on CPU runs MKL's ``sgemm``, which copies the weight into its blocked panels on every call.
+oneDNN's linear over a weight reordered once, when the decoder is built, into the blocked layout its kernels
+read (``torch.ops.mkldnn._reorder_linear_weight``, the prepacking inductor's CPU backend uses) does not.
+Measured with one thread (AMD EPYC, AVX2; ``bench/packed_linear.py``): 1.6-3.9x faster at 4 to 64 rows;
+at 1 row 1.5-2.6x on large matrices and 0.4-0.9x on matrices under a million elements (whose ``gemv`` runs
+from cache). It costs a second copy of the weights, made in about 0.5 ms per MB at each decoder build (a
+layout switch, a weight load); the engine setting ``packed_weights`` turns it off.
 
-Only the default kernels use it: its rounding differs from ``sgemm``'s (both are float32 products with
-errors of the same size), and the deterministic kernels' guarantee is measured on MKL
-(:mod:`~rollout_worker.engine.invariant`). float64 (the lossless tests' dtype) and other dtypes keep
-``F.linear``.
+Its rounding differs from ``sgemm``'s (both are float32 products, its errors against float64 about twice
+``sgemm``'s). The deterministic kernels use it too, under its own row rule (a row's bits are the same in
+every product of 2 rows or more: :mod:`~rollout_worker.engine.invariant`). float64 (the lossless tests'
+dtype) and other dtypes keep ``F.linear``.
 """
 
 from __future__ import annotations

@@ -139,9 +139,10 @@ def parallel_state(rank: int, lay: Layout, groups: Groups, stage_cpu: bool) -> P
 
 
 def make_decoder(cfg: EngineConfig, weights: Weights, ps: ParallelState) -> Decoder:
-    """The decoder of ``weights`` on ``ps``, with the deterministic kernels when the settings ask for them."""
+    """The decoder of ``weights`` on ``ps``, with the deterministic kernels and packed weights when the
+    settings ask for them."""
     chunks = RowChunks.of(cfg.model, cfg.world) if cfg.engine.deterministic else None
-    return Decoder(cfg.model, weights, ps, chunks)
+    return Decoder(cfg.model, weights, ps, chunks, cfg.engine.packed_weights)
 
 
 def make_replica(
