@@ -36,7 +36,7 @@ SAMPLES: dict[str, Any] = {
     "collective_timeout_seconds": 33.5,
     "cuda_graphs": True,
     "deterministic": True,
-    "packed_weights": False,
+    "packed_weights": "off",
 }
 
 

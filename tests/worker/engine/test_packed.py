@@ -11,8 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.engine import packed
+from rollout_worker.engine.checkpoint import CheckpointReader
+from rollout_worker.engine.presets import preset_config
 from rollout_worker.engine.sequence import Sequence
+from rollout_worker.engine.weights import load_shard
 
 from tests.worker.engine.engine_util import requests
 from tests.worker.engine.replica_util import replica
@@ -38,6 +42,26 @@ def test_packed_products_are_f_linear_within_float32_rounding(out: int, k: int) 
     assert packed.linear(torch.zeros(0, k), wp).shape == (0, out)
 
 
+def test_auto_packs_while_two_copies_per_rank_fit_in_half_the_memory(tiny32: Path) -> None:
+    """The setting's rule depends on the model, the ranks and the memory only (every layout alike)."""
+    cfg = ModelConfig.load(tiny32)
+    weights = load_shard(CheckpointReader(tiny32, cfg), cfg, 1, 0, torch.float32, torch.device("cpu"))
+    assert cfg.weight_elements == sum(t.numel() for t in weights.values())  # what a TP=1 rank holds
+    need = 2 * 4 * cfg.weight_elements  # bytes of two float32 copies, per rank
+    assert packed.wanted("auto", cfg, 2, memory=2 * 2 * need)
+    assert not packed.wanted("auto", cfg, 2, memory=2 * 2 * need - 2)
+    assert not packed.wanted("auto", cfg, 4, memory=2 * 2 * need)
+    assert packed.wanted("on", cfg, 64, memory=1) and not packed.wanted("off", cfg, 1, memory=1 << 60)
+    assert packed.machine_memory() > 1 << 30
+
+
+def test_the_real_models_parameters_are_counted() -> None:
+    """135M parameters (its name) for SmolLM2-135M, tied embeddings; medium's 3.9 GB float32, untied."""
+    smol = ModelConfig.from_dict(preset_config("smollm2-135m"))
+    assert 134e6 < smol.weight_elements < 135e6
+    assert 3.8e9 < 4 * ModelConfig.from_dict(preset_config("medium")).weight_elements < 3.95e9
+
+
 def test_packs_float32_on_cpu_only() -> None:
     assert packed.packs(torch.zeros(2, 2))
     assert not packed.packs(torch.zeros(2, 2, dtype=torch.float64))
@@ -57,7 +81,7 @@ def test_decoder_packs_float32_weights_only(tiny32: Path, tiny64: Path) -> None:
 
 def test_packed_replica_decodes_as_one_on_f_linear(tiny32: Path) -> None:
     """The same requests on two replicas, one on packed weights and one on ``F.linear`` (the setting
-    ``packed_weights`` off), stepped together: every step draws the same tokens, with logprobs equal to
+    ``packed_weights: off``), stepped together: every step draws the same tokens, with logprobs equal to
     float32 rounding (the kernels add in other orders, so not bitwise)."""
     on = replica(tiny32, 4096, 4, dtype=torch.float32)
     off = replica(tiny32, 4096, 4, dtype=torch.float32, pack=False)

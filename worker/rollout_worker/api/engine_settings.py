@@ -30,6 +30,7 @@ DTYPES: tuple[str, ...] = get_args(Dtype)  # the one list of dtypes
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}  # bytes per element
 Device = Literal["cpu", "cuda"]
 DEVICES: tuple[str, ...] = get_args(Device)
+PackedWeights = Literal["auto", "on", "off"]
 ENV_PREFIX = "ROLLOUT_SERVE_"  # `rolloutctl serve`'s variables
 
 
@@ -66,10 +67,11 @@ class EngineSettings(BaseModel):
         "whatever its batch, layout, reconfigurations, retractions and cache hits, in float32 too (SGLang's "
         "--enable-deterministic-inference); measured on CPU.",
     )
-    packed_weights: bool = Field(
-        True,
+    packed_weights: PackedWeights = Field(
+        "auto",
         description="float32 on CPU: multiply by a copy of each weight packed once for oneDNN (products "
-        "about 2x faster; the copy doubles the weights' memory); off: MKL's sgemm on the weights as loaded.",
+        "about 2x faster; the copy doubles the weights' memory). on | off | auto: on while two copies of the "
+        "whole model for every rank fit in half the machine's (or container's) memory.",
     )
     collective_timeout_seconds: float = Field(
         120.0, gt=0, description="Timeout of every collective; a rank that waits longer fails the engine."

@@ -92,6 +92,18 @@ class ModelConfig:
             raise UserError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from exc
         return cls.from_dict(raw, where=str(path))
 
+    @property
+    def weight_elements(self) -> int:
+        """Elements of the whole model's weights (every layer's projections and norms, the embedding, the
+        LM head unless tied, the final norm): what one TP=1 rank holds."""
+        h, hd = self.hidden_size, self.head_dim
+        attn = h * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
+        if self.attention_bias:
+            attn += hd * (self.num_heads + 2 * self.num_kv_heads)
+        layer = attn + 3 * h * self.intermediate_size + 2 * h + (2 * hd if self.qk_norm else 0)
+        heads = 1 if self.tie_word_embeddings else 2
+        return self.num_layers * layer + heads * self.vocab_size * h + h
+
     def validate(self, where: str = "config.json") -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads"):
             if getattr(self, name) < 1:

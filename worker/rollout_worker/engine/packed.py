@@ -6,7 +6,8 @@ read (``torch.ops.mkldnn._reorder_linear_weight``, the prepacking inductor's CPU
 Measured with one thread (AMD EPYC, AVX2; ``bench/packed_linear.py``): 1.6-3.9x faster at 4 to 64 rows;
 at 1 row 1.5-2.6x on large matrices and 0.4-0.9x on matrices under a million elements (whose ``gemv`` runs
 from cache). It costs a second copy of the weights, made in about 0.5 ms per MB at each decoder build (a
-layout switch, a weight load); the engine setting ``packed_weights`` turns it off.
+layout switch, a weight load): the engine setting ``packed_weights`` (:func:`wanted`) packs only while
+that fits, or as told.
 
 Its rounding differs from ``sgemm``'s (both are float32 products, its errors against float64 about twice
 ``sgemm``'s). The deterministic kernels use it too, under its own row rule (a row's bits are the same in
@@ -17,16 +18,47 @@ dtype) and other dtypes keep ``F.linear``.
 from __future__ import annotations
 
 import functools
+import os
+from pathlib import Path
 
 import torch
 
+from rollout_worker.api.model_config import ModelConfig
+
 ROWS_HINT = 16  # the batch the reorder is tuned for (any row count runs on the packed weight)
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # v2, v1
 
 
 @functools.cache
 def available() -> bool:
     """Whether this torch has oneDNN's packed linear (CPU builds with mkldnn)."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def wanted(setting: str, model: ModelConfig, ranks: int, memory: int | None = None) -> bool:
+    """Whether an engine of ``ranks`` ranks packs its float32 weights (the setting ``packed_weights``):
+    ``auto`` packs while two float32 copies of the whole model for every rank (what a TP=1 rank holds
+    packed) fit in half of ``memory`` (default: :func:`machine_memory`). It depends on the model, the
+    ranks and the machine only, never on the layout, so every rank and every layout of an engine use the
+    same kernel (the deterministic kernels' identity across layouts needs it)."""
+    if setting != "auto":
+        return setting == "on"
+    need = 2 * 4 * model.weight_elements * ranks
+    return need <= (machine_memory() if memory is None else memory) // 2
+
+
+@functools.cache
+def machine_memory() -> int:
+    """Bytes of memory the engine may use: the machine's, or its container's (cgroup) limit when lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in CGROUP_LIMITS:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
 
 
 def packs(w: torch.Tensor) -> bool:

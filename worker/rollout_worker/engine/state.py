@@ -17,6 +17,7 @@ from rollout_worker.api.costs import CostModel
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.engine import packed
 from rollout_worker.engine.checkpoint import CheckpointReader, parse_dtype
 from rollout_worker.engine.config import EngineConfig
 from rollout_worker.engine.cudagraph import DecodeGraphs, graphs_supported
@@ -142,7 +143,8 @@ def make_decoder(cfg: EngineConfig, weights: Weights, ps: ParallelState) -> Deco
     """The decoder of ``weights`` on ``ps``, with the deterministic kernels and packed weights when the
     settings ask for them."""
     chunks = RowChunks.of(cfg.model, cfg.world) if cfg.engine.deterministic else None
-    return Decoder(cfg.model, weights, ps, chunks, cfg.engine.packed_weights)
+    pack = packed.wanted(cfg.engine.packed_weights, cfg.model, cfg.world)
+    return Decoder(cfg.model, weights, ps, chunks, pack)
 
 
 def make_replica(
