@@ -138,6 +138,7 @@ def timeline_figure(results: list[RunResult]) -> Figure:
         ax.set_ylabel("running requests")
         tp_ax.set_ylabel("TP size")
         count_ticks(ax, tp_ax, (s.tp for s in r.timeline))
-        ax.legend(loc="upper right", fontsize="small")
+        if r.timeline:  # a run with no samples recorded (e.g. resumed with nothing left) has no lines
+            ax.legend(loc="upper right", fontsize="small")
     fig.tight_layout()
     return fig
