@@ -173,7 +173,6 @@ async def run_pods(
         def done() -> bool:
             if local.dead():
                 c = local.dead()[0]
-                log.error("%s exited with code %s: stopping every pod", c.name, c.proc.returncode)
                 raise EngineError(f"{c.name} exited with code {c.proc.returncode}:\n{c.tail()}")
             return not service and len(progress) == len(links) and all(p.done for p in progress.values())
 
@@ -202,6 +201,9 @@ async def run_pods(
             if service and plan is not None and plan.recorder is not None:
                 for mem in loop.memory.values():
                     plan.recorder.lengths(mem.lengths, mem.capped)
+    except EngineError as exc:  # a pod died, while starting or later: the log says which and how
+        log.error("%s: stopping every pod", str(exc).splitlines()[0].rstrip(":"))
+        raise
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             aio.remove_signal_handler(sig)
