@@ -61,20 +61,29 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     """``F.linear`` whose rows are each bitwise independent of the rest of the batch: always 2-D products of
     one fixed row count (:func:`_rows`; a 3-D input that does not fold into 2-D by its strides would
     otherwise be multiplied as a batch of 1-row products)."""
-    if x.numel() == 0:
-        return F.linear(x, w, b)
-    flat, rows = _rows(x)
-    out = _cat([F.linear(block, w, b) for block in _blocks(flat)], 0)
-    return out[:rows].reshape(*x.shape[:-1], w.shape[0])
+    return _row_blocks(F.linear, MIN_ROWS, x, w, b)
 
 
 def packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`linear` on a weight packed for oneDNN (:func:`packed.pack`, float32 on CPU): one 2-D product
     of at least ``PACKED_MIN_ROWS`` rows."""
+    return _row_blocks(packed.linear, PACKED_MIN_ROWS, x, w, b)
+
+
+def _row_blocks(
+    product: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
+    least: int,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+) -> torch.Tensor:
+    """``product(x, w, b)`` over :func:`_rows`'s padded 2-D matrix (of at least ``least`` rows; in row
+    blocks on CUDA), cut back to x's rows."""
     if x.numel() == 0:
-        return packed.linear(x, w, b)
-    flat, rows = _rows(x, PACKED_MIN_ROWS)
-    return packed.linear(flat, w, b)[:rows].reshape(*x.shape[:-1], w.shape[0])
+        return product(x, w, b)
+    flat, rows = _rows(x, least)
+    out = _cat([product(block, w, b) for block in _blocks(flat)], 0)
+    return out[:rows].reshape(*x.shape[:-1], w.shape[0])
 
 
 def padded_rows(rows: int, cuda: bool, least: int = MIN_ROWS) -> int:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from rollout_worker.api.engine_settings import DTYPE_BYTES, PackedWeights
 from rollout_worker.api.model_config import ModelConfig
 
 ROWS_HINT = 16  # the batch the reorder is tuned for (any row count runs on the packed weight)
@@ -35,7 +36,7 @@ def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-def wanted(setting: str, model: ModelConfig, ranks: int, memory: int | None = None) -> bool:
+def wanted(setting: PackedWeights, model: ModelConfig, ranks: int, memory: int | None = None) -> bool:
     """Whether an engine of ``ranks`` ranks packs its float32 weights (the setting ``packed_weights``):
     ``auto`` packs while two float32 copies of the whole model for every rank (what a TP=1 rank holds
     packed) fit in half of ``memory`` (default: :func:`machine_memory`). It depends on the model, the
@@ -43,7 +44,7 @@ def wanted(setting: str, model: ModelConfig, ranks: int, memory: int | None = No
     same kernel (the deterministic kernels' identity across layouts needs it)."""
     if setting != "auto":
         return setting == "on"
-    need = 2 * 4 * model.weight_elements * ranks
+    need = 2 * DTYPE_BYTES["float32"] * model.weight_elements * ranks
     return need <= (machine_memory() if memory is None else memory) // 2
 
 
@@ -62,7 +63,8 @@ def machine_memory() -> int:
 
 
 def packs(w: torch.Tensor) -> bool:
-    """Whether the default kernels multiply by ``w`` through a packed copy: float32 on CPU."""
+    """Whether a decoder that packs (:func:`wanted`) multiplies by ``w`` through a packed copy: float32 on
+    CPU, with a torch that has oneDNN."""
     return w.device.type == "cpu" and w.dtype == torch.float32 and available()
 
 
