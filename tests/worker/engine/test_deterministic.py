@@ -94,14 +94,17 @@ def _run(model: Path, layout: str, specs: list[RequestSpec], **kw: Any) -> Batch
     return run(model, world, layout, kw.pop("triggers", ()), specs, dtype="float32", deterministic=True, **kw)
 
 
-def test_batch_sizes_and_arrival_order_change_nothing(tiny32: Path) -> None:
+@pytest.mark.parametrize("packed_weights", ["auto", "off"])
+def test_batch_sizes_and_arrival_order_change_nothing(tiny32: Path, packed_weights: str) -> None:
     """64 requests: all in one batch of up to 64, one at a time (batch 1), in reverse order, and as 2x1
-    with a switch to 1x2 and back (batches of every size on the way down)."""
+    with a switch to 1x2 and back (batches of every size on the way down); on both float32 kernels (oneDNN
+    on packed weights, and MKL's sgemm, whose row rule differs by CPU)."""
     specs = _tiny(64, 7)
-    ref = outputs(_run(tiny32, "1x1", specs, max_batch=64))
-    assert outputs(_run(tiny32, "1x1", specs, max_batch=1)) == ref
-    assert outputs(_run(tiny32, "1x1", specs[::-1], max_batch=64)) == ref
-    res = _run(tiny32, "2x1", specs, max_batch=64, triggers=["40:2:migrate", "12:1:recompute"])
+    ref = outputs(_run(tiny32, "1x1", specs, max_batch=64, packed_weights=packed_weights))
+    assert outputs(_run(tiny32, "1x1", specs, max_batch=1, packed_weights=packed_weights)) == ref
+    assert outputs(_run(tiny32, "1x1", specs[::-1], max_batch=64, packed_weights=packed_weights)) == ref
+    switches = ["40:2:migrate", "12:1:recompute"]
+    res = _run(tiny32, "2x1", specs, max_batch=64, triggers=switches, packed_weights=packed_weights)
     assert outputs(res) == ref and len(res.reconfigs) == 2
 
 

@@ -217,12 +217,56 @@ def test_attention_row_does_not_depend_on_batch_padding_prefill_or_tp() -> None:
     assert default_differs  # SDPA's sums change with the padded key length
 
 
+@pytest.mark.parametrize("kernel", ["linear", "partials", "scores", "values"])
+@pytest.mark.parametrize("k", [64, 128, 576, 1536])
+def test_least_rows_is_the_fewest_rows_that_agree(kernel: inv.Kernel, k: int) -> None:
+    """Measured on this machine's BLAS: a row among ``least`` rows or more (first, middle, last; up to
+    300) has one value, and among ``least - 1`` rows another (the rule is the smallest that holds)."""
+    least = inv.least_rows(kernel, k, torch.float32)
+    gen = torch.Generator().manual_seed(k)
+    probe = inv._probe(kernel, k, torch.float32, gen)
+    row = torch.randn(k, generator=gen)
+
+    def among(count: int, at: int) -> torch.Tensor:
+        x = torch.randn(count, k, generator=gen)
+        x[at] = row
+        return probe(x)[at]
+
+    ref = among(least, 0)
+    for count in sorted({least, least + 1, 2 * least + 3, 100, 300}):
+        for at in (0, count // 2, count - 1):
+            assert torch.equal(among(count, at), ref), (count, at)
+    if least > 1:
+        assert not torch.equal(among(least - 1, 0), ref)
+
+
+def test_least_rows_finds_a_kernels_rule_or_says_it_has_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a made-up kernel: one that rounds a row another way below 5 rows gets 5; one whose row changes
+    with every row count is refused with an error naming it."""
+
+    def below_five(x: torch.Tensor) -> torch.Tensor:
+        return x * 3 if x.shape[0] < 5 else x * 2
+
+    def every_count(x: torch.Tensor) -> torch.Tensor:
+        return x * x.shape[0]
+
+    for product, want in ((below_five, 5), (every_count, None)):
+        monkeypatch.setattr(inv, "_probe", lambda *_, p=product: p)
+        inv.least_rows.cache_clear()
+        if want is None:
+            with pytest.raises(RuntimeError, match=r"linear product over K=8 .*every row count up to 256"):
+                inv.least_rows("linear", 8, torch.float32)
+        else:
+            assert inv.least_rows("linear", 8, torch.float32) == want
+    inv.least_rows.cache_clear()
+
+
 def test_cuda_row_blocks_are_fixed_and_reassembled_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA every product has exactly ``CUDA_ROWS`` rows per block (one cuBLAS kernel whatever the
     batch; measured on a GPU in test_gpu.py). The padding rule, and the blocks' reassembly run here on CPU
     (the split forced): each row's result is the unblocked product's, in order, for 1 to 3 blocks."""
-    assert [inv.padded_rows(n, cuda=True) for n in (1, 127, 128, 129, 300)] == [128, 128, 128, 256, 384]
-    assert [inv.padded_rows(n, cuda=False) for n in (1, 3, 4, 63)] == [4, 4, 4, 63]
+    assert [inv.padded_rows(n, True, 0) for n in (1, 127, 128, 129, 300)] == [128, 128, 128, 256, 384]
+    assert [inv.padded_rows(n, False, 4) for n in (1, 3, 4, 63)] == [4, 4, 4, 63]
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(24, 64, generator=gen, dtype=torch.float64)
     chunks = inv.Chunks(16, (4,), 0)

@@ -6,14 +6,14 @@ size of its replica. So no reconfiguration, batch change, retraction or re-prefi
 logprob, in float32 as in float64. Each reduction whose order could change gets one fixed order:
 
 - **Products whose rows are independent** (every column-parallel and replicated projection, the logits):
-  the CPU BLAS (MKL sgemm, one thread per rank) computes a row the same way in every product of
-  ``MIN_ROWS`` rows or more, at any position and next to any other rows, and a column the same way in any
-  slice of the weight's rows (measured: a row alone, among 2-3 rows and among 4+ rows are three different
-  roundings); :func:`linear` pads a product of fewer rows to ``MIN_ROWS``. In float32 the products run on
-  weights packed for oneDNN (:mod:`~rollout_worker.engine.packed`), whose rule is ``PACKED_MIN_ROWS``
-  (measured: a row alone differs from a row among others when K > 1024, and every product of 2 rows or
-  more gives it the same bits, at any position, for any slice of the weight's rows);
-  :func:`packed_linear` pads to that.
+  a CPU GEMM (MKL's sgemm, or oneDNN's product on packed float32 weights, one thread per rank) computes a
+  row the same way in every product of enough rows, at any position and next to any other rows, and a
+  column the same way in any slice of the weight's rows; with fewer rows it takes another kernel (a row
+  alone: gemv; a few rows: a small-M kernel). How many rows are enough depends on the CPU, the kernel and
+  K (measured: MKL on an AVX2 AMD EPYC, 4 rows for every K; on an AVX-512 Xeon, 3 rows at K = 64, 6 at
+  128, 16 from 512; oneDNN's packed product, 2 rows on both), so :func:`least_rows` measures it on the
+  machine, once per kernel, K and dtype, and :func:`linear` and :func:`packed_linear` pad a smaller
+  product to it.
 - **Row-parallel products** (attention output, MLP down), whose sum over K is split across ranks: K is cut
   into equal chunks that no layout the model may run at splits (:func:`chunk_bounds`), each chunk's
   partial product is computed alone (:func:`partials`; packed: each chunk's columns packed on their own,
@@ -22,9 +22,9 @@ logprob, in float32 as in float64. Each reduction whose order could change gets 
   an all-reduce whose order the backend and the TP size choose.
 - **Attention**: the scores are one product per KV head (their sum runs over the head dimension, whatever
   the number of keys); the softmax's denominator and the weighted values are summed per chunk of
-  ``KEY_CHUNK`` keys (query rows padded to ``MIN_ROWS``), and the chunks are added in :func:`tree_sum`'s
-  tree, which a row's masked trailing chunks (exact zeros) do not change. The row's maximum is exact in any
-  order.
+  ``KEY_CHUNK`` keys (query rows padded to both products' :func:`least_rows`), and the chunks are added in
+  :func:`tree_sum`'s tree, which a row's masked trailing chunks (exact zeros) do not change. The row's
+  maximum is exact in any order.
 - RMSNorm's mean, the elementwise functions and the sampler (float64) are already per-row and fixed.
 
 On CUDA, cuBLAS chooses a GEMM kernel (tile shape, split-K) by the product's shape, so a row's rounding
@@ -38,9 +38,11 @@ TP > 1 on CUDA is not claimed (a column shard is a product of another width).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -50,57 +52,127 @@ from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.engine import packed
 from rollout_worker.engine.sharding import q_head_range
 
-MIN_ROWS = 4  # products of fewer rows take another BLAS kernel (1 row: gemv; 2-3 rows: a small-M kernel)
-PACKED_MIN_ROWS = 2  # oneDNN's packed product: 1 row takes another kernel (when K > 1024)
 CUDA_ROWS = 128  # rows of every product on CUDA: one GEMM shape (still bound by the weights' reads)
 KEY_CHUNK = 128  # keys per attention chunk (a multiple of the vector width: no scalar tail in exp)
 TP_SIZES = (1, 2, 4, 8)  # chunk bounds cover these TP sizes (and every divisor of the engine's ranks)
+# the row counts least_rows compares (the kernels seen switch below 16 rows; a prefill has hundreds)
+PROBE_ROWS = (*range(1, 33), 48, 64, 128, 256)
+PROBE_COLS = 64  # output columns of a probe (the row rule seen does not depend on them)
+
+# the products whose row rule least_rows measures, each as its call site lays out its operands
+Kernel = Literal["linear", "packed", "partials", "scores", "values"]
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` whose rows are each bitwise independent of the rest of the batch: always 2-D products of
-    one fixed row count (:func:`_rows`; a 3-D input that does not fold into 2-D by its strides would
-    otherwise be multiplied as a batch of 1-row products)."""
-    return _row_blocks(F.linear, MIN_ROWS, x, w, b)
+    at least :func:`least_rows` rows (:func:`_rows`; a 3-D input that does not fold into 2-D by its strides
+    would otherwise be multiplied as a batch of 1-row products)."""
+    return _row_blocks(F.linear, "linear", x, w, b)
 
 
 def packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`linear` on a weight packed for oneDNN (:func:`packed.pack`, float32 on CPU): one 2-D product
-    of at least ``PACKED_MIN_ROWS`` rows."""
-    return _row_blocks(packed.linear, PACKED_MIN_ROWS, x, w, b)
+    """:func:`linear` on a weight packed for oneDNN (:func:`packed.pack`, float32 on CPU)."""
+    return _row_blocks(packed.linear, "packed", x, w, b)
 
 
 def _row_blocks(
     product: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
-    least: int,
+    kernel: Kernel,
     x: torch.Tensor,
     w: torch.Tensor,
     b: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``product(x, w, b)`` over :func:`_rows`'s padded 2-D matrix (of at least ``least`` rows; in row
-    blocks on CUDA), cut back to x's rows."""
+    """``product(x, w, b)`` over :func:`_rows`'s padded 2-D matrix (in row blocks on CUDA), cut back to x's
+    rows."""
     if x.numel() == 0:
         return product(x, w, b)
-    flat, rows = _rows(x, least)
+    flat, rows = _rows(x, kernel)
     out = _cat([product(block, w, b) for block in _blocks(flat)], 0)
     return out[:rows].reshape(*x.shape[:-1], w.shape[0])
 
 
-def padded_rows(rows: int, cuda: bool, least: int = MIN_ROWS) -> int:
-    """The rows a product of ``rows`` rows is computed with: at least ``least`` on CPU (the kernel computes
-    a row the same way in any product of that many rows or more: ``MIN_ROWS`` for MKL,
-    ``PACKED_MIN_ROWS`` for oneDNN's packed product); a multiple of ``CUDA_ROWS`` on CUDA."""
+@functools.cache
+def least_rows(kernel: Kernel, k: int, dtype: torch.dtype) -> int:
+    """The fewest rows from which ``kernel`` computes a row of a product over ``k`` the same way in every
+    product of as many rows or more, at any position, on this machine's CPU (one thread). Measured once per
+    process (milliseconds; about 0.2 s at K = 4096): a fixed row, first and last among each count of
+    :data:`PROBE_ROWS` rows; the answer is the smallest count from which every larger count gives that row
+    the same bits. A kernel whose row still changes at the largest count has no such rule: that is an
+    error, not a guess."""
+    gen = torch.Generator().manual_seed(k)
+    probe = _probe(kernel, k, dtype, gen)
+    row = torch.randn(k, generator=gen, dtype=torch.float64).to(dtype)
+    seen: list[bytes] = []
+    for count in PROBE_ROWS:
+        x = torch.randn(count, k, generator=gen, dtype=torch.float64).to(dtype)
+        x[0] = x[-1] = row
+        out = probe(x).float()
+        seen += [out[0].numpy().tobytes(), out[-1].numpy().tobytes()]
+    stable = len(seen)
+    while stable > 0 and seen[stable - 1] == seen[-1]:
+        stable -= 1
+    least = PROBE_ROWS[stable // 2]
+    if least == PROBE_ROWS[-1]:
+        raise RuntimeError(
+            f"deterministic kernels: this CPU's {kernel} product over K={k} ({dtype}) computes a row "
+            f"differently with every row count up to {least}; run without --deterministic"
+        )
+    return least
+
+
+def measure_rules(cfg: ModelConfig, dtype: torch.dtype, packed_weights: bool, widths: Iterable[int]) -> None:
+    """:func:`least_rows` of every product a decoder of ``cfg`` runs on CPU (its row-parallel chunks of
+    ``widths``), so a CPU without a rule fails when the decoder is built, not in a forward."""
+    rows: Kernel = "packed" if packed_weights else "linear"
+    chunked: Kernel = "packed" if packed_weights else "partials"
+    least_rows(rows, cfg.hidden_size, dtype)
+    for width in widths:
+        least_rows(chunked, width, dtype)
+    least_rows("scores", cfg.head_dim, dtype)
+    least_rows("values", KEY_CHUNK, dtype)
+
+
+def _probe(
+    kernel: Kernel, k: int, dtype: torch.dtype, gen: torch.Generator
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x [rows, k] -> [rows, cols]: ``kernel``'s product, its operands laid out as its call site lays them
+    out (a transposed view, a permuted weight, a batch of products)."""
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    if kernel == "linear":
+        w = rand(PROBE_COLS, k)
+        return lambda x: F.linear(x, w)
+    if kernel == "packed":
+        pw = packed.pack(rand(PROBE_COLS, k))
+        return lambda x: packed.linear(x, pw, None)
+    if kernel == "partials":  # partials' batched product: 2 chunks of width k over strided views
+        wc = rand(PROBE_COLS, 2, k).permute(1, 2, 0)  # [2, k, cols]
+        return lambda x: torch.bmm(torch.stack((x, x), 1).transpose(0, 1), wc)[1]
+    if kernel == "scores":  # attend's q [B, KVh, rows, hd] @ keys [B, KVh, L, hd]^T
+        keys = rand(1, 2, KEY_CHUNK, k)
+        return lambda x: torch.matmul(torch.stack((x, x))[None], keys.transpose(-1, -2))[0, 1]
+    # values: attend's exp(scores) [B, KVh, n, rows, C] (a transposed view) @ vals [B, KVh, n, C, hd]
+    vals = rand(1, 1, 2, k, PROBE_COLS)
+    return lambda x: torch.matmul(torch.stack((x, x), 1)[None, None].transpose(2, 3), vals)[0, 0, 1]
+
+
+def padded_rows(rows: int, cuda: bool, least: int) -> int:
+    """The rows a product of ``rows`` rows is computed with: at least ``least`` on CPU (the kernel's
+    :func:`least_rows`); a multiple of ``CUDA_ROWS`` on CUDA."""
     if cuda:
         return max(math.ceil(rows / CUDA_ROWS), 1) * CUDA_ROWS
     return max(rows, least)
 
 
-def _rows(x: torch.Tensor, least: int = MIN_ROWS) -> tuple[torch.Tensor, int]:
-    """x [*rows, K] as one 2-D matrix of :func:`padded_rows` rows (zeros appended), and its row count."""
+def _rows(x: torch.Tensor, kernel: Kernel) -> tuple[torch.Tensor, int]:
+    """x [*rows, K] as one 2-D matrix of :func:`padded_rows` rows for ``kernel`` (zeros appended), and its
+    row count."""
     k = x.shape[-1]
     rows = x.numel() // k
     flat = x.reshape(rows, k)
-    want = padded_rows(rows, x.is_cuda, least)
+    want = padded_rows(rows, x.is_cuda, 0 if x.is_cuda else least_rows(kernel, k, x.dtype))
     if want > rows:
         flat = torch.cat((flat, flat.new_zeros(want - rows, k)))
     return flat, rows
@@ -214,11 +286,11 @@ def partials(x: torch.Tensor, w: torch.Tensor | tuple[torch.Tensor, ...], chunks
     copy of the weight); or, with ``w`` from :func:`pack_chunks`, one packed product per chunk."""
     n, width = chunks.local, chunks.width
     if isinstance(w, tuple):
-        flat, rows = _rows(x, PACKED_MIN_ROWS)
+        flat, rows = _rows(x, "packed")
         xc = flat.view(flat.shape[0], n, width)
         out = torch.stack([packed.linear(xc[:, i], wc) for i, wc in enumerate(w)])
         return out[:, :rows].reshape(n, *x.shape[:-1], out.shape[-1])
-    flat, rows = _rows(x)
+    flat, rows = _rows(x, "partials")
     wc = w.view(w.shape[0], n, width).permute(1, 2, 0)  # [n, width, out]
     xcs = [b.view(b.shape[0], n, width).transpose(0, 1) for b in _blocks(flat)]  # [n, rows, width]
     return _cat([torch.bmm(xc, wc) for xc in xcs], 1)[:, :rows].reshape(n, *x.shape[:-1], w.shape[0])
@@ -248,9 +320,12 @@ def attend(
     rows = group * seq
     qg = (q * scale).view(bsz, seq, kvh, group, hd).permute(0, 2, 3, 1, 4).reshape(bsz, kvh, rows, hd)
     vis = mask[:, :, None].expand(bsz, 1, group, seq, length).reshape(bsz, 1, rows, length)  # rows (g, s)
-    if rows < MIN_ROWS:
-        qg = torch.cat((qg, qg.new_zeros(bsz, kvh, MIN_ROWS - rows, hd)), dim=2)
-        vis = torch.cat((vis, vis.new_ones(bsz, 1, MIN_ROWS - rows, length)), dim=2)
+    least = (
+        0 if q.is_cuda else max(least_rows("scores", hd, q.dtype), least_rows("values", KEY_CHUNK, q.dtype))
+    )
+    if rows < least:
+        qg = torch.cat((qg, qg.new_zeros(bsz, kvh, least - rows, hd)), dim=2)
+        vis = torch.cat((vis, vis.new_ones(bsz, 1, least - rows, length)), dim=2)
     span = key_span(length)
     if span > length:
         keys = F.pad(keys, (0, 0, 0, span - length))

@@ -106,6 +106,10 @@ class Decoder:
             self.down_chunks = invariant.Chunks.of(
                 chunks.mlp_down, invariant.mlp_shards(cfg, ps.tp), ps.shard
             )
+            embed = weights["model.embed_tokens.weight"]
+            if not embed.is_cuda:  # each product's row rule, before the first forward needs it
+                widths = (self.o_chunks.width, self.down_chunks.width)
+                invariant.measure_rules(cfg, embed.dtype, self.packed, widths)
         q_lo, q_hi = q_head_range(cfg, ps.tp, ps.shard)  # shards may differ in width (uneven heads)
         kv_lo, kv_hi = kv_head_range(cfg, ps.tp, ps.shard)
         self.heads, self.kv_heads = q_hi - q_lo, kv_hi - kv_lo
