@@ -101,14 +101,14 @@ def main(device: str = "cuda") -> None:
     )
     check(
         "invariant.attend (600 of 640 keys)",
-        lambda b: invariant.attend(q[:b], kk[:b], vv[:b], mask[:b], 0.088),
+        lambda b: invariant.attend(q[:b], kk[:b].transpose(-1, -2), vv[:b], mask[:b], 0.088),
         BATCHES,
     )
     check(
         "invariant.attend, keys 600 vs 640",
         lambda b: invariant.attend(
             q[:1],
-            kk[:1, :, : 600 + (b % 2) * 40],
+            kk[:1, :, : 600 + (b % 2) * 40].transpose(-1, -2),
             vv[:1, :, : 600 + (b % 2) * 40],
             mask[:1, ..., : 600 + (b % 2) * 40],
             0.088,

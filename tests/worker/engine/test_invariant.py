@@ -2,8 +2,8 @@
 alone, among 3, 4 and 63 other rows, at any position, and at TP 1, 2 and 4 (the real model's 9 heads / 3
 KV groups included). Each test also runs the default kernel on the same inputs and requires it to differ
 somewhere: that is what the invariant kernel is for, and it shows the comparison can fail. The products are
-tested on both kernels the engine uses: MKL's ``sgemm`` (float64, bfloat16) and oneDNN's product on packed
-weights (float32, ``engine.packed``)."""
+tested on both kernels the engine uses: MKL's ``sgemm`` (float64, bfloat16, every row-parallel chunk) and
+oneDNN's product on packed weights (float32, ``engine.packed``)."""
 
 from __future__ import annotations
 
@@ -110,25 +110,26 @@ def test_linear_folds_a_strided_3d_input_into_one_product(kernel: str) -> None:
 
 
 def _row_parallel(
-    x: torch.Tensor, w: torch.Tensor, bounds: tuple[int, ...], shards: list[tuple[int, int]], kernel: str
+    x: torch.Tensor, w: torch.Tensor, bounds: tuple[int, ...], shards: list[tuple[int, int]]
 ) -> torch.Tensor:
     """The row-parallel product as the ranks compute it: each shard's partials, padded and gathered (here
     in one process), in chunk order, added in the fixed tree."""
-    parts = []
+    parts, sums = [], []
     for s, (lo, hi) in enumerate(shards):
         chunks = inv.Chunks.of(bounds, shards, s)
-        shard = w[:, lo:hi].contiguous()
-        mine = inv.partials(
-            x[..., lo:hi], inv.pack_chunks(shard, chunks) if kernel == "packed" else shard, chunks
-        )
+        mine = inv.partials(x[..., lo:hi], w[:, lo:hi].contiguous(), chunks)
+        sums.append(inv.tree_sum(mine))
         pad = max(chunks.per_shard) - mine.shape[0]
         parts.append(torch.cat((mine, mine.new_zeros(pad, *mine.shape[1:]))))
-    return inv.tree_sum(inv.gathered(parts, inv.Chunks.of(bounds, shards, 0)))
+    every = inv.tree_sum(inv.gathered(parts, inv.Chunks.of(bounds, shards, 0)))
+    if inv.Chunks.of(bounds, shards, 0).subtree:  # the ranks' shortcut: each adds its own chunks first
+        assert torch.equal(inv.tree_sum(torch.stack(sums)), every)
+    return every
 
 
-@kernels
-def test_row_parallel_sum_does_not_depend_on_tp_or_batch(kernel: str) -> None:
-    """Attention output (9 heads of 64, uneven at TP 2 and 4) and MLP down (1536) of the real model."""
+def test_row_parallel_sum_does_not_depend_on_tp_or_batch() -> None:
+    """Attention output (9 heads of 64, uneven at TP 2 and 4) and MLP down (1536) of the real model (the
+    chunks' products are batched sgemm products of dense weights on either float32 kernel)."""
     cfg = _smollm2()
     chunks = inv.RowChunks.of(cfg, 4)
     gen = torch.Generator().manual_seed(3)
@@ -140,11 +141,11 @@ def test_row_parallel_sum_does_not_depend_on_tp_or_batch(kernel: str) -> None:
     for bounds, shards_of, k in cases:
         w = torch.randn(cfg.hidden_size, k, generator=gen)
         row = torch.randn(1, 1, k, generator=gen)
-        ref = _row_parallel(row, w, bounds, shards_of(cfg, 1), kernel)[0]
+        ref = _row_parallel(row, w, bounds, shards_of(cfg, 1))[0]
         for tp in (1, 2, 4):
             for batch in _batches(row, gen):
                 i = _row_of(batch, row)
-                assert torch.equal(_row_parallel(batch, w, bounds, shards_of(cfg, tp), kernel)[i], ref), (
+                assert torch.equal(_row_parallel(batch, w, bounds, shards_of(cfg, tp))[i], ref), (
                     k,
                     tp,
                 )
@@ -152,6 +153,20 @@ def test_row_parallel_sum_does_not_depend_on_tp_or_batch(kernel: str) -> None:
                 default = sum(F.linear(batch[..., lo:hi], w[:, lo:hi]) for lo, hi in halves)
                 default_differs |= not torch.equal(default[i], F.linear(row, w)[0])  # type: ignore[index]
     assert default_differs
+
+
+def test_a_shard_adds_its_own_chunks_first_only_when_they_are_a_subtree() -> None:
+    """Equal power-of-two counts per shard are whole subtrees of the tree; anything else is not."""
+    assert inv.Chunks(192, (4, 4), 0).subtree and inv.Chunks(64, (2, 2, 2, 2), 1).subtree
+    assert inv.Chunks(64, (1, 1), 0).subtree
+    assert not inv.Chunks(64, (5, 4), 0).subtree and not inv.Chunks(64, (3, 3), 0).subtree
+    gen = torch.Generator().manual_seed(6)
+    parts = torch.randn(8, 5, generator=gen)
+    assert torch.equal(
+        inv.tree_sum(torch.stack([inv.tree_sum(p) for p in parts.split(4)])), inv.tree_sum(parts)
+    )
+    uneven = [inv.tree_sum(p) for p in parts[:6].split(3)]  # 3 + 3: the tree pairs chunks 2 and 3 across
+    assert not torch.equal(inv.tree_sum(torch.stack(uneven)), inv.tree_sum(parts[:6]))
 
 
 def test_chunks_are_never_split_by_a_layout() -> None:
@@ -175,6 +190,11 @@ def test_tree_sum_ignores_trailing_zeros() -> None:
     assert not all(torch.equal(inv.tree_sum(parts[p]), ref) for p in ([4, 3, 2, 1, 0], [1, 0, 2, 3, 4]))
 
 
+def _t(keys: torch.Tensor) -> torch.Tensor:
+    """Keys [B, KVh, L, hd] as attend takes them on CPU: each KV head's [hd, L] row-major."""
+    return keys.transpose(-1, -2).contiguous()
+
+
 def test_attention_row_does_not_depend_on_batch_padding_prefill_or_tp() -> None:
     """A query's output: decoded alone over its own keys; among 3, 4 and 63 other rows whose keys are
     longer (its keys padded to theirs); as the last row of a prefill of its whole sequence; and per TP
@@ -187,7 +207,7 @@ def test_attention_row_does_not_depend_on_batch_padding_prefill_or_tp() -> None:
     k = torch.randn(1, kvh, own, hd, generator=gen)
     v = torch.randn(1, kvh, own, hd, generator=gen)
     q = seq_q[:, -1:]
-    ref = inv.attend(q, k, v, torch.ones(1, 1, 1, own, dtype=torch.bool), 0.125)
+    ref = inv.attend(q, _t(k), v, torch.ones(1, 1, 1, own, dtype=torch.bool), 0.125)
     default_ref = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, scale=0.125, enable_gqa=True)
     default_differs = False
     for n in (3, 4, 63):
@@ -201,18 +221,18 @@ def test_attention_row_does_not_depend_on_batch_padding_prefill_or_tp() -> None:
             )
             mask = torch.ones(n + 1, 1, 1, length, dtype=torch.bool)
             mask[0, ..., own:] = False
-            assert torch.equal(inv.attend(qs, ks, vs, mask, 0.125)[:1], ref), (n, length)
+            assert torch.equal(inv.attend(qs, _t(ks), vs, mask, 0.125)[:1], ref), (n, length)
             default = F.scaled_dot_product_attention(
                 qs.transpose(1, 2), ks, vs, attn_mask=mask, scale=0.125, enable_gqa=True
             )
             default_differs |= not torch.equal(default[:1], default_ref)
     causal = torch.tril(torch.ones(own, own, dtype=torch.bool))[None, None]
-    assert torch.equal(inv.attend(seq_q, k, v, causal, 0.125)[:, -1:], ref)  # the prefill's last row
+    assert torch.equal(inv.attend(seq_q, _t(k), v, causal, 0.125)[:, -1:], ref)  # the prefill's last row
     for tp in (2, 4):
         for s in range(tp):
             qlo, qhi = q_head_range(cfg, tp, s)
             klo, khi = kv_head_range(cfg, tp, s)
-            got = inv.attend(q[:, :, qlo:qhi], k[:, klo:khi], v[:, klo:khi], causal[..., -1:, :], 0.125)
+            got = inv.attend(q[:, :, qlo:qhi], _t(k[:, klo:khi]), v[:, klo:khi], causal[..., -1:, :], 0.125)
             assert torch.equal(got, ref[..., qlo * hd : qhi * hd]), (tp, s)
     assert default_differs  # SDPA's sums change with the padded key length
 
@@ -228,29 +248,35 @@ def test_least_rows_is_the_fewest_rows_that_agree(kernel: inv.Kernel, k: int) ->
     row = torch.randn(k, generator=gen)
 
     def among(count: int, at: int) -> torch.Tensor:
+        """The row's products in every variant of the call site (e.g. a chunk alone or among others)."""
         x = torch.randn(count, k, generator=gen)
         x[at] = row
-        return probe(x)[at]
+        return torch.stack([out[at] for out in probe(x)])
 
     ref = among(least, 0)
+    assert all(torch.equal(variant, ref[0]) for variant in ref)
     for count in sorted({least, least + 1, 2 * least + 3, 100, 300}):
         for at in (0, count // 2, count - 1):
             assert torch.equal(among(count, at), ref), (count, at)
     if least > 1:
-        assert not torch.equal(among(least - 1, 0), ref)
+        assert not (torch.equal(among(least - 1, 0), ref) and torch.equal(among(least - 1, least - 2), ref))
 
 
 def test_least_rows_finds_a_kernels_rule_or_says_it_has_none(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a made-up kernel: one that rounds a row another way below 5 rows gets 5; one whose row changes
-    with every row count is refused with an error naming it."""
+    """On made-up kernels: one that rounds a row another way below 5 rows gets 5; one whose two variants
+    (say, a chunk alone and among others) agree only from 2 rows gets 2; one whose row changes with every
+    row count is refused with an error naming it."""
 
-    def below_five(x: torch.Tensor) -> torch.Tensor:
-        return x * 3 if x.shape[0] < 5 else x * 2
+    def below_five(x: torch.Tensor) -> list[torch.Tensor]:
+        return [x * 3 if x.shape[0] < 5 else x * 2]
 
-    def every_count(x: torch.Tensor) -> torch.Tensor:
-        return x * x.shape[0]
+    def variants(x: torch.Tensor) -> list[torch.Tensor]:
+        return [x * 2, x * 2 if x.shape[0] > 1 else x * 3]
 
-    for product, want in ((below_five, 5), (every_count, None)):
+    def every_count(x: torch.Tensor) -> list[torch.Tensor]:
+        return [x * x.shape[0]]
+
+    for product, want in ((below_five, 5), (variants, 2), (every_count, None)):
         monkeypatch.setattr(inv, "_probe", lambda *_, p=product: p)
         inv.least_rows.cache_clear()
         if want is None:

@@ -70,12 +70,11 @@ def test_packs_float32_on_cpu_only() -> None:
 
 def test_decoder_packs_float32_weights_only(tiny32: Path, tiny64: Path) -> None:
     default = replica(tiny32, 64, 4, dtype=torch.float32).decoder
-    assert (
-        default.packed and isinstance(default.layers[0].wo, torch.Tensor) and default.layers[0].wo.is_mkldnn
-    )
+    assert default.packed and default.layers[0].wo.is_mkldnn
     det = replica(tiny32, 64, 4, dtype=torch.float32, deterministic=True).decoder
-    assert det.packed and det.o_chunks is not None  # the row-parallel weights: each fixed chunk packed
-    assert isinstance(det.layers[0].wo, tuple) and len(det.layers[0].wo) == det.o_chunks.local
+    assert det.packed and det.o_chunks is not None and det.layers[0].wq.is_mkldnn
+    # the row-parallel weights stay dense: their chunks are one batched sgemm product
+    assert not det.layers[0].wo.is_mkldnn and not det.layers[0].w_down.is_mkldnn
     assert not replica(tiny64, 64, 4).decoder.packed  # float64: sgemm
 
 

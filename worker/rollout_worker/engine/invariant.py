@@ -16,10 +16,9 @@ logprob, in float32 as in float64. Each reduction whose order could change gets 
   product to it.
 - **Row-parallel products** (attention output, MLP down), whose sum over K is split across ranks: K is cut
   into equal chunks that no layout the model may run at splits (:func:`chunk_bounds`), each chunk's
-  partial product is computed alone (:func:`partials`; packed: each chunk's columns packed on their own,
-  :func:`pack_chunks`), the ranks all-gather the partials and each adds
-  them in one fixed tree (:func:`tree_sum`). The same chunks and the same tree on every layout, instead of
-  an all-reduce whose order the backend and the TP size choose.
+  partial product is computed alone (:func:`partials`: one batched product over every chunk), the ranks
+  all-gather the partials and each adds them in one fixed tree (:func:`tree_sum`). The same chunks and
+  the same tree on every layout, instead of an all-reduce whose order the backend and the TP size choose.
 - **Attention**: the scores are one product per KV head (their sum runs over the head dimension, whatever
   the number of keys); the softmax's denominator and the weighted values are summed per chunk of
   ``KEY_CHUNK`` keys (query rows padded to both products' :func:`least_rows`), and the chunks are added in
@@ -61,6 +60,7 @@ PROBE_COLS = 64  # output columns of a probe (the row rule seen does not depend 
 
 # the products whose row rule least_rows measures, each as its call site lays out its operands
 Kernel = Literal["linear", "packed", "partials", "scores", "values"]
+Probe = Callable[[torch.Tensor], list[torch.Tensor]]  # a kernel's products of x, in each variant
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -96,66 +96,75 @@ def least_rows(kernel: Kernel, k: int, dtype: torch.dtype) -> int:
     """The fewest rows from which ``kernel`` computes a row of a product over ``k`` the same way in every
     product of as many rows or more, at any position, on this machine's CPU (one thread). Measured once per
     process (milliseconds; about 0.2 s at K = 4096): a fixed row, first and last among each count of
-    :data:`PROBE_ROWS` rows; the answer is the smallest count from which every larger count gives that row
-    the same bits. A kernel whose row still changes at the largest count has no such rule: that is an
-    error, not a guess."""
+    :data:`PROBE_ROWS` rows, in each of the call site's variants (:func:`_probe`: e.g. a batch of 1, 2 or
+    3 chunks), which must all agree; the answer is the smallest count from which every larger count gives
+    that row the same bits. A kernel whose row still changes at the largest count has no such rule: that
+    is an error, not a guess."""
     gen = torch.Generator().manual_seed(k)
     probe = _probe(kernel, k, dtype, gen)
     row = torch.randn(k, generator=gen, dtype=torch.float64).to(dtype)
-    seen: list[bytes] = []
+    seen: list[bytes | None] = []  # per count: the row's bits, None where its positions or variants differ
     for count in PROBE_ROWS:
         x = torch.randn(count, k, generator=gen, dtype=torch.float64).to(dtype)
         x[0] = x[-1] = row
-        out = probe(x).float()
-        seen += [out[0].numpy().tobytes(), out[-1].numpy().tobytes()]
+        bits = {out[at].float().numpy().tobytes() for out in probe(x) for at in (0, -1)}
+        seen.append(bits.pop() if len(bits) == 1 else None)
     stable = len(seen)
-    while stable > 0 and seen[stable - 1] == seen[-1]:
+    while stable > 0 and seen[stable - 1] == seen[-1] and seen[-1] is not None:
         stable -= 1
-    least = PROBE_ROWS[stable // 2]
-    if least == PROBE_ROWS[-1]:
+    if stable == len(seen) or PROBE_ROWS[stable] == PROBE_ROWS[-1]:
         raise RuntimeError(
             f"deterministic kernels: this CPU's {kernel} product over K={k} ({dtype}) computes a row "
-            f"differently with every row count up to {least}; run without --deterministic"
+            f"differently with every row count up to {PROBE_ROWS[-1]}; run without --deterministic"
         )
-    return least
+    return PROBE_ROWS[stable]
 
 
 def measure_rules(cfg: ModelConfig, dtype: torch.dtype, packed_weights: bool, widths: Iterable[int]) -> None:
     """:func:`least_rows` of every product a decoder of ``cfg`` runs on CPU (its row-parallel chunks of
     ``widths``), so a CPU without a rule fails when the decoder is built, not in a forward."""
-    rows: Kernel = "packed" if packed_weights else "linear"
-    chunked: Kernel = "packed" if packed_weights else "partials"
-    least_rows(rows, cfg.hidden_size, dtype)
+    least_rows("packed" if packed_weights else "linear", cfg.hidden_size, dtype)
     for width in widths:
-        least_rows(chunked, width, dtype)
+        least_rows("partials", width, dtype)
     least_rows("scores", cfg.head_dim, dtype)
     least_rows("values", KEY_CHUNK, dtype)
 
 
-def _probe(
-    kernel: Kernel, k: int, dtype: torch.dtype, gen: torch.Generator
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x [rows, k] -> [rows, cols]: ``kernel``'s product, its operands laid out as its call site lays them
-    out (a transposed view, a permuted weight, a batch of products)."""
+def _probe(kernel: Kernel, k: int, dtype: torch.dtype, gen: torch.Generator) -> Probe:
+    """x [rows, k] -> its products [rows, cols] as ``kernel``'s call site computes them, its operands laid
+    out as there (a transposed view, a permuted weight, a batch of products), in each variant the call site
+    may run (:func:`partials`: a chunk alone, or among 2 or 3 in one batched product)."""
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
 
     if kernel == "linear":
         w = rand(PROBE_COLS, k)
-        return lambda x: F.linear(x, w)
+        return lambda x: [F.linear(x, w)]
     if kernel == "packed":
         pw = packed.pack(rand(PROBE_COLS, k))
-        return lambda x: packed.linear(x, pw, None)
-    if kernel == "partials":  # partials' batched product: 2 chunks of width k over strided views
-        wc = rand(PROBE_COLS, 2, k).permute(1, 2, 0)  # [2, k, cols]
-        return lambda x: torch.bmm(torch.stack((x, x), 1).transpose(0, 1), wc)[1]
-    if kernel == "scores":  # attend's q [B, KVh, rows, hd] @ keys [B, KVh, L, hd]^T
-        keys = rand(1, 2, KEY_CHUNK, k)
-        return lambda x: torch.matmul(torch.stack((x, x))[None], keys.transpose(-1, -2))[0, 1]
-    # values: attend's exp(scores) [B, KVh, n, rows, C] (a transposed view) @ vals [B, KVh, n, C, hd]
-    vals = rand(1, 1, 2, k, PROBE_COLS)
-    return lambda x: torch.matmul(torch.stack((x, x), 1)[None, None].transpose(2, 3), vals)[0, 0, 1]
+        return lambda x: [packed.linear(x, pw, None)]
+    if kernel == "partials":  # partials on CPU: w_c @ x_c^T, chunk c of width k of 1 to 3 in one product
+        w = rand(PROBE_COLS, k)
+        return lambda x: [_chunks_t(w, x, n) for n in (1, 2, 3)]
+    if (
+        kernel == "scores"
+    ):  # attend's q [B, KVh, rows, hd] @ keys_t [B, KVh, hd, L] (a slice of a wider buffer)
+        keys_t = rand(1, 2, k, 2 * KEY_CHUNK)[..., :KEY_CHUNK]
+        return lambda x: [torch.matmul(torch.stack((x, x))[None], keys_t)[0, 1]]
+    # values: _chunk_values' product of one chunk, a slice of exp(scores) [B * KVh, rows, L] @ vals [B *
+    # KVh, L, hd]
+    vals = rand(2, 2 * k, PROBE_COLS)
+    return lambda x: [torch.bmm(torch.stack((torch.cat((x, x), 1),) * 2)[:, :, k:], vals[:, k:])[1]]
+
+
+def _chunks_t(w: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
+    """The last chunk's product, [rows, cols], of :func:`partials`' CPU product over ``n`` chunks of w
+    [cols, k] and x [rows, k] (the others: copies of them)."""
+    wide, xs = w.repeat(1, n), x.repeat(1, n)
+    wc = wide.view(w.shape[0], n, w.shape[1]).transpose(0, 1)
+    xt = xs.view(x.shape[0], n, x.shape[1]).permute(1, 2, 0).contiguous()
+    return torch.bmm(wc, xt)[-1].T
 
 
 def padded_rows(rows: int, cuda: bool, least: int) -> int:
@@ -166,15 +175,15 @@ def padded_rows(rows: int, cuda: bool, least: int) -> int:
     return max(rows, least)
 
 
-def _rows(x: torch.Tensor, kernel: Kernel) -> tuple[torch.Tensor, int]:
-    """x [*rows, K] as one 2-D matrix of :func:`padded_rows` rows for ``kernel`` (zeros appended), and its
-    row count."""
-    k = x.shape[-1]
-    rows = x.numel() // k
-    flat = x.reshape(rows, k)
-    want = padded_rows(rows, x.is_cuda, 0 if x.is_cuda else least_rows(kernel, k, x.dtype))
+def _rows(x: torch.Tensor, kernel: Kernel, k: int | None = None) -> tuple[torch.Tensor, int]:
+    """x [*rows, K] as one 2-D matrix of :func:`padded_rows` rows for ``kernel``'s products over ``k``
+    (default K; a chunk's width for :func:`partials`), zeros appended; and its row count."""
+    width = x.shape[-1]
+    rows = x.numel() // width
+    flat = x.reshape(rows, width)
+    want = padded_rows(rows, x.is_cuda, 0 if x.is_cuda else least_rows(kernel, k or width, x.dtype))
     if want > rows:
-        flat = torch.cat((flat, flat.new_zeros(want - rows, k)))
+        flat = torch.cat((flat, flat.new_zeros(want - rows, width)))
     return flat, rows
 
 
@@ -235,6 +244,15 @@ class Chunks:
     def local(self) -> int:
         return self.per_shard[self.shard]
 
+    @property
+    def subtree(self) -> bool:
+        """Whether every shard holds the same power-of-two number of chunks. Then each shard's chunks are one
+        whole subtree of :func:`tree_sum`'s tree (its first levels pair chunks within a shard and pad
+        nothing), so a shard may add its own before the all-gather: the same sum, a shard's share of it
+        gathered instead of each chunk's."""
+        own = self.per_shard[0]
+        return len(set(self.per_shard)) == 1 and own & (own - 1) == 0
+
     @classmethod
     def of(cls, bounds: tuple[int, ...], shards: list[tuple[int, int]], shard: int) -> Chunks:
         width = bounds[1] - bounds[0]
@@ -273,27 +291,23 @@ def mlp_shards(cfg: ModelConfig, tp: int) -> list[tuple[int, int]]:
     return [heads.split(cfg.intermediate_size, tp, s) for s in range(tp)]
 
 
-def pack_chunks(w: torch.Tensor, chunks: Chunks) -> tuple[torch.Tensor, ...]:
-    """w [out, K_shard] as :func:`partials` reads it on packed weights: each local chunk's columns packed
-    on their own."""
-    width = chunks.width
-    return tuple(packed.pack(w[:, i * width : (i + 1) * width]) for i in range(chunks.local))
-
-
-def partials(x: torch.Tensor, w: torch.Tensor | tuple[torch.Tensor, ...], chunks: Chunks) -> torch.Tensor:
+def partials(x: torch.Tensor, w: torch.Tensor, chunks: Chunks) -> torch.Tensor:
     """[chunks, *rows, out]: each local chunk's partial product of x [*rows, K_shard] and w [out, K_shard],
-    as batched products of :func:`_rows`'s padded rows (one per row block on CUDA) over strided views (no
-    copy of the weight); or, with ``w`` from :func:`pack_chunks`, one packed product per chunk."""
+    one batched product over strided views of w (no copy of it) and :func:`_rows`'s padded rows. On CPU it
+    is each chunk's ``w_c @ x_c^T`` (the chunk's ``out`` rows, the same in every batch, are the product's
+    rows, so the token rows' rule is the columns': measured on an AVX-512 Xeon, 2 tokens, where ``x_c @
+    w_c^T`` needs 9 rows for a chunk of 192), read back transposed; on CUDA ``x_c @ w_c^T`` in row blocks.
+    Dense weights even where the decoder packs the others: a packed product per chunk took 1.1-7x longer
+    on that Xeon (most at 1 row, whose packed calls each pay oneDNN's overhead)."""
     n, width = chunks.local, chunks.width
-    if isinstance(w, tuple):
-        flat, rows = _rows(x, "packed")
-        xc = flat.view(flat.shape[0], n, width)
-        out = torch.stack([packed.linear(xc[:, i], wc) for i, wc in enumerate(w)])
-        return out[:, :rows].reshape(n, *x.shape[:-1], out.shape[-1])
-    flat, rows = _rows(x, "partials")
-    wc = w.view(w.shape[0], n, width).permute(1, 2, 0)  # [n, width, out]
+    flat, rows = _rows(x, "partials", width)
+    if not flat.is_cuda:
+        wc = w.view(w.shape[0], n, width).transpose(0, 1)  # [n, out, width]
+        xt = flat.view(flat.shape[0], n, width).permute(1, 2, 0).contiguous()  # [n, width, rows]
+        return torch.bmm(wc, xt)[:, :, :rows].transpose(1, 2).reshape(n, *x.shape[:-1], w.shape[0])
+    wt = w.view(w.shape[0], n, width).permute(1, 2, 0)  # [n, width, out]
     xcs = [b.view(b.shape[0], n, width).transpose(0, 1) for b in _blocks(flat)]  # [n, rows, width]
-    return _cat([torch.bmm(xc, wc) for xc in xcs], 1)[:, :rows].reshape(n, *x.shape[:-1], w.shape[0])
+    return _cat([torch.bmm(xc, wt) for xc in xcs], 1)[:, :rows].reshape(n, *x.shape[:-1], w.shape[0])
 
 
 def gathered(parts: list[torch.Tensor], chunks: Chunks) -> torch.Tensor:
@@ -308,14 +322,16 @@ def key_span(length: int) -> int:
 
 
 def attend(
-    q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor, keys_t: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Attention of q [B, S, H, hd] over keys/vals [B, KVh, L, hd] under mask [B, 1, S, L] (a query's
-    visible keys): [B, S, H * hd], each query row bitwise independent of B, S, L and the other rows. Head
-    ``h`` uses KV head ``h // (H // KVh)``, as in grouped-query attention. The scores are one product per
-    (row, KV head) (a score's sum runs over ``hd`` whatever L is); the sums over keys run per chunk."""
+    """Attention of q [B, S, H, hd] over keys_t [B, KVh, hd, L] (the keys transposed: on CPU each KV head's
+    [hd, L] row-major, as :class:`~rollout_worker.engine.kvcache.GatheredKV` keeps them for these kernels)
+    and vals [B, KVh, L, hd] under mask [B, 1, S, L] (a query's visible keys): [B, S, H * hd], each query
+    row bitwise independent of B, S, L and the other rows. Head ``h`` uses KV head ``h // (H // KVh)``, as
+    in grouped-query attention. The scores are one product per (row, KV head) (a score's sum runs over
+    ``hd`` whatever L is); the sums over keys run per chunk."""
     bsz, seq, heads, hd = q.shape
-    kvh, length = keys.shape[1], keys.shape[2]
+    kvh, length = keys_t.shape[1], keys_t.shape[3]
     group = heads // kvh
     rows = group * seq
     qg = (q * scale).view(bsz, seq, kvh, group, hd).permute(0, 2, 3, 1, 4).reshape(bsz, kvh, rows, hd)
@@ -328,14 +344,31 @@ def attend(
         vis = torch.cat((vis, vis.new_ones(bsz, 1, least - rows, length)), dim=2)
     span = key_span(length)
     if span > length:
-        keys = F.pad(keys, (0, 0, 0, span - length))
+        keys_t = F.pad(keys_t, (0, span - length))
         vals = F.pad(vals, (0, 0, 0, span - length))
         vis = F.pad(vis, (0, span - length), value=False)
     n, padded = span // KEY_CHUNK, qg.shape[2]
-    scores = torch.matmul(qg, keys.transpose(-1, -2)).masked_fill(~vis, float("-inf"))  # [B, KVh, rows, L]
+    scores = torch.matmul(qg, keys_t).masked_fill(~vis, float("-inf"))  # [B, KVh, rows, L]
     top = scores.amax(dim=-1, keepdim=True)  # exact in any order
-    e = torch.exp(scores - top).view(bsz, kvh, padded, n, KEY_CHUNK).transpose(2, 3)  # [B, KVh, n, rows, C]
-    den = tree_sum(sum_last(e).movedim(2, 0))  # [B, KVh, rows]
-    num = tree_sum(torch.matmul(e, vals.view(bsz, kvh, n, KEY_CHUNK, hd)).movedim(2, 0))  # [B, KVh, rows, hd]
+    e = torch.exp(scores - top)  # [B, KVh, rows, L]
+    den = tree_sum(sum_last(e.view(bsz, kvh, padded, n, KEY_CHUNK)).movedim(-1, 0))  # [B, KVh, rows]
+    num = tree_sum(_chunk_values(e, vals, n))  # [B, KVh, rows, hd]
     out = (num / den[..., None])[:, :, :rows]
     return out.view(bsz, kvh, group, seq, hd).permute(0, 3, 1, 2, 4).reshape(bsz, seq, heads * hd)
+
+
+def _chunk_values(e: torch.Tensor, vals: torch.Tensor, n: int) -> torch.Tensor:
+    """[n, B, KVh, rows, hd]: each chunk's weighted values, e [B, KVh, rows, n * C] @ vals [B, KVh, n * C,
+    hd] over its C keys. On CPU one batched product per chunk over views of both (vals is a slice of the
+    kept K/V, whose rows outrun L: a product over all chunks at once would first copy it, which took longer
+    than the products); on CUDA one product over every chunk (one kernel, as measured there)."""
+    bsz, kvh, rows, span = e.shape
+    hd = vals.shape[-1]
+    if e.is_cuda:
+        chunked = e.view(bsz, kvh, rows, n, KEY_CHUNK).transpose(2, 3)  # [B, KVh, n, rows, C]
+        return torch.matmul(chunked, vals.view(bsz, kvh, n, KEY_CHUNK, hd)).movedim(2, 0)
+    ef, vf = e.view(bsz * kvh, rows, span), vals.reshape(bsz * kvh, span, hd)
+    parts = [
+        torch.bmm(ef[:, :, c : c + KEY_CHUNK], vf[:, c : c + KEY_CHUNK]) for c in range(0, span, KEY_CHUNK)
+    ]
+    return torch.stack(parts).view(n, bsz, kvh, rows, hd)

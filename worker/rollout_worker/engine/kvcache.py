@@ -219,8 +219,11 @@ class GatheredKV:
     _STEP = 64  # positions are allocated in multiples of these
 
     def __init__(self) -> None:
-        self.k: list[torch.Tensor] = []  # per layer [B, KVh, capacity, hd], as attention reads them
+        # per layer [B, KVh, capacity, hd], as attention reads them (keys: [B, KVh, hd, capacity] when
+        # keys_t, for the deterministic kernels' products)
+        self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
+        self.keys_t = False
         self.read = torch.zeros((0, 0), dtype=torch.long)  # the slots gathered so far [B, length]
         self.version = -1
         self.start = 0  # this step gathers positions [start, L) of every row
@@ -230,11 +233,15 @@ class GatheredKV:
         self.k, self.v, self.version = [], [], -1
         self.read = torch.zeros((0, 0), dtype=torch.long)
 
-    def begin(self, pool: KVPool, read: torch.Tensor, positions: torch.Tensor) -> None:
+    def begin(self, pool: KVPool, read: torch.Tensor, positions: torch.Tensor, keys_t: bool = False) -> None:
         """Before a decode step over ``read`` [B, L] writing row b's K/V at ``positions[b]``: keep what is
         still the gather, else start over. A row is still gathered when some row of the last step read the
         same slots (but at its new position, which then read the null slot): the same row, or the one a
-        finished request's row took over (the replica moves its last row into the hole), which is copied."""
+        finished request's row took over (the replica moves its last row into the hole), which is copied.
+        ``keys_t``: keep the keys transposed (another layout than the last step's starts over)."""
+        if keys_t != self.keys_t:
+            self.clear()
+            self.keys_t = keys_t
         rows, length = read.shape
         done = min(self.read.shape[1], length)  # a batch whose longest request finished reads fewer
         src = self._sources(pool, read, positions, done)
@@ -243,15 +250,18 @@ class GatheredKV:
             self.gathers += 1
         else:
             self.kept += 1
-        have_rows, cap = (self.k[0].shape[0], self.k[0].shape[2]) if self.k else (0, 0)
+        have_rows, cap = (self.v[0].shape[0], self.v[0].shape[2]) if self.v else (0, 0)
         if rows > have_rows or length > cap:
             size = _round_up(max(length, 2 * cap if src is not None else 0), self._STEP)
             shape = (max(rows, have_rows), pool.kv_heads, size, pool.head_dim)
-            old = (*self.k, *self.v) if src is not None else ()
-            self.k = [torch.empty(shape, dtype=pool.dtype, device=pool.device) for _ in range(pool.layers)]
+            k_shape = (*shape[:2], shape[3], shape[2]) if self.keys_t else shape
+            old = (self.k, self.v) if src is not None else ([], [])
+            self.k = [torch.empty(k_shape, dtype=pool.dtype, device=pool.device) for _ in range(pool.layers)]
             self.v = [torch.empty(shape, dtype=pool.dtype, device=pool.device) for _ in range(pool.layers)]
-            for dst, was in zip((*self.k, *self.v), old, strict=False):
-                dst[: was.shape[0], :, :done] = was[:, :, :done]
+            for keys, new, was in ((True, self.k, old[0]), (False, self.v, old[1])):
+                for dst, buf in zip(new, was, strict=False):  # nothing to keep when starting over
+                    kept = self._positions(buf, keys, None, 0, done)
+                    self._positions(dst, keys, buf.shape[0], 0, done).copy_(kept)
         if src is not None:
             moved = (src != torch.arange(rows)).nonzero()[:, 0]
             if len(moved):
@@ -298,15 +308,31 @@ class GatheredKV:
         finite, as the null slot's are)."""
         lo, (b, length) = self.start, read.shape
         out = []
-        for buf, src, kv in ((self.k[i], pool.k[i], new[0]), (self.v[i], pool.v[i], new[1])):
+        for keys, buf, src, kv in (
+            (True, self.k[i], pool.k[i], new[0]),
+            (False, self.v[i], pool.v[i], new[1]),
+        ):
+            t = keys and self.keys_t
             if not lo:
-                buf[:b, :, :length] = gather_slots(src, read).transpose(1, 2)
+                got = gather_slots(src, read)  # [B, L, KVh, hd]
+                self._positions(buf, keys, b, 0, length).copy_(
+                    got.permute(0, 2, 3, 1) if t else got.transpose(1, 2)
+                )
             else:
                 if lo < length:
-                    buf[:b, :, lo:length] = 0
-                buf[rows, :, positions] = kv[:, 0]
-            out.append(buf[:b, :, :length])
+                    self._positions(buf, keys, b, lo, length).zero_()
+                if t:
+                    buf[rows, :, :, positions] = kv[:, 0]
+                else:
+                    buf[rows, :, positions] = kv[:, 0]
+            out.append(self._positions(buf, keys, b, 0, length))
         return out[0], out[1]
+
+    def _positions(self, buf: torch.Tensor, keys: bool, rows: int | None, lo: int, hi: int) -> torch.Tensor:
+        """The first ``rows`` rows (None: all) of a kept buffer at positions [lo, hi)."""
+        if keys and self.keys_t:
+            return buf[:rows, :, :, lo:hi]
+        return buf[:rows, :, lo:hi]
 
     def end(self, pool: KVPool, read: torch.Tensor) -> None:
         """After the step: what is gathered now (the pool's version is unchanged by a mirrored step)."""

@@ -50,9 +50,6 @@ def _mean_last(x: torch.Tensor) -> torch.Tensor:
     return x.mean(-1, keepdim=True)
 
 
-RowWeight = torch.Tensor | tuple[torch.Tensor, ...]  # a row-parallel weight; a tuple: packed chunks
-
-
 class Linear(Protocol):
     """A product as ``F.linear`` takes it: (x, w, b=None)."""
 
@@ -72,11 +69,11 @@ class Layer:
     bv: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    wo: RowWeight
+    wo: torch.Tensor
     ln2: torch.Tensor
     w_gate: torch.Tensor
     w_up: torch.Tensor
-    w_down: RowWeight
+    w_down: torch.Tensor
 
 
 class Decoder:
@@ -131,12 +128,10 @@ class Decoder:
         """A projection's weight as :attr:`linear` reads it (packed: a copy in oneDNN's layout)."""
         return packed.pack(w) if self.packed else w
 
-    def _row_product(self, w: torch.Tensor, chunks: invariant.Chunks | None) -> RowWeight:
-        """A row-parallel projection's weight as :meth:`_row_parallel` reads it (packed with the
-        deterministic kernels: each fixed chunk's columns on their own)."""
-        if chunks is not None and self.packed:
-            return invariant.pack_chunks(w, chunks)
-        return self._product(w)
+    def _row_product(self, w: torch.Tensor, chunks: invariant.Chunks | None) -> torch.Tensor:
+        """A row-parallel projection's weight as :meth:`_row_parallel` reads it (dense with the
+        deterministic kernels: :func:`~rollout_worker.engine.invariant.partials`)."""
+        return w if chunks is not None else self._product(w)
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> Layer:
         p = f"model.layers.{i}."
@@ -225,7 +220,7 @@ class Decoder:
         kv_major = gathered is None and seq == 1 and self.o_chunks is None and tokens.is_cuda
         if gathered is not None:
             rows, last = torch.arange(bsz, device=tokens.device), positions[:, 0]
-            gathered.begin(pool, read, last)
+            gathered.begin(pool, read, last, keys_t=self.o_chunks is not None)
         else:
             pool.version += 1  # writes that no GatheredKV mirrors
         for i, lw in enumerate(self.layers):
@@ -245,7 +240,7 @@ class Decoder:
                 attn = attend_kv_major(q, k_all, v_all, mask, scale)
             else:  # [B, KVh, L, hd], gathered from the request's pages
                 k_all, v_all = gather_slots(pool.k[i], read), gather_slots(pool.v[i], read)
-                attn = self._attend(q, k_all.transpose(1, 2), v_all.transpose(1, 2), mask, scale)
+                attn = self._attend(q, self._keys(k_all), v_all.transpose(1, 2), mask, scale)
             x = x + self._row_parallel(attn, lw.wo, self.o_chunks)
             h = self.rms(x, lw.ln2)
             act = F.silu(self.linear(h, lw.w_gate)) * self.linear(h, lw.w_up)
@@ -254,13 +249,17 @@ class Decoder:
             gathered.end(pool, read)
         return x
 
-    def _row_parallel(self, x: torch.Tensor, w: RowWeight, chunks: invariant.Chunks | None) -> torch.Tensor:
+    def _row_parallel(
+        self, x: torch.Tensor, w: torch.Tensor, chunks: invariant.Chunks | None
+    ) -> torch.Tensor:
         """The full product of a row-parallel projection: summed by the backend's all-reduce, or (the
         deterministic kernels) its fixed chunks' partials all-gathered and added in one fixed tree."""
         if chunks is None:
-            assert isinstance(w, torch.Tensor)
             return self.ps.all_reduce(self.linear(x, w))
         parts = invariant.partials(x, w, chunks)
+        if self.ps.tp > 1 and chunks.subtree:  # each shard adds its own chunks first (the same tree)
+            mine = invariant.tree_sum(parts).contiguous()[None]
+            return invariant.tree_sum(self.ps.all_gather_cat(mine, dim=0))
         if self.ps.tp > 1:
             most = max(chunks.per_shard)
             if parts.shape[0] < most:
@@ -269,10 +268,21 @@ class Decoder:
             parts = invariant.gathered(list(everyone), chunks)
         return invariant.tree_sum(parts)
 
+    def _keys(self, gathered: torch.Tensor) -> torch.Tensor:
+        """Keys gathered from the pool [B, L, KVh, hd] as :meth:`_attend` takes them: [B, KVh, L, hd]; with
+        the deterministic kernels transposed, [B, KVh, hd, L], and on CPU each KV head's [hd, L] row-major
+        (as :class:`GatheredKV` keeps them there: one layout, one kernel; MKL's 3-row product with a
+        transposed operand took about 3x longer)."""
+        if self.o_chunks is None:
+            return gathered.transpose(1, 2)
+        keys_t = gathered.permute(0, 2, 3, 1)
+        return keys_t if keys_t.is_cuda else keys_t.contiguous()
+
     def _attend(
         self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """Attention of q [B, S, H, hd] over keys/vals [B, KVh, L, hd] under mask [B, 1, S, L]: [B, S, H*hd].
+        """Attention of q [B, S, H, hd] over keys (as :meth:`_keys` lays them out) and vals [B, KVh, L, hd]
+        under mask [B, 1, S, L]: [B, S, H*hd].
 
         Each head is computed on its own, so TP (which splits heads) changes nothing. (A CUDA decode step
         with the default kernels goes through :func:`attend_kv_major` instead.)
