@@ -147,9 +147,7 @@ def _probe(kernel: Kernel, k: int, dtype: torch.dtype, gen: torch.Generator) -> 
     if kernel == "partials":  # partials on CPU: w_c @ x_c^T, chunk c of width k of 1 to 3 in one product
         w = rand(PROBE_COLS, k)
         return lambda x: [_chunks_t(w, x, n) for n in (1, 2, 3)]
-    if (
-        kernel == "scores"
-    ):  # attend's q [B, KVh, rows, hd] @ keys_t [B, KVh, hd, L] (a slice of a wider buffer)
+    if kernel == "scores":  # attend's q [B, KVh, rows, hd] @ keys_t [B, KVh, hd, L], a slice of a wider one
         keys_t = rand(1, 2, k, 2 * KEY_CHUNK)[..., :KEY_CHUNK]
         return lambda x: [torch.matmul(torch.stack((x, x))[None], keys_t)[0, 1]]
     # values: _chunk_values' product of one chunk, a slice of exp(scores) [B * KVh, rows, L] @ vals [B *

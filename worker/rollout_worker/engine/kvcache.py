@@ -219,8 +219,9 @@ class GatheredKV:
     _STEP = 64  # positions are allocated in multiples of these
 
     def __init__(self) -> None:
-        # per layer [B, KVh, capacity, hd], as attention reads them (keys: [B, KVh, hd, capacity] when
-        # keys_t, for the deterministic kernels' products)
+        # per layer [B, KVh, capacity, hd], as attention reads them; with keys_t the keys are a transposed
+        # view of [B, KVh, hd, capacity] (each KV head's keys row-major [hd, capacity], as the deterministic
+        # kernels' products read them)
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.keys_t = False
@@ -250,18 +251,15 @@ class GatheredKV:
             self.gathers += 1
         else:
             self.kept += 1
-        have_rows, cap = (self.v[0].shape[0], self.v[0].shape[2]) if self.v else (0, 0)
+        have_rows, cap = (self.k[0].shape[0], self.k[0].shape[2]) if self.k else (0, 0)
         if rows > have_rows or length > cap:
             size = _round_up(max(length, 2 * cap if src is not None else 0), self._STEP)
             shape = (max(rows, have_rows), pool.kv_heads, size, pool.head_dim)
-            k_shape = (*shape[:2], shape[3], shape[2]) if self.keys_t else shape
-            old = (self.k, self.v) if src is not None else ([], [])
-            self.k = [torch.empty(k_shape, dtype=pool.dtype, device=pool.device) for _ in range(pool.layers)]
-            self.v = [torch.empty(shape, dtype=pool.dtype, device=pool.device) for _ in range(pool.layers)]
-            for keys, new, was in ((True, self.k, old[0]), (False, self.v, old[1])):
-                for dst, buf in zip(new, was, strict=False):  # nothing to keep when starting over
-                    kept = self._positions(buf, keys, None, 0, done)
-                    self._positions(dst, keys, buf.shape[0], 0, done).copy_(kept)
+            old = (*self.k, *self.v) if src is not None else ()
+            self.k = [self._buffer(pool, shape, self.keys_t) for _ in range(pool.layers)]
+            self.v = [self._buffer(pool, shape, False) for _ in range(pool.layers)]
+            for dst, was in zip((*self.k, *self.v), old, strict=False):
+                dst[: was.shape[0], :, :done] = was[:, :, :done]
         if src is not None:
             moved = (src != torch.arange(rows)).nonzero()[:, 0]
             if len(moved):
@@ -308,31 +306,24 @@ class GatheredKV:
         finite, as the null slot's are)."""
         lo, (b, length) = self.start, read.shape
         out = []
-        for keys, buf, src, kv in (
-            (True, self.k[i], pool.k[i], new[0]),
-            (False, self.v[i], pool.v[i], new[1]),
-        ):
-            t = keys and self.keys_t
+        for buf, src, kv in ((self.k[i], pool.k[i], new[0]), (self.v[i], pool.v[i], new[1])):
             if not lo:
-                got = gather_slots(src, read)  # [B, L, KVh, hd]
-                self._positions(buf, keys, b, 0, length).copy_(
-                    got.permute(0, 2, 3, 1) if t else got.transpose(1, 2)
-                )
+                buf[:b, :, :length] = gather_slots(src, read).transpose(1, 2)
             else:
                 if lo < length:
-                    self._positions(buf, keys, b, lo, length).zero_()
-                if t:
-                    buf[rows, :, :, positions] = kv[:, 0]
-                else:
-                    buf[rows, :, positions] = kv[:, 0]
-            out.append(self._positions(buf, keys, b, 0, length))
+                    buf[:b, :, lo:length] = 0
+                buf[rows, :, positions] = kv[:, 0]
+            out.append(buf[:b, :, :length])
         return out[0], out[1]
 
-    def _positions(self, buf: torch.Tensor, keys: bool, rows: int | None, lo: int, hi: int) -> torch.Tensor:
-        """The first ``rows`` rows (None: all) of a kept buffer at positions [lo, hi)."""
-        if keys and self.keys_t:
-            return buf[:rows, :, :, lo:hi]
-        return buf[:rows, :, lo:hi]
+    @staticmethod
+    def _buffer(pool: KVPool, shape: tuple[int, int, int, int], transposed: bool) -> torch.Tensor:
+        """An empty kept buffer of ``shape`` [B, KVh, capacity, hd]; ``transposed``: a view of [B, KVh, hd,
+        capacity] storage."""
+        b, kvh, cap, hd = shape
+        if transposed:
+            return torch.empty((b, kvh, hd, cap), dtype=pool.dtype, device=pool.device).transpose(2, 3)
+        return torch.empty(shape, dtype=pool.dtype, device=pool.device)
 
     def end(self, pool: KVPool, read: torch.Tensor) -> None:
         """After the step: what is gathered now (the pool's version is unchanged by a mirrored step)."""

@@ -269,26 +269,25 @@ class Decoder:
         return invariant.tree_sum(parts)
 
     def _keys(self, gathered: torch.Tensor) -> torch.Tensor:
-        """Keys gathered from the pool [B, L, KVh, hd] as :meth:`_attend` takes them: [B, KVh, L, hd]; with
-        the deterministic kernels transposed, [B, KVh, hd, L], and on CPU each KV head's [hd, L] row-major
-        (as :class:`GatheredKV` keeps them there: one layout, one kernel; MKL's 3-row product with a
-        transposed operand took about 3x longer)."""
-        if self.o_chunks is None:
+        """Keys gathered from the pool [B, L, KVh, hd] as :meth:`_attend` takes them, [B, KVh, L, hd]: with
+        the deterministic kernels on CPU a transposed view of each KV head's [hd, L] row-major (as
+        :class:`GatheredKV` keeps them there: one layout, one kernel; MKL's 3-row product with a transposed
+        operand took about 3x longer)."""
+        if self.o_chunks is None or gathered.is_cuda:
             return gathered.transpose(1, 2)
-        keys_t = gathered.permute(0, 2, 3, 1)
-        return keys_t if keys_t.is_cuda else keys_t.contiguous()
+        return gathered.permute(0, 2, 3, 1).contiguous().transpose(2, 3)
 
     def _attend(
         self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """Attention of q [B, S, H, hd] over keys (as :meth:`_keys` lays them out) and vals [B, KVh, L, hd]
-        under mask [B, 1, S, L]: [B, S, H*hd].
+        """Attention of q [B, S, H, hd] over keys/vals [B, KVh, L, hd] (the keys as :meth:`_keys` lays them
+        out) under mask [B, 1, S, L]: [B, S, H*hd].
 
         Each head is computed on its own, so TP (which splits heads) changes nothing. (A CUDA decode step
         with the default kernels goes through :func:`attend_kv_major` instead.)
         """
         if self.o_chunks is not None:
-            return invariant.attend(q, keys, vals, mask, scale)
+            return invariant.attend(q, keys.transpose(-1, -2), vals, mask, scale)
         bsz, seq = q.shape[0], q.shape[1]
         attn = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, vals, attn_mask=mask, scale=scale, enable_gqa=True
