@@ -3,7 +3,8 @@
 context that grows by one each step, the K/V kept between steps as the engine keeps them
 (``GatheredKV``). No ranks, no scheduler: the kernels alone, in one process on one thread. Each point is
 the median of ``steps`` steps (after 3 warm-up steps), both kernels in the same run; the run is repeated
-``runs`` times and the medians of the runs are reported. Prints a table and writes JSON. To compare two
+``runs`` times and the medians of the runs are reported. Prints a table and writes JSON; ``--profile``
+also prints a torch profile of 2 steps of the last batch size, after the warm-up steps. To compare two
 versions, run it from each checkout in turn, alternating.
 Usage (repository root): .venv/bin/python bench/decoder_step.py [--preset small] [--batch 1,16,64]
 [--context 250] [--steps 12] [--runs 3] [--json OUT] [--profile default|deterministic]
@@ -24,13 +25,17 @@ from rollout_worker.engine.model import Decoder
 from rollout_worker.engine.parallel import SINGLE
 from rollout_worker.engine.presets import preset_config
 from rollout_worker.engine.weights import random_shard
+from torch.profiler import ProfilerActivity, profile
 
 WARMUP = 3
 PAGE = 16
 
 
-def steps_ms(dec: Decoder, cfg: ModelConfig, batch: int, context: int, steps: int) -> list[float]:
-    """Milliseconds of each of ``steps`` decode steps of ``batch`` rows from ``context`` on."""
+def steps_ms(
+    dec: Decoder, cfg: ModelConfig, batch: int, context: int, steps: int, prof: profile | None = None
+) -> list[float]:
+    """Milliseconds of each of ``steps`` decode steps of ``batch`` rows from ``context`` on (``prof``:
+    a profiler started after the warm-up steps)."""
     cpu = torch.device("cpu")
     per_row = context + steps + WARMUP + PAGE
     pool = KVPool(
@@ -52,6 +57,8 @@ def steps_ms(dec: Decoder, cfg: ModelConfig, batch: int, context: int, steps: in
     for i in range(WARMUP + steps):
         p = context + i
         write = torch.tensor([pool.slot(rows[b], p) for b in range(batch)])[:, None]
+        if i == WARMUP and prof is not None:
+            prof.start()
         t0 = time.perf_counter()
         dec.step_logits(tokens, torch.full((batch, 1), p), pool, write, p + 1, kept)
         if i >= WARMUP:
@@ -91,10 +98,9 @@ def main() -> None:
                        "runs": {k: runs[k][b] for k in decoders}})  # fmt: skip
         print(f"{b:6d} {d:8.2f} {det:8.2f}  {d / det:.3f}")
     if args.profile:
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-            steps_ms(decoders[args.profile], cfg, batches[-1], args.context, 2)
+        prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+        steps_ms(decoders[args.profile], cfg, batches[-1], args.context, 2, prof)
+        prof.stop()
         table = prof.key_averages(group_by_input_shape=True).table(
             sort_by="self_cpu_time_total", row_limit=15
         )

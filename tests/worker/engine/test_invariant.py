@@ -2,8 +2,8 @@
 alone, among 3, 4 and 63 other rows, at any position, and at TP 1, 2 and 4 (the real model's 9 heads / 3
 KV groups included). Each test also runs the default kernel on the same inputs and requires it to differ
 somewhere: that is what the invariant kernel is for, and it shows the comparison can fail. The products are
-tested on both kernels the engine uses: MKL's ``sgemm`` (float64, bfloat16, every row-parallel chunk) and
-oneDNN's product on packed weights (float32, ``engine.packed``)."""
+tested on both kernels the engine uses: MKL's ``sgemm`` (float64, bfloat16, float32 unpacked) and oneDNN's
+product on packed weights (float32, ``engine.packed``; the row-parallel chunks packed one by one)."""
 
 from __future__ import annotations
 
@@ -110,14 +110,17 @@ def test_linear_folds_a_strided_3d_input_into_one_product(kernel: str) -> None:
 
 
 def _row_parallel(
-    x: torch.Tensor, w: torch.Tensor, bounds: tuple[int, ...], shards: list[tuple[int, int]]
+    x: torch.Tensor, w: torch.Tensor, bounds: tuple[int, ...], shards: list[tuple[int, int]], kernel: str
 ) -> torch.Tensor:
-    """The row-parallel product as the ranks compute it: each shard's partials, padded and gathered (here
-    in one process), in chunk order, added in the fixed tree."""
+    """The row-parallel product as the ranks compute it on ``kernel``: each shard's partials, padded and
+    gathered (here in one process), in chunk order, added in the fixed tree."""
     parts, sums = [], []
     for s, (lo, hi) in enumerate(shards):
         chunks = inv.Chunks.of(bounds, shards, s)
-        mine = inv.partials(x[..., lo:hi], w[:, lo:hi].contiguous(), chunks)
+        shard = w[:, lo:hi].contiguous()
+        mine = inv.partials(
+            x[..., lo:hi], inv.pack_chunks(shard, chunks) if kernel == "packed" else shard, chunks
+        )
         sums.append(inv.tree_sum(mine))
         pad = max(chunks.per_shard) - mine.shape[0]
         parts.append(torch.cat((mine, mine.new_zeros(pad, *mine.shape[1:]))))
@@ -127,9 +130,11 @@ def _row_parallel(
     return every
 
 
-def test_row_parallel_sum_does_not_depend_on_tp_or_batch() -> None:
-    """Attention output (9 heads of 64, uneven at TP 2 and 4) and MLP down (1536) of the real model (the
-    chunks' products are batched sgemm products of dense weights on either float32 kernel)."""
+@kernels
+def test_row_parallel_sum_does_not_depend_on_tp_or_batch(kernel: str) -> None:
+    """Attention output (9 heads of 64, uneven at TP 2 and 4) and MLP down (1536) of the real model: the
+    chunks' products as one batched sgemm product over the dense weight, or one oneDNN product per packed
+    chunk."""
     cfg = _smollm2()
     chunks = inv.RowChunks.of(cfg, 4)
     gen = torch.Generator().manual_seed(3)
@@ -141,14 +146,12 @@ def test_row_parallel_sum_does_not_depend_on_tp_or_batch() -> None:
     for bounds, shards_of, k in cases:
         w = torch.randn(cfg.hidden_size, k, generator=gen)
         row = torch.randn(1, 1, k, generator=gen)
-        ref = _row_parallel(row, w, bounds, shards_of(cfg, 1))[0]
+        ref = _row_parallel(row, w, bounds, shards_of(cfg, 1), kernel)[0]
         for tp in (1, 2, 4):
             for batch in _batches(row, gen):
                 i = _row_of(batch, row)
-                assert torch.equal(_row_parallel(batch, w, bounds, shards_of(cfg, tp))[i], ref), (
-                    k,
-                    tp,
-                )
+                got = _row_parallel(batch, w, bounds, shards_of(cfg, tp), kernel)[i]
+                assert torch.equal(got, ref), (k, tp)
                 halves = shards_of(cfg, 2)  # the default: each rank's product, summed
                 default = sum(F.linear(batch[..., lo:hi], w[:, lo:hi]) for lo, hi in halves)
                 default_differs |= not torch.equal(default[i], F.linear(row, w)[0])  # type: ignore[index]

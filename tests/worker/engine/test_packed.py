@@ -70,11 +70,17 @@ def test_packs_float32_on_cpu_only() -> None:
 
 def test_decoder_packs_float32_weights_only(tiny32: Path, tiny64: Path) -> None:
     default = replica(tiny32, 64, 4, dtype=torch.float32).decoder
-    assert default.packed and default.layers[0].wo.is_mkldnn
+    wo = default.layers[0].wo
+    assert default.packed and isinstance(wo, torch.Tensor) and wo.is_mkldnn
     det = replica(tiny32, 64, 4, dtype=torch.float32, deterministic=True).decoder
     assert det.packed and det.o_chunks is not None and det.layers[0].wq.is_mkldnn
-    # the row-parallel weights stay dense: their chunks are one batched sgemm product
-    assert not det.layers[0].wo.is_mkldnn and not det.layers[0].w_down.is_mkldnn
+    # the row-parallel weights: each fixed chunk's columns packed on their own
+    o_chunks, down_chunks = det.layers[0].wo, det.layers[0].w_down
+    assert isinstance(o_chunks, tuple) and len(o_chunks) == det.o_chunks.local
+    assert isinstance(down_chunks, tuple) and det.down_chunks is not None
+    assert len(down_chunks) == det.down_chunks.local and all(w.is_mkldnn for w in (*o_chunks, *down_chunks))
+    dense = replica(tiny32, 64, 4, dtype=torch.float32, deterministic=True, pack=False).decoder
+    assert isinstance(dense.layers[0].wo, torch.Tensor) and not dense.layers[0].wo.is_mkldnn
     assert not replica(tiny64, 64, 4).decoder.packed  # float64: sgemm
 
 

@@ -10,15 +10,16 @@ logprob, in float32 as in float64. Each reduction whose order could change gets 
   row the same way in every product of enough rows, at any position and next to any other rows, and a
   column the same way in any slice of the weight's rows; with fewer rows it takes another kernel (a row
   alone: gemv; a few rows: a small-M kernel). How many rows are enough depends on the CPU, the kernel and
-  K (measured: MKL on an AVX2 AMD EPYC, 4 rows for every K; on an AVX-512 Xeon, 3 rows at K = 64, 6 at
-  128, 16 from 512; oneDNN's packed product, 2 rows on both), so :func:`least_rows` measures it on the
-  machine, once per kernel, K and dtype, and :func:`linear` and :func:`packed_linear` pad a smaller
-  product to it.
+  K (measured: MKL on AMD EPYCs, AVX2 and AVX-512, 4 rows for every K; on an AVX-512 Xeon, 3 rows at K =
+  64, 6 at 128, 16 from 512; oneDNN's packed product, 2 rows on all three), so :func:`least_rows`
+  measures it on the machine, once per kernel, K and dtype, and :func:`linear` and :func:`packed_linear`
+  pad a smaller product to it.
 - **Row-parallel products** (attention output, MLP down), whose sum over K is split across ranks: K is cut
   into equal chunks that no layout the model may run at splits (:func:`chunk_bounds`), each chunk's
-  partial product is computed alone (:func:`partials`: one batched product over every chunk), the ranks
-  all-gather the partials and each adds them in one fixed tree (:func:`tree_sum`). The same chunks and
-  the same tree on every layout, instead of an all-reduce whose order the backend and the TP size choose.
+  partial product is computed alone (:func:`partials`: one packed product per chunk where the decoder
+  packs its weights, else one batched product over every chunk), the ranks all-gather the partials and
+  each adds them in one fixed tree (:func:`tree_sum`). The same chunks and the same tree on every
+  layout, instead of an all-reduce whose order the backend and the TP size choose.
 - **Attention**: the scores are one product per KV head (their sum runs over the head dimension, whatever
   the number of keys); the softmax's denominator and the weighted values are summed per chunk of
   ``KEY_CHUNK`` keys (query rows padded to both products' :func:`least_rows`), and the chunks are added in
@@ -122,10 +123,11 @@ def least_rows(kernel: Kernel, k: int, dtype: torch.dtype) -> int:
 
 def measure_rules(cfg: ModelConfig, dtype: torch.dtype, packed_weights: bool, widths: Iterable[int]) -> None:
     """:func:`least_rows` of every product a decoder of ``cfg`` runs on CPU (its row-parallel chunks of
-    ``widths``), so a CPU without a rule fails when the decoder is built, not in a forward."""
+    ``widths``: packed products where the decoder packs, else :func:`partials`' batched one), so a CPU
+    without a rule fails when the decoder is built, not in a forward."""
     least_rows("packed" if packed_weights else "linear", cfg.hidden_size, dtype)
     for width in widths:
-        least_rows("partials", width, dtype)
+        least_rows("packed" if packed_weights else "partials", width, dtype)
     least_rows("scores", cfg.head_dim, dtype)
     least_rows("values", KEY_CHUNK, dtype)
 
@@ -141,9 +143,9 @@ def _probe(kernel: Kernel, k: int, dtype: torch.dtype, gen: torch.Generator) -> 
     if kernel == "linear":
         w = rand(PROBE_COLS, k)
         return lambda x: [F.linear(x, w)]
-    if kernel == "packed":
+    if kernel == "packed":  # x itself, and as a chunk of a wider matrix (partials' view, at any offset)
         pw = packed.pack(rand(PROBE_COLS, k))
-        return lambda x: [packed.linear(x, pw, None)]
+        return lambda x: [packed.linear(v, pw, None) for v in (x, _strided(x))]
     if kernel == "partials":  # partials on CPU: w_c @ x_c^T, chunk c of width k of 1 to 3 in one product
         w = rand(PROBE_COLS, k)
         return lambda x: [_chunks_t(w, x, n) for n in (1, 2, 3)]
@@ -154,6 +156,13 @@ def _probe(kernel: Kernel, k: int, dtype: torch.dtype, gen: torch.Generator) -> 
     # KVh, L, hd]
     vals = rand(2, 2 * k, PROBE_COLS)
     return lambda x: [torch.bmm(torch.stack((torch.cat((x, x), 1),) * 2)[:, :, k:], vals[:, k:])[1]]
+
+
+def _strided(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, k] as a view of a wider matrix, at an offset of one element (no longer 64-byte aligned)."""
+    wide = x.new_zeros(x.shape[0], 3 * x.shape[1])
+    wide[:, 1 : 1 + x.shape[1]] = x
+    return wide[:, 1 : 1 + x.shape[1]]
 
 
 def _chunks_t(w: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
@@ -289,15 +298,31 @@ def mlp_shards(cfg: ModelConfig, tp: int) -> list[tuple[int, int]]:
     return [heads.split(cfg.intermediate_size, tp, s) for s in range(tp)]
 
 
-def partials(x: torch.Tensor, w: torch.Tensor, chunks: Chunks) -> torch.Tensor:
-    """[chunks, *rows, out]: each local chunk's partial product of x [*rows, K_shard] and w [out, K_shard],
-    one batched product over strided views of w (no copy of it) and :func:`_rows`'s padded rows. On CPU it
-    is each chunk's ``w_c @ x_c^T`` (the chunk's ``out`` rows, the same in every batch, are the product's
-    rows, so the token rows' rule is the columns': measured on an AVX-512 Xeon, 2 tokens, where ``x_c @
-    w_c^T`` needs 9 rows for a chunk of 192), read back transposed; on CUDA ``x_c @ w_c^T`` in row blocks.
-    Dense weights even where the decoder packs the others: a packed product per chunk took 1.1-7x longer
-    on that Xeon (most at 1 row, whose packed calls each pay oneDNN's overhead)."""
+def pack_chunks(w: torch.Tensor, chunks: Chunks) -> tuple[torch.Tensor, ...]:
+    """A row-parallel weight w [out, K_shard] for :func:`partials` on a decoder that packs: each local
+    chunk's columns packed on their own (:func:`packed.pack`; a copy, as the packed projections are)."""
+    width = chunks.width
+    return tuple(packed.pack(w[:, c * width : (c + 1) * width]) for c in range(chunks.local))
+
+
+def partials(x: torch.Tensor, w: torch.Tensor | tuple[torch.Tensor, ...], chunks: Chunks) -> torch.Tensor:
+    """[chunks, *rows, out]: each local chunk's partial product of x [*rows, K_shard] and w [out, K_shard].
+
+    - ``w`` from :func:`pack_chunks` (a decoder that packs): one oneDNN product per chunk over a view of
+      x's rows, padded to the packed product's row rule at the chunk's width (1 row for a chunk of up to
+      1,024 columns on the CPUs seen). On an AVX-512 AMD EPYC 1.6-3.4x faster than the batched product
+      below at 1 to 64 rows (whose sgemm rule there is 12 rows); on an AVX-512 Xeon it was slower
+      (each oneDNN call costs more there, and its sgemm rule is 2).
+    - ``w`` dense on CPU: one batched product over strided views of w (no copy), each chunk's ``w_c @
+      x_c^T`` (the chunk's ``out`` rows, the same in every batch, are the product's rows, so the token
+      rows' rule is the columns': 2 tokens on that Xeon, where ``x_c @ w_c^T`` needs 9 rows for a chunk of
+      192), read back transposed.
+    - On CUDA ``x_c @ w_c^T`` in row blocks."""
     n, width = chunks.local, chunks.width
+    if isinstance(w, tuple):
+        flat, rows = _rows(x, "packed", width)
+        out = torch.stack([packed.linear(flat[:, c * width : (c + 1) * width], wc) for c, wc in enumerate(w)])
+        return out[:, :rows].reshape(n, *x.shape[:-1], out.shape[-1])
     flat, rows = _rows(x, "partials", width)
     if not flat.is_cuda:
         wc = w.view(w.shape[0], n, width).transpose(0, 1)  # [n, out, width]
@@ -337,21 +362,21 @@ def attend(
     least = (
         0 if q.is_cuda else max(least_rows("scores", hd, q.dtype), least_rows("values", KEY_CHUNK, q.dtype))
     )
-    if rows < least:
+    if rows < least:  # rows of zeros: they fill the products only (no elementwise work, no sums)
         qg = torch.cat((qg, qg.new_zeros(bsz, kvh, least - rows, hd)), dim=2)
-        vis = torch.cat((vis, vis.new_ones(bsz, 1, least - rows, length)), dim=2)
     span = key_span(length)
     if span > length:
         keys_t = F.pad(keys_t, (0, span - length))
         vals = F.pad(vals, (0, 0, 0, span - length))
         vis = F.pad(vis, (0, span - length), value=False)
-    n, padded = span // KEY_CHUNK, qg.shape[2]
-    scores = torch.matmul(qg, keys_t).masked_fill(~vis, float("-inf"))  # [B, KVh, rows, L]
-    top = scores.amax(dim=-1, keepdim=True)  # exact in any order
-    e = torch.exp(scores - top)  # [B, KVh, rows, L]
-    den = tree_sum(sum_last(e.view(bsz, kvh, padded, n, KEY_CHUNK)).movedim(-1, 0))  # [B, KVh, rows]
-    num = tree_sum(_chunk_values(e, vals, n))  # [B, KVh, rows, hd]
-    out = (num / den[..., None])[:, :, :rows]
+    n = span // KEY_CHUNK
+    scores = torch.matmul(qg, keys_t)  # [B, KVh, padded rows, L]
+    e = scores[:, :, :rows].masked_fill_(~vis, float("-inf"))  # the query rows, in place from here on
+    top = e.amax(dim=-1, keepdim=True)  # exact in any order
+    e = e.sub_(top).exp_()  # the same bits in place: the same elementwise kernels (L: whole chunks)
+    den = tree_sum(sum_last(e.view(bsz, kvh, rows, n, KEY_CHUNK)).movedim(-1, 0))  # [B, KVh, rows]
+    num = tree_sum(_chunk_values(scores, vals, n))[:, :, :rows]  # [B, KVh, rows, hd]
+    out = num / den[..., None]
     return out.view(bsz, kvh, group, seq, hd).permute(0, 3, 1, 2, 4).reshape(bsz, seq, heads * hd)
 
 

@@ -58,6 +58,9 @@ class Linear(Protocol):
     ) -> torch.Tensor: ...
 
 
+RowWeight = torch.Tensor | tuple[torch.Tensor, ...]  # a row-parallel weight; a tuple: packed chunks
+
+
 @dataclass(slots=True)
 class Layer:
     ln1: torch.Tensor
@@ -69,11 +72,11 @@ class Layer:
     bv: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    wo: torch.Tensor
+    wo: RowWeight
     ln2: torch.Tensor
     w_gate: torch.Tensor
     w_up: torch.Tensor
-    w_down: torch.Tensor
+    w_down: RowWeight
 
 
 class Decoder:
@@ -128,10 +131,13 @@ class Decoder:
         """A projection's weight as :attr:`linear` reads it (packed: a copy in oneDNN's layout)."""
         return packed.pack(w) if self.packed else w
 
-    def _row_product(self, w: torch.Tensor, chunks: invariant.Chunks | None) -> torch.Tensor:
-        """A row-parallel projection's weight as :meth:`_row_parallel` reads it (dense with the
-        deterministic kernels: :func:`~rollout_worker.engine.invariant.partials`)."""
-        return w if chunks is not None else self._product(w)
+    def _row_product(self, w: torch.Tensor, chunks: invariant.Chunks | None) -> RowWeight:
+        """A row-parallel projection's weight as :meth:`_row_parallel` reads it (with the deterministic
+        kernels, each fixed chunk's columns packed on their own, or dense:
+        :func:`~rollout_worker.engine.invariant.partials`)."""
+        if chunks is None:
+            return self._product(w)
+        return invariant.pack_chunks(w, chunks) if self.packed else w
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> Layer:
         p = f"model.layers.{i}."
@@ -249,12 +255,11 @@ class Decoder:
             gathered.end(pool, read)
         return x
 
-    def _row_parallel(
-        self, x: torch.Tensor, w: torch.Tensor, chunks: invariant.Chunks | None
-    ) -> torch.Tensor:
+    def _row_parallel(self, x: torch.Tensor, w: RowWeight, chunks: invariant.Chunks | None) -> torch.Tensor:
         """The full product of a row-parallel projection: summed by the backend's all-reduce, or (the
         deterministic kernels) its fixed chunks' partials all-gathered and added in one fixed tree."""
         if chunks is None:
+            assert isinstance(w, torch.Tensor)  # _row_product chunks only for the deterministic kernels
             return self.ps.all_reduce(self.linear(x, w))
         parts = invariant.partials(x, w, chunks)
         if self.ps.tp > 1 and chunks.subtree:  # each shard adds its own chunks first (the same tree)
