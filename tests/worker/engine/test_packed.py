@@ -12,8 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from rollout_worker.api.model_config import ModelConfig
-from rollout_worker.engine import packed
+from rollout_worker.engine import invariant, packed
 from rollout_worker.engine.checkpoint import CheckpointReader
+from rollout_worker.engine.model import Decoder
+from rollout_worker.engine.parallel import SINGLE, ParallelState
 from rollout_worker.engine.presets import preset_config
 from rollout_worker.engine.sequence import Sequence
 from rollout_worker.engine.weights import load_shard
@@ -103,3 +105,31 @@ def test_packed_replica_decodes_as_one_on_f_linear(tiny32: Path) -> None:
         assert lp_a == pytest.approx(lp_b, abs=1e-4), steps
         steps += 1
     assert steps > 20 and not off.unfinished
+
+
+def test_a_switch_takes_the_packed_chunks_its_rank_held(tiny32: Path) -> None:
+    """A deterministic decoder built on another layout of the same weights (a switch's) takes the old
+    decoder's packed row-parallel chunks that its shard holds, the same objects, and packs only the others,
+    each chunk's product bitwise a fresh build's: TP 1 -> 2 takes every chunk, 2 -> 1 packs the other half."""
+    cfg = ModelConfig.load(tiny32)
+    reader, cpu = CheckpointReader(tiny32, cfg), torch.device("cpu")
+    chunks = invariant.RowChunks.of(cfg, 2)
+    one = Decoder(cfg, load_shard(reader, cfg, 1, 0, torch.float32, cpu), SINGLE, chunks)
+    gen = torch.Generator().manual_seed(7)
+    for shard in (0, 1):
+        ps = ParallelState(tp=2, shard=shard, group=None)
+        two = Decoder(cfg, load_shard(reader, cfg, 2, shard, torch.float32, cpu), ps, chunks, reuse=one)
+        back = Decoder(cfg, load_shard(reader, cfg, 1, 0, torch.float32, cpu), SINGLE, chunks, reuse=two)
+        assert two.o_chunks is not None and two.down_chunks is not None
+        for full, half, rebuilt in zip(one.layers, two.layers, back.layers, strict=True):
+            for whole, mine, again, c in (
+                (full.wo, half.wo, rebuilt.wo, two.o_chunks),
+                (full.w_down, half.w_down, rebuilt.w_down, two.down_chunks),
+            ):
+                assert isinstance(whole, tuple) and isinstance(mine, tuple) and isinstance(again, tuple)
+                assert c.local < len(whole) and all(m is whole[c.start + i] for i, m in enumerate(mine))
+                for i, (fresh, got) in enumerate(zip(whole, again, strict=True)):
+                    held = c.start <= i < c.start + c.local
+                    assert (got is mine[i - c.start]) if held else (got is not fresh)
+                    x = torch.randn(5, c.width, generator=gen)
+                    assert torch.equal(packed.linear(x, got), packed.linear(x, fresh))

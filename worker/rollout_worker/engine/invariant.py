@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -252,6 +252,11 @@ class Chunks:
         return self.per_shard[self.shard]
 
     @property
+    def start(self) -> int:
+        """The index, among every shard's, of this shard's first chunk."""
+        return sum(self.per_shard[: self.shard])
+
+    @property
     def subtree(self) -> bool:
         """Whether every shard holds the same power-of-two number of chunks. Then each shard's chunks are one
         whole subtree of :func:`tree_sum`'s tree (its first levels pair chunks within a shard and pad
@@ -298,11 +303,30 @@ def mlp_shards(cfg: ModelConfig, tp: int) -> list[tuple[int, int]]:
     return [heads.split(cfg.intermediate_size, tp, s) for s in range(tp)]
 
 
-def pack_chunks(w: torch.Tensor, chunks: Chunks) -> tuple[torch.Tensor, ...]:
+def pack_chunks(
+    w: torch.Tensor, chunks: Chunks, have: Mapping[int, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, ...]:
     """A row-parallel weight w [out, K_shard] for :func:`partials` on a decoder that packs: each local
-    chunk's columns packed on their own (:func:`packed.pack`; a copy, as the packed projections are)."""
-    width = chunks.width
-    return tuple(packed.pack(w[:, c * width : (c + 1) * width]) for c in range(chunks.local))
+    chunk's columns packed on their own (:func:`packed.pack`; a copy, as the packed projections are), or
+    taken from ``have`` (chunk index among every shard's -> that chunk packed, of the same values: a
+    chunk's bounds are the same on every layout, so a switch repacks only the chunks a rank did not hold)."""
+    width, have = chunks.width, have or {}
+    out = []
+    for c in range(chunks.local):
+        kept = have.get(chunks.start + c)
+        out.append(packed.pack(w[:, c * width : (c + 1) * width]) if kept is None else kept)
+    return tuple(out)
+
+
+def packed_chunks(
+    w: torch.Tensor | tuple[torch.Tensor, ...], chunks: Chunks | None, want: Chunks | None
+) -> dict[int, torch.Tensor]:
+    """A decoder's packed chunks of one row-parallel weight by their index among every shard's (for
+    :func:`pack_chunks`' ``have``); none where the weight is not packed by chunk or its chunks are not
+    ``want``'s width."""
+    if chunks is None or want is None or chunks.width != want.width or not isinstance(w, tuple):
+        return {}
+    return {chunks.start + c: wc for c, wc in enumerate(w)}
 
 
 def partials(x: torch.Tensor, w: torch.Tensor | tuple[torch.Tensor, ...], chunks: Chunks) -> torch.Tensor:
