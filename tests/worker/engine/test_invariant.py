@@ -112,21 +112,20 @@ def test_linear_folds_a_strided_3d_input_into_one_product(kernel: str) -> None:
 def _row_parallel(
     x: torch.Tensor, w: torch.Tensor, bounds: tuple[int, ...], shards: list[tuple[int, int]], kernel: str
 ) -> torch.Tensor:
-    """The row-parallel product as the ranks compute it on ``kernel``: each shard's partials, padded and
-    gathered (here in one process), in chunk order, added in the fixed tree."""
-    parts, sums = [], []
+    """The row-parallel product as the ranks compute it on ``kernel``: each shard's partials added into its
+    whole subtrees, gathered (here in one process), added up the fixed tree; also checked against the
+    tree over every chunk's partial."""
+    sums, parts = [], []
     for s, (lo, hi) in enumerate(shards):
         chunks = inv.Chunks.of(bounds, shards, s)
         shard = w[:, lo:hi].contiguous()
         mine = inv.partials(
             x[..., lo:hi], inv.pack_chunks(shard, chunks) if kernel == "packed" else shard, chunks
         )
-        sums.append(inv.tree_sum(mine))
-        pad = max(chunks.per_shard) - mine.shape[0]
-        parts.append(torch.cat((mine, mine.new_zeros(pad, *mine.shape[1:]))))
-    every = inv.tree_sum(inv.gathered(parts, inv.Chunks.of(bounds, shards, 0)))
-    if inv.Chunks.of(bounds, shards, 0).subtree:  # the ranks' shortcut: each adds its own chunks first
-        assert torch.equal(inv.tree_sum(torch.stack(sums)), every)
+        parts.append(mine)
+        sums.append(inv.shard_sums(mine, chunks))
+    every = inv.gathered_sum(sums, inv.Chunks.of(bounds, shards, 0))
+    assert torch.equal(every, inv.tree_sum(torch.cat(parts)))
     return every
 
 
@@ -158,18 +157,43 @@ def test_row_parallel_sum_does_not_depend_on_tp_or_batch(kernel: str) -> None:
     assert default_differs
 
 
-def test_a_shard_adds_its_own_chunks_first_only_when_they_are_a_subtree() -> None:
-    """Equal power-of-two counts per shard are whole subtrees of the tree; anything else is not."""
-    assert inv.Chunks(192, (4, 4), 0).subtree and inv.Chunks(64, (2, 2, 2, 2), 1).subtree
-    assert inv.Chunks(64, (1, 1), 0).subtree
-    assert not inv.Chunks(64, (5, 4), 0).subtree and not inv.Chunks(64, (3, 3), 0).subtree
+def test_each_shard_adds_its_whole_subtrees_first_and_the_tree_is_the_same() -> None:
+    """Every split of 1 to 17 chunks into 1 to 4 shards: each shard's chunks as the fewest whole subtrees
+    of the tree (fewer partials to gather than chunks where a shard holds 2 or more), whose sums, added up
+    the tree, are bitwise the tree over every chunk, negative zeros included (a zero added to -0.0 makes
+    +0.0, so the tree's padding zeros must be added where it adds them)."""
     gen = torch.Generator().manual_seed(6)
-    parts = torch.randn(8, 5, generator=gen)
-    assert torch.equal(
-        inv.tree_sum(torch.stack([inv.tree_sum(p) for p in parts.split(4)])), inv.tree_sum(parts)
-    )
-    uneven = [inv.tree_sum(p) for p in parts[:6].split(3)]  # 3 + 3: the tree pairs chunks 2 and 3 across
-    assert not torch.equal(inv.tree_sum(torch.stack(uneven)), inv.tree_sum(parts[:6]))
+    assert inv.tree_nodes(0, 5, 9) == ((2, 0), (0, 4)) and inv.tree_nodes(5, 9, 9) == ((0, 5), (1, 3), (3, 1))
+    assert inv.tree_nodes(0, 4, 8) == ((2, 0),) and inv.tree_nodes(0, 1, 1) == ((0, 0),)
+    for n in range(1, 18):
+        parts = torch.randn(n, 6, generator=gen)
+        parts[:, 0] = -0.0  # every partial's first column: -0.0, whose tree sum is +0.0 only where it pads
+        parts[n // 2 :, 1] = -0.0
+        want = inv.tree_sum(parts)
+        for shards in range(1, min(n, 4) + 1):
+            for cuts in _splits(n, shards):
+                per_shard = tuple(b - a for a, b in zip((0, *cuts), (*cuts, n), strict=True))
+                everyone = []
+                for s in range(shards):
+                    chunks = inv.Chunks(1, per_shard, s)
+                    nodes = chunks.nodes(s)
+                    covered = [c for lv, j in nodes for c in range(j << lv, min((j + 1) << lv, n))]
+                    assert covered == list(range(chunks.start, chunks.start + chunks.local))  # in order
+                    everyone.append(inv.shard_sums(parts[chunks.start : chunks.start + chunks.local], chunks))
+                got = inv.gathered_sum(everyone, inv.Chunks(1, per_shard, 0))
+                assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (n, cuts)  # signs of 0
+    uneven = inv.Chunks(64, (5, 4), 0)  # SmolLM2's 9 attention chunks at TP 2: 2 + 3 subtrees, not 5 + 4
+    assert [len(uneven.nodes(s)) for s in (0, 1)] == [2, 3]
+    assert [len(inv.Chunks(192, (4, 4), 0).nodes(s)) for s in (0, 1)] == [1, 1]
+
+
+def _splits(n: int, shards: int) -> list[tuple[int, ...]]:
+    """Every way to cut ``n`` chunks into ``shards`` non-empty runs: the cut points."""
+    if shards == 1:
+        return [()]
+    return [
+        (c, *(c + r for r in rest)) for c in range(1, n - shards + 2) for rest in _splits(n - c, shards - 1)
+    ]
 
 
 def test_chunks_are_never_split_by_a_layout() -> None:

@@ -17,8 +17,9 @@ logprob, in float32 as in float64. Each reduction whose order could change gets 
 - **Row-parallel products** (attention output, MLP down), whose sum over K is split across ranks: K is cut
   into equal chunks that no layout the model may run at splits (:func:`chunk_bounds`), each chunk's
   partial product is computed alone (:func:`partials`: one packed product per chunk where the decoder
-  packs its weights, else one batched product over every chunk), the ranks all-gather the partials and
-  each adds them in one fixed tree (:func:`tree_sum`). The same chunks and the same tree on every
+  packs its weights, else one batched product over every chunk), each shard adds its chunks' whole
+  subtrees of one fixed tree (:func:`tree_sum`, :func:`shard_sums`), the ranks all-gather those sums and
+  each adds them up the same tree (:func:`gathered_sum`). The same chunks and the same tree on every
   layout, instead of an all-reduce whose order the backend and the TP size choose.
 - **Attention**: the scores are one product per KV head (their sum runs over the head dimension, whatever
   the number of keys); the softmax's denominator and the weighted values are summed per chunk of
@@ -257,13 +258,14 @@ class Chunks:
         return sum(self.per_shard[: self.shard])
 
     @property
-    def subtree(self) -> bool:
-        """Whether every shard holds the same power-of-two number of chunks. Then each shard's chunks are one
-        whole subtree of :func:`tree_sum`'s tree (its first levels pair chunks within a shard and pad
-        nothing), so a shard may add its own before the all-gather: the same sum, a shard's share of it
-        gathered instead of each chunk's."""
-        own = self.per_shard[0]
-        return len(set(self.per_shard)) == 1 and own & (own - 1) == 0
+    def total(self) -> int:
+        return sum(self.per_shard)
+
+    def nodes(self, shard: int) -> tuple[Node, ...]:
+        """``shard``'s chunks as the fewest whole subtrees of :func:`tree_sum`'s tree over every chunk
+        (:func:`tree_nodes`): what it adds before the all-gather."""
+        lo = sum(self.per_shard[:shard])
+        return tree_nodes(lo, lo + self.per_shard[shard], self.total)
 
     @classmethod
     def of(cls, bounds: tuple[int, ...], shards: list[tuple[int, int]], shard: int) -> Chunks:
@@ -357,9 +359,73 @@ def partials(x: torch.Tensor, w: torch.Tensor | tuple[torch.Tensor, ...], chunks
     return _cat([torch.bmm(xc, wt) for xc in xcs], 1)[:, :rows].reshape(n, *x.shape[:-1], w.shape[0])
 
 
-def gathered(parts: list[torch.Tensor], chunks: Chunks) -> torch.Tensor:
-    """Every shard's partials (each padded to the largest count for the all-gather) in chunk order."""
-    return torch.cat([p[:n] for p, n in zip(parts, chunks.per_shard, strict=True)])
+Node = tuple[int, int]  # (level, index) in tree_sum's tree: level l's node j adds chunks [j * 2**l, ...)
+
+
+@functools.cache
+def tree_nodes(lo: int, hi: int, n: int) -> tuple[Node, ...]:
+    """Chunks [lo, hi) of a tree over ``n`` chunks as the fewest whole subtrees of :func:`tree_sum`'s
+    tree, left to right: at each chunk the highest node that starts there and ends by ``hi`` (or, for the
+    last shard, holds the tree's right edge: chunk ``n - 1`` and the zeros padding it)."""
+    top = max(n - 1, 0).bit_length()  # the root's level
+    out: list[Node] = []
+    c = lo
+    while c < hi:
+        level = 0  # up while the parent starts at c too and ends by hi (or at the tree's right edge)
+        while level < top and c % (2 << level) == 0 and min(c + (2 << level), n) <= hi:
+            level += 1
+        out.append((level, c >> level))
+        c = min(c + (1 << level), n)
+    return tuple(out)
+
+
+def node_sums(parts: torch.Tensor, lo: int, n: int, nodes: Iterable[Node]) -> torch.Tensor:
+    """[len(nodes), ...]: each node's sum of ``parts`` (chunks lo, lo + 1, ... of a tree over ``n``),
+    bitwise as :func:`tree_sum` over every chunk computes it: a whole node's chunks in its own tree, then the
+    zeros the tree adds to a node at its right edge on the levels above the node's own chunks."""
+    sums = []
+    for level, j in nodes:
+        a = j << level
+        b = min(a + (1 << level), n)
+        value = tree_sum(parts[a - lo : b - lo])
+        for _ in range(level - max(b - a - 1, 0).bit_length()):  # the levels tree_sum(slice) stopped below
+            value = value + torch.zeros_like(value)
+        sums.append(value)
+    return torch.stack(sums)
+
+
+def shard_sums(parts: torch.Tensor, chunks: Chunks) -> torch.Tensor:
+    """What a shard all-gathers: its partials ``parts`` [local, ...] added into its subtrees
+    (:meth:`Chunks.nodes`), zeros appended up to the most subtrees any shard has."""
+    sums = node_sums(parts, chunks.start, chunks.total, chunks.nodes(chunks.shard))
+    most = max(len(chunks.nodes(s)) for s in range(len(chunks.per_shard)))
+    if sums.shape[0] < most:
+        sums = torch.cat((sums, sums.new_zeros(most - sums.shape[0], *sums.shape[1:])))
+    return sums
+
+
+def gathered_sum(everyone: list[torch.Tensor], chunks: Chunks) -> torch.Tensor:
+    """:func:`tree_sum` of every chunk from each shard's :func:`shard_sums` (``everyone``, in shard order)."""
+    known = {node: sums[i] for s, sums in enumerate(everyone) for i, node in enumerate(chunks.nodes(s))}
+    return tree_root(known, chunks.total)
+
+
+def tree_root(known: dict[Node, torch.Tensor], n: int) -> torch.Tensor:
+    """:func:`tree_sum` of ``n`` chunks from the sums of subtrees that partition them (``known``),
+    bitwise: every node above them is its two children's sum, a child past chunk ``n - 1`` a zero."""
+
+    def value(level: int, j: int) -> torch.Tensor:
+        got = known.get((level, j))
+        if got is not None:
+            return got
+        if level == 0:
+            raise KeyError(f"chunk {j} is in no subtree")
+        left = value(level - 1, 2 * j)
+        if (2 * j + 1) << (level - 1) >= n:
+            return left + torch.zeros_like(left)
+        return left + value(level - 1, 2 * j + 1)
+
+    return value(max(n - 1, 0).bit_length(), 0)
 
 
 def key_span(length: int) -> int:
