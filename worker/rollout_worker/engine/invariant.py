@@ -254,8 +254,11 @@ class Chunks:
 
     @property
     def start(self) -> int:
-        """The index, among every shard's, of this shard's first chunk."""
-        return sum(self.per_shard[: self.shard])
+        return self.first(self.shard)
+
+    def first(self, shard: int) -> int:
+        """The index, among every shard's, of ``shard``'s first chunk."""
+        return sum(self.per_shard[:shard])
 
     @property
     def total(self) -> int:
@@ -264,7 +267,7 @@ class Chunks:
     def nodes(self, shard: int) -> tuple[Node, ...]:
         """``shard``'s chunks as the fewest whole subtrees of :func:`tree_sum`'s tree over every chunk
         (:func:`tree_nodes`): what it adds before the all-gather."""
-        lo = sum(self.per_shard[:shard])
+        lo = self.first(shard)
         return tree_nodes(lo, lo + self.per_shard[shard], self.total)
 
     @classmethod
@@ -336,9 +339,9 @@ def partials(x: torch.Tensor, w: torch.Tensor | tuple[torch.Tensor, ...], chunks
 
     - ``w`` from :func:`pack_chunks` (a decoder that packs): one oneDNN product per chunk over a view of
       x's rows, padded to the packed product's row rule at the chunk's width (1 row for a chunk of up to
-      1,024 columns on the CPUs seen). On an AVX-512 AMD EPYC 1.6-3.4x faster than the batched product
-      below at 1 to 64 rows (whose sgemm rule there is 12 rows); on an AVX-512 Xeon it was slower
-      (each oneDNN call costs more there, and its sgemm rule is 2).
+      1,024 columns on the CPUs seen). On an AVX-512 AMD EPYC, whose batched rule below is 12 tokens,
+      the decoder's step is faster this way at batch 1, 16 and 64 (``bench/decoder_step.py``); on an
+      AVX-512 Xeon it was slower (each oneDNN call costs more there, and its batched rule is 2).
     - ``w`` dense on CPU: one batched product over strided views of w (no copy), each chunk's ``w_c @
       x_c^T`` (the chunk's ``out`` rows, the same in every batch, are the product's rows, so the token
       rows' rule is the columns': 2 tokens on that Xeon, where ``x_c @ w_c^T`` needs 9 rows for a chunk of

@@ -272,7 +272,7 @@ class Decoder:
         deterministic kernels) its fixed chunks' partials added in one fixed tree, each shard's whole
         subtrees before the all-gather (SmolLM2's 9 attention chunks at TP 2: 2 + 3 sums, not 5 + 4)."""
         if chunks is None:
-            assert isinstance(w, torch.Tensor)  # _row_product chunks only for the deterministic kernels
+            assert isinstance(w, torch.Tensor)  # only the deterministic kernels keep a weight in chunks
             return self.ps.all_reduce(self.linear(x, w))
         parts = invariant.partials(x, w, chunks)
         if self.ps.tp == 1:
