@@ -79,7 +79,9 @@ def main(device: str = "cuda") -> None:
     w_down = rand(4096, 14336)
     chunks = invariant.Chunks(1792, (8,), 0)
     check(
-        "invariant.partials down (8 x 1792)", lambda m: invariant.partials(x[:m], w_down, chunks).sum(0), ROWS
+        "invariant.partials down (8 x 1792)",
+        lambda m: invariant.partials(x[:m], invariant.ChunkedWeight(w_down), chunks).sum(0),
+        ROWS,
     )
     h = rand(max(ROWS), 4096).float()
     check("mean(-1) of 4096", lambda m: h[:m].pow(2).mean(-1, keepdim=True), ROWS)

@@ -25,6 +25,7 @@ KERNELS: dict[str, tuple[Product, Callable[[torch.Tensor], torch.Tensor], Produc
     "sgemm": (inv.linear, lambda w: w, F.linear),
     "packed": (inv.packed_linear, packed.pack, packed.linear),
 }
+CHUNK_KERNELS: dict[str, inv.ChunkKernel] = {"sgemm": "partials", "packed": "packed"}  # row-parallel
 kernels = pytest.mark.parametrize(
     "kernel",
     [
@@ -119,9 +120,7 @@ def _row_parallel(
     for s, (lo, hi) in enumerate(shards):
         chunks = inv.Chunks.of(bounds, shards, s)
         shard = w[:, lo:hi].contiguous()
-        mine = inv.partials(
-            x[..., lo:hi], inv.pack_chunks(shard, chunks) if kernel == "packed" else shard, chunks
-        )
+        mine = inv.partials(x[..., lo:hi], inv.row_weight(shard, chunks, CHUNK_KERNELS[kernel]), chunks)
         parts.append(mine)
         sums.append(inv.shard_sums(mine, chunks))
     every = inv.gathered_sum(sums, inv.Chunks.of(bounds, shards, 0))
@@ -132,7 +131,8 @@ def _row_parallel(
 @kernels
 def test_row_parallel_sum_does_not_depend_on_tp_or_batch(kernel: str) -> None:
     """Attention output (9 heads of 64, uneven at TP 2 and 4) and MLP down (1536) of the real model: the
-    chunks' products as one batched sgemm product over the dense weight, or one oneDNN product per packed
+    chunks' products as one batched sgemm product over the dense weight (a row alone: one MKL product over
+    the stacked chunks, where this CPU's MKL computes the same bits), or one oneDNN product per packed
     chunk."""
     cfg = _smollm2()
     chunks = inv.RowChunks.of(cfg, 4)
@@ -155,6 +155,77 @@ def test_row_parallel_sum_does_not_depend_on_tp_or_batch(kernel: str) -> None:
                 default = sum(F.linear(batch[..., lo:hi], w[:, lo:hi]) for lo, hi in halves)
                 default_differs |= not torch.equal(default[i], F.linear(row, w)[0])  # type: ignore[index]
     assert default_differs
+
+
+@pytest.mark.parametrize("width", [64, 192, 1792])
+def test_fused_rows_is_the_fewest_rows_that_give_the_batched_products_bits(width: int) -> None:
+    """MKL's packed product over stacked chunks (``fuse``) gives a chunk's row the batched product's bits in
+    every product of ``fused_rows`` rows or more (first, middle, last; the chunk first or last among three
+    in the stack), and not with one row fewer; where the probe says it never does (None), the largest
+    probe count differs indeed."""
+    least = inv.fused_rows(width, torch.float32)
+    gen = torch.Generator().manual_seed(width + 1)
+    w = torch.randn(48, width, generator=gen)
+    row = torch.randn(width, generator=gen)
+    batched = inv._chunks_t(w, torch.stack((row,) * 7), 1)[3]
+    stacked = w.repeat(3, 1)
+
+    def among(count: int, at: int) -> list[torch.Tensor]:
+        x = torch.randn(count, width, generator=gen)
+        x[at] = row
+        out = packed.mkl_linear(x, packed.mkl_pack(stacked, count))[at]
+        return [out[:48], out[96:]]
+
+    if least is None:
+        assert not all(torch.equal(got, batched) for got in among(inv.PROBE_ROWS[-1], 0))
+        return
+    for count in sorted({least, least + 1, 2 * least + 3, 100}):
+        for at in (0, count // 2, count - 1):
+            assert all(torch.equal(got, batched) for got in among(count, at)), (count, at)
+    if least > 1:
+        assert not all(torch.equal(got, batched) for at in (0, least - 2) for got in among(least - 1, at))
+
+
+def test_a_few_tokens_take_the_stacked_product_and_get_the_batched_bits() -> None:
+    """The real model's row-parallel weights at TP 1, 2 and 4: where this CPU's MKL agrees (``fused_rows``),
+    a token's partials come from the stacked product (it is called), bitwise those of the batched product
+    over the dense weight; 2 tokens too where the packing's rows hold them."""
+    cfg = _smollm2()
+    row_chunks = inv.RowChunks.of(cfg, 4)
+    gen = torch.Generator().manual_seed(9)
+    calls = 0
+    real = packed.mkl_linear
+
+    def counted(x: torch.Tensor, w: packed.MklPacked) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return real(x, w)
+
+    for bounds, shards_of, k in (
+        (row_chunks.attn_out, inv.attn_shards, cfg.num_heads * cfg.head_dim),
+        (row_chunks.mlp_down, inv.mlp_shards, cfg.intermediate_size),
+    ):
+        w = torch.randn(cfg.hidden_size, k, generator=gen)
+        for tp in (1, 2, 4):
+            shards = shards_of(cfg, tp)
+            for s, (lo, hi) in enumerate(shards):
+                chunks = inv.Chunks.of(bounds, shards, s)
+                weight = inv.row_weight(w[:, lo:hi].contiguous(), chunks, "partials")
+                least = inv.fused_rows(chunks.width, torch.float32)
+                assert (weight.fused is None) == (least is None)
+                if weight.fused is None:
+                    continue
+                assert least is not None and weight.fused.rows == max(chunks.local, least)
+                dense = inv.ChunkedWeight(weight.dense)
+                for tokens in range(1, weight.fused.rows // chunks.local + 1):
+                    x = torch.randn(tokens, 1, hi - lo, generator=gen)
+                    before = calls
+                    with pytest.MonkeyPatch.context() as m:
+                        m.setattr(packed, "mkl_linear", counted)
+                        got = inv.partials(x, weight, chunks)
+                    assert calls == before + 1
+                    assert torch.equal(got, inv.partials(x, dense, chunks)), (k, tp, s, tokens)
+    assert calls > 0 or inv.fused_rows(64, torch.float32) is None
 
 
 def test_each_shard_adds_its_whole_subtrees_first_and_the_tree_is_the_same() -> None:
@@ -264,6 +335,41 @@ def test_attention_row_does_not_depend_on_batch_padding_prefill_or_tp() -> None:
     assert default_differs  # SDPA's sums change with the padded key length
 
 
+@pytest.mark.parametrize("hd", [64, 128])
+def test_attention_over_keys_cut_to_key_step_is_bitwise_whole_chunks(
+    hd: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Products cut to this CPU's ``key_step`` (the keys any row sees, rounded up) give every query row the
+    bits of whole ``KEY_CHUNK`` chunks: rows seeing 1 to 300 keys, alone and in a batch whose longest row
+    sees up to 300, decode rows and a prefill. Where no finer step holds (``KEY_CHUNK``), every candidate
+    is shown to disagree."""
+    step = inv.key_step(hd, torch.float32)
+    if step == inv.KEY_CHUNK:
+        least = max(inv.least_rows("scores", hd, torch.float32), inv.least_rows("values", 128, torch.float32))
+        assert not any(inv._cuts_agree(s, hd, torch.float32, least) for s in inv.KEY_STEPS)
+        return
+    gen = torch.Generator().manual_seed(hd)
+    heads, kvh, length = 4, 2, 384
+    k = torch.randn(5, kvh, length, hd, generator=gen)
+    v = torch.randn(5, kvh, length, hd, generator=gen)
+    for sees in ([1], [step + 1], [129, 5, 40], [250, 300, 2, 131, 7], [17, 16, 15, 128, 127]):
+        rows = len(sees)
+        q = torch.randn(rows, 1, heads, hd, generator=gen)
+        mask = torch.arange(length)[None, None, None, :] < torch.tensor(sees)[:, None, None, None]
+        seen = max(sees)
+        cut = inv.attend(q, _t(k[:rows]), v[:rows], mask, 0.125, seen)
+        with monkeypatch.context() as m:
+            m.setattr(inv, "key_step", lambda *_: inv.KEY_CHUNK)
+            whole = inv.attend(q, _t(k[:rows]), v[:rows], mask, 0.125, seen)
+        assert torch.equal(cut, whole), sees
+    causal = torch.tril(torch.ones(37, 37, dtype=torch.bool))[None, None]  # a prefill of 37 tokens
+    q = torch.randn(1, 37, heads, hd, generator=gen)
+    cut = inv.attend(q, _t(k[:1, :, :37]), v[:1, :, :37], causal, 0.125)
+    with monkeypatch.context() as m:
+        m.setattr(inv, "key_step", lambda *_: inv.KEY_CHUNK)
+        assert torch.equal(cut, inv.attend(q, _t(k[:1, :, :37]), v[:1, :, :37], causal, 0.125))
+
+
 @pytest.mark.parametrize("kernel", ["linear", "partials", "scores", "values"])
 @pytest.mark.parametrize("k", [64, 128, 576, 1536])
 def test_least_rows_is_the_fewest_rows_that_agree(kernel: inv.Kernel, k: int) -> None:
@@ -327,6 +433,6 @@ def test_cuda_row_blocks_are_fixed_and_reassembled_in_order(monkeypatch: pytest.
     for rows in (1, 8, 9, 20):
         x = torch.randn(rows, 64, generator=gen, dtype=torch.float64)
         assert torch.allclose(inv.linear(x, w), F.linear(x, w), rtol=0, atol=1e-12)
-        parts = inv.partials(x, w, chunks)
+        parts = inv.partials(x, inv.ChunkedWeight(w), chunks)
         assert parts.shape == (4, rows, 24)
         assert torch.allclose(parts.sum(0), F.linear(x, w), rtol=0, atol=1e-12)

@@ -76,13 +76,18 @@ def test_decoder_packs_float32_weights_only(tiny32: Path, tiny64: Path) -> None:
     assert default.packed and isinstance(wo, torch.Tensor) and wo.is_mkldnn
     det = replica(tiny32, 64, 4, dtype=torch.float32, deterministic=True).decoder
     assert det.packed and det.o_chunks is not None and det.layers[0].wq.is_mkldnn
-    # the row-parallel weights: each fixed chunk's columns packed on their own
-    o_chunks, down_chunks = det.layers[0].wo, det.layers[0].w_down
-    assert isinstance(o_chunks, tuple) and len(o_chunks) == det.o_chunks.local
-    assert isinstance(down_chunks, tuple) and det.down_chunks is not None
-    assert len(down_chunks) == det.down_chunks.local and all(w.is_mkldnn for w in (*o_chunks, *down_chunks))
+    # the row-parallel weights: in chunks as this CPU's rules choose (chunk_kernel)
+    assert det.down_chunks is not None
+    for w, c in ((det.layers[0].wo, det.o_chunks), (det.layers[0].w_down, det.down_chunks)):
+        assert isinstance(w, invariant.ChunkedWeight) and not w.dense.is_mkldnn
+        if invariant.chunk_kernel(c.width, torch.float32, True) == "packed":  # each chunk's columns alone
+            assert len(w.per_chunk) == c.local and all(p.is_mkldnn for p in w.per_chunk)
+        else:  # the batched product, and the stacked one for a few tokens where MKL agrees
+            assert not w.per_chunk
+            assert (w.fused is None) == (invariant.fused_rows(c.width, torch.float32) is None)
     dense = replica(tiny32, 64, 4, dtype=torch.float32, deterministic=True, pack=False).decoder
-    assert isinstance(dense.layers[0].wo, torch.Tensor) and not dense.layers[0].wo.is_mkldnn
+    wo = dense.layers[0].wo
+    assert isinstance(wo, invariant.ChunkedWeight) and not wo.per_chunk and not wo.dense.is_mkldnn
     assert not replica(tiny64, 64, 4).decoder.packed  # float64: sgemm
 
 
@@ -107,10 +112,14 @@ def test_packed_replica_decodes_as_one_on_f_linear(tiny32: Path) -> None:
     assert steps > 20 and not off.unfinished
 
 
-def test_a_switch_takes_the_packed_chunks_its_rank_held(tiny32: Path) -> None:
+def test_a_switch_takes_the_packed_chunks_its_rank_held(
+    tiny32: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A deterministic decoder built on another layout of the same weights (a switch's) takes the old
     decoder's packed row-parallel chunks that its shard holds, the same objects, and packs only the others,
-    each chunk's product bitwise a fresh build's: TP 1 -> 2 takes every chunk, 2 -> 1 packs the other half."""
+    each chunk's product bitwise a fresh build's: TP 1 -> 2 takes every chunk, 2 -> 1 packs the other half.
+    (The chunks packed one by one, as on a CPU whose rule chooses them.)"""
+    monkeypatch.setattr(invariant, "chunk_kernel", lambda *_: "packed")
     cfg = ModelConfig.load(tiny32)
     reader, cpu = CheckpointReader(tiny32, cfg), torch.device("cpu")
     chunks = invariant.RowChunks.of(cfg, 2)
@@ -122,11 +131,12 @@ def test_a_switch_takes_the_packed_chunks_its_rank_held(tiny32: Path) -> None:
         back = Decoder(cfg, load_shard(reader, cfg, 1, 0, torch.float32, cpu), SINGLE, chunks, reuse=two)
         assert two.o_chunks is not None and two.down_chunks is not None
         for full, half, rebuilt in zip(one.layers, two.layers, back.layers, strict=True):
-            for whole, mine, again, c in (
-                (full.wo, half.wo, rebuilt.wo, two.o_chunks),
-                (full.w_down, half.w_down, rebuilt.w_down, two.down_chunks),
+            for weights, c in (
+                ((full.wo, half.wo, rebuilt.wo), two.o_chunks),
+                ((full.w_down, half.w_down, rebuilt.w_down), two.down_chunks),
             ):
-                assert isinstance(whole, tuple) and isinstance(mine, tuple) and isinstance(again, tuple)
+                assert all(isinstance(w, invariant.ChunkedWeight) for w in weights)
+                whole, mine, again = (w.per_chunk for w in weights if isinstance(w, invariant.ChunkedWeight))
                 assert c.local < len(whole) and all(m is whole[c.start + i] for i, m in enumerate(mine))
                 for i, (fresh, got) in enumerate(zip(whole, again, strict=True)):
                     held = c.start <= i < c.start + c.local

@@ -57,6 +57,11 @@ def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
+def round_up(n: int, step: int) -> int:
+    """``n`` rounded up to a multiple of ``step``."""
+    return -(-n // step) * step
+
+
 def pool_pages(kv_budget_tokens: int | None, page_size: int, max_batch: int, context_length: int) -> int:
     """Pages of one replica's KV pool: the KV budget rounded up to whole pages, or (no budget) room for
     ``max_batch`` requests of ``context_length`` tokens (+1: a decode step writes the token it reads)."""

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from rollout_worker.api.pages import round_up
 from rollout_worker.engine.kvcache import KVPool
 from rollout_worker.engine.model import Decoder
 
@@ -63,7 +64,7 @@ def key_span(max_position: int, capacity: int, step: int = KEY_STEP) -> int:
     token table's ``capacity`` (which already holds ``max_position``)."""
     if max_position >= capacity:
         raise ValueError(f"position {max_position} is past the token table's capacity {capacity}")
-    return min(-(-(max_position + 1) // step) * step, capacity)
+    return min(round_up(max_position + 1, step), capacity)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,16 +16,18 @@ logprob, in float32 as in float64. Each reduction whose order could change gets 
   pad a smaller product to it.
 - **Row-parallel products** (attention output, MLP down), whose sum over K is split across ranks: K is cut
   into equal chunks that no layout the model may run at splits (:func:`chunk_bounds`), each chunk's
-  partial product is computed alone (:func:`partials`: one packed product per chunk where the decoder
-  packs its weights, else one batched product over every chunk), each shard adds its chunks' whole
-  subtrees of one fixed tree (:func:`tree_sum`, :func:`shard_sums`), the ranks all-gather those sums and
-  each adds them up the same tree (:func:`gathered_sum`). The same chunks and the same tree on every
-  layout, instead of an all-reduce whose order the backend and the TP size choose.
+  partial product is computed alone (:func:`partials`, as :func:`chunk_kernel` chooses by the CPU's
+  rules: one batched product over every chunk, and for a few tokens one MKL product over the stacked
+  chunks that computes the same bits; or one oneDNN product per packed chunk), each shard adds its
+  chunks' whole subtrees of one fixed tree (:func:`tree_sum`, :func:`shard_sums`), the ranks all-gather
+  those sums and each adds them up the same tree (:func:`gathered_sum`). The same chunks and the same
+  tree on every layout, instead of an all-reduce whose order the backend and the TP size choose.
 - **Attention**: the scores are one product per KV head (their sum runs over the head dimension, whatever
   the number of keys); the softmax's denominator and the weighted values are summed per chunk of
   ``KEY_CHUNK`` keys (query rows padded to both products' :func:`least_rows`), and the chunks are added in
-  :func:`tree_sum`'s tree, which a row's masked trailing chunks (exact zeros) do not change. The row's
-  maximum is exact in any order.
+  :func:`tree_sum`'s tree, which a row's masked trailing chunks (exact zeros) do not change. The products
+  read only the keys some row sees, rounded up to :func:`key_step` (measured: the last chunk's sum over
+  its first keys is the whole chunk's where the rest are zeros). The row's maximum is exact in any order.
 - RMSNorm's mean, the elementwise functions and the sampler (float64) are already per-row and fixed.
 
 On CUDA, cuBLAS chooses a GEMM kernel (tile shape, split-K) by the product's shape, so a row's rounding
@@ -50,6 +52,7 @@ import torch.nn.functional as F
 
 from rollout_worker.api import heads
 from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.api.pages import round_up
 from rollout_worker.engine import packed
 from rollout_worker.engine.sharding import q_head_range
 
@@ -59,9 +62,15 @@ TP_SIZES = (1, 2, 4, 8)  # chunk bounds cover these TP sizes (and every divisor 
 # the row counts least_rows compares (the kernels seen switch below 16 rows; a prefill has hundreds)
 PROBE_ROWS = (*range(1, 33), 48, 64, 128, 256)
 PROBE_COLS = 64  # output columns of a probe (the row rule seen does not depend on them)
+KEY_STEPS = (8, 16, 32, 64)  # the multiples of keys attend may cut its products to, finest first (key_step)
+# the batched chunk product's token rule up to which a decoder that packs takes it for its row-parallel
+# chunks (an AVX-512 Xeon's: 2); above it (an AMD EPYC's: 12 tokens, each decode step's chunks computed as
+# 12 columns) one oneDNN product per packed chunk
+FEW_TOKENS = 4
 
 # the products whose row rule least_rows measures, each as its call site lays out its operands
 Kernel = Literal["linear", "packed", "partials", "scores", "values"]
+ChunkKernel = Literal["packed", "partials"]  # a row-parallel weight's chunks: see row_weight
 Probe = Callable[[torch.Tensor], list[torch.Tensor]]  # a kernel's products of x, in each variant
 
 
@@ -124,13 +133,17 @@ def least_rows(kernel: Kernel, k: int, dtype: torch.dtype) -> int:
 
 def measure_rules(cfg: ModelConfig, dtype: torch.dtype, packed_weights: bool, widths: Iterable[int]) -> None:
     """:func:`least_rows` of every product a decoder of ``cfg`` runs on CPU (its row-parallel chunks of
-    ``widths``: packed products where the decoder packs, else :func:`partials`' batched one), so a CPU
+    ``widths``: as :func:`chunk_kernel` chooses, with :func:`fused_rows` for the batched kernel), so a CPU
     without a rule fails when the decoder is built, not in a forward."""
     least_rows("packed" if packed_weights else "linear", cfg.hidden_size, dtype)
     for width in widths:
-        least_rows("packed" if packed_weights else "partials", width, dtype)
+        if chunk_kernel(width, dtype, packed_weights) == "packed":
+            least_rows("packed", width, dtype)
+        else:
+            fused_rows(width, dtype)
     least_rows("scores", cfg.head_dim, dtype)
     least_rows("values", KEY_CHUNK, dtype)
+    key_step(cfg.head_dim, dtype)
 
 
 def _probe(kernel: Kernel, k: int, dtype: torch.dtype, gen: torch.Generator) -> Probe:
@@ -179,7 +192,7 @@ def padded_rows(rows: int, cuda: bool, least: int) -> int:
     """The rows a product of ``rows`` rows is computed with: at least ``least`` on CPU (the kernel's
     :func:`least_rows`); a multiple of ``CUDA_ROWS`` on CUDA."""
     if cuda:
-        return max(math.ceil(rows / CUDA_ROWS), 1) * CUDA_ROWS
+        return max(round_up(rows, CUDA_ROWS), CUDA_ROWS)
     return max(rows, least)
 
 
@@ -308,13 +321,47 @@ def mlp_shards(cfg: ModelConfig, tp: int) -> list[tuple[int, int]]:
     return [heads.split(cfg.intermediate_size, tp, s) for s in range(tp)]
 
 
+@dataclass(frozen=True, slots=True)
+class ChunkedWeight:
+    """A row-parallel weight as the deterministic kernels read it (:func:`row_weight`): the shard's dense
+    weight [out, K_shard] (the batched product reads its chunks as strided views; CUDA, its row blocks),
+    and where chosen, each chunk packed for oneDNN, or the chunks packed for MKL as one stacked matrix for
+    a few tokens (:func:`fuse`)."""
+
+    dense: torch.Tensor
+    per_chunk: tuple[torch.Tensor, ...] = ()
+    fused: packed.MklPacked | None = None
+
+
+def chunk_kernel(width: int, dtype: torch.dtype, packs: bool) -> ChunkKernel:
+    """How a decoder computes its row-parallel chunks of ``width`` on this CPU (the same on every layout
+    and batch: a rule of the machine): one oneDNN product per packed chunk where the decoder packs and the
+    batched product would pad a decode step to more than ``FEW_TOKENS`` tokens; else the batched product
+    (with :func:`fuse`'s stacked product for a few tokens, which computes the same bits)."""
+    if packs and least_rows("partials", width, dtype) > FEW_TOKENS:
+        return "packed"
+    return "partials"
+
+
+def row_weight(
+    w: torch.Tensor, chunks: Chunks, kernel: ChunkKernel, have: Mapping[int, torch.Tensor] | None = None
+) -> ChunkedWeight:
+    """w [out, K_shard] as :func:`partials` reads it with ``kernel`` (:func:`chunk_kernel`; on CUDA the
+    dense weight). ``have``: see :func:`pack_chunks`."""
+    if w.is_cuda:
+        return ChunkedWeight(w)
+    if kernel == "packed":
+        return ChunkedWeight(w, per_chunk=pack_chunks(w, chunks, have))
+    return ChunkedWeight(w, fused=fuse(w, chunks))
+
+
 def pack_chunks(
     w: torch.Tensor, chunks: Chunks, have: Mapping[int, torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, ...]:
-    """A row-parallel weight w [out, K_shard] for :func:`partials` on a decoder that packs: each local
-    chunk's columns packed on their own (:func:`packed.pack`; a copy, as the packed projections are), or
-    taken from ``have`` (chunk index among every shard's -> that chunk packed, of the same values: a
-    chunk's bounds are the same on every layout, so a switch repacks only the chunks a rank did not hold)."""
+    """Each local chunk's columns of w [out, K_shard] packed on their own for oneDNN (:func:`packed.pack`;
+    a copy, as the packed projections are), or taken from ``have`` (chunk index among every shard's ->
+    that chunk packed, of the same values: a chunk's bounds are the same on every layout, so a switch
+    repacks only the chunks a rank did not hold)."""
     width, have = chunks.width, have or {}
     out = []
     for c in range(chunks.local):
@@ -324,42 +371,98 @@ def pack_chunks(
 
 
 def packed_chunks(
-    w: torch.Tensor | tuple[torch.Tensor, ...], chunks: Chunks | None, want: Chunks | None
+    w: torch.Tensor | ChunkedWeight, chunks: Chunks | None, want: Chunks | None
 ) -> dict[int, torch.Tensor]:
-    """A decoder's packed chunks of one row-parallel weight by their index among every shard's (for
+    """A decoder's oneDNN-packed chunks of one row-parallel weight by their index among every shard's (for
     :func:`pack_chunks`' ``have``); none where the weight is not packed by chunk or its chunks are not
     ``want``'s width."""
-    if chunks is None or want is None or chunks.width != want.width or not isinstance(w, tuple):
+    if chunks is None or want is None or chunks.width != want.width or not isinstance(w, ChunkedWeight):
         return {}
-    return {chunks.start + c: wc for c, wc in enumerate(w)}
+    return {chunks.start + c: wc for c, wc in enumerate(w.per_chunk)}
 
 
-def partials(x: torch.Tensor, w: torch.Tensor | tuple[torch.Tensor, ...], chunks: Chunks) -> torch.Tensor:
+def fuse(w: torch.Tensor, chunks: Chunks) -> packed.MklPacked | None:
+    """The local chunks of w [out, K_shard] stacked, [chunks * out, width] (chunk c's ``out`` rows, then
+    chunk c + 1's), packed for MKL's GEMM on ``max(chunks, fused_rows)`` rows; None where this CPU's MKL
+    does not compute the batched product's bits (:func:`fused_rows`). A decode step of one token (or a
+    few, ``rows // chunks``) is then one product: its chunks as rows (token t's chunk c in row t * n + c),
+    each against every chunk, of which :func:`partials` keeps the block diagonal. That is ``chunks`` times
+    the arithmetic of one product, with the weight read once, in one call: on an AVX-512 Xeon a batch of
+    one's chunks took 159 us instead of 495 (SmolLM2's attention output, 9 chunks, one oneDNN product
+    each; the whole unchunked product: 132)."""
+    least = fused_rows(chunks.width, w.dtype)
+    if least is None:
+        return None
+    n, out = chunks.local, w.shape[0]
+    stacked = w.reshape(out, n, chunks.width).transpose(0, 1).reshape(n * out, chunks.width)
+    return packed.mkl_pack(stacked, max(n, least))
+
+
+@functools.cache
+def fused_rows(width: int, dtype: torch.dtype) -> int | None:
+    """The fewest rows from which MKL's packed product (:func:`fuse`) gives a chunk's row, at any position
+    and among other chunks' rows of a stacked weight, the bits of :func:`partials`' batched product, in a
+    product of that many rows or more (each count its own packing, as for a decoder); None where it does
+    not at the largest count, or without MKL's packed GEMM, or not float32. Measured once per process
+    (milliseconds). On an AVX-512 Xeon MKL's packed and batched products agree for chunks of up to 512
+    columns and not for 1,792 (Llama-3.1-8B's MLP chunks)."""
+    if dtype != torch.float32 or not packed.mkl_available():
+        return None
+    gen = torch.Generator().manual_seed(width)
+    w = torch.randn(PROBE_COLS, width, generator=gen)
+    row = torch.randn(width, generator=gen)
+    ref = _chunks_t(w, row.expand(least_rows("partials", width, dtype), width), 1)[0]
+    stacked = w.repeat(3, 1)  # the chunk first and last among three
+    agree = []
+    for count in PROBE_ROWS:
+        x = torch.randn(count, width, generator=gen)
+        x[0] = x[-1] = row
+        out = packed.mkl_linear(x, packed.mkl_pack(stacked, count))
+        agree.append(all(torch.equal(out[at, cols], ref) for at in (0, -1) for cols in (_FIRST, _LAST)))
+    first = len(agree)
+    while first > 0 and agree[first - 1]:
+        first -= 1
+    return PROBE_ROWS[first] if first < len(agree) else None
+
+
+_FIRST, _LAST = slice(0, PROBE_COLS), slice(2 * PROBE_COLS, 3 * PROBE_COLS)
+
+
+def partials(x: torch.Tensor, w: ChunkedWeight, chunks: Chunks) -> torch.Tensor:
     """[chunks, *rows, out]: each local chunk's partial product of x [*rows, K_shard] and w [out, K_shard].
 
-    - ``w`` from :func:`pack_chunks` (a decoder that packs): one oneDNN product per chunk over a view of
-      x's rows, padded to the packed product's row rule at the chunk's width (1 row for a chunk of up to
-      1,024 columns on the CPUs seen). On an AVX-512 AMD EPYC, whose batched rule below is 12 tokens,
-      the decoder's step is faster this way at batch 1, 16 and 64 (``bench/decoder_step.py``); on an
-      AVX-512 Xeon it was slower (each oneDNN call costs more there, and its batched rule is 2).
-    - ``w`` dense on CPU: one batched product over strided views of w (no copy), each chunk's ``w_c @
-      x_c^T`` (the chunk's ``out`` rows, the same in every batch, are the product's rows, so the token
-      rows' rule is the columns': 2 tokens on that Xeon, where ``x_c @ w_c^T`` needs 9 rows for a chunk of
-      192), read back transposed.
+    - ``w.per_chunk`` (:func:`chunk_kernel`'s ``packed``): one oneDNN product per chunk over a view of x's
+      rows, padded to the packed product's row rule at the chunk's width (1 row for a chunk of up to 1,024
+      columns on the CPUs seen).
+    - Else on CPU, with a few tokens (``rows * chunks`` up to the rows ``w.fused`` was packed for): one MKL
+      product over the stacked chunks, its block diagonal kept (:func:`fuse`).
+    - Else on CPU: one batched product over strided views of the dense weight (no copy), each chunk's
+      ``w_c @ x_c^T`` (the chunk's ``out`` rows, the same in every batch, are the product's rows, so the
+      token rows' rule is the columns': 2 tokens on an AVX-512 Xeon, where ``x_c @ w_c^T`` needs 9 rows for
+      a chunk of 192), read back transposed.
     - On CUDA ``x_c @ w_c^T`` in row blocks."""
     n, width = chunks.local, chunks.width
-    if isinstance(w, tuple):
+    if w.per_chunk:
         flat, rows = _rows(x, "packed", width)
-        out = torch.stack([packed.linear(flat[:, c * width : (c + 1) * width], wc) for c, wc in enumerate(w)])
+        out = torch.stack(
+            [packed.linear(flat[:, c * width : (c + 1) * width], wc) for c, wc in enumerate(w.per_chunk)]
+        )
         return out[:, :rows].reshape(n, *x.shape[:-1], out.shape[-1])
+    dense, rows = w.dense, x.numel() // x.shape[-1]
+    if w.fused is not None and rows * n <= w.fused.rows:
+        stacked = x.reshape(rows * n, width)  # token t's chunk c: row t * n + c
+        if rows * n < w.fused.rows:
+            stacked = torch.cat((stacked, stacked.new_zeros(w.fused.rows - rows * n, width)))
+        every = packed.mkl_linear(stacked, w.fused)[: rows * n].view(rows, n, n, dense.shape[0])
+        return every.diagonal(dim1=1, dim2=2).permute(2, 0, 1).reshape(n, *x.shape[:-1], dense.shape[0])
     flat, rows = _rows(x, "partials", width)
     if not flat.is_cuda:
-        wc = w.view(w.shape[0], n, width).transpose(0, 1)  # [n, out, width]
+        wc = dense.view(dense.shape[0], n, width).transpose(0, 1)  # [n, out, width]
         xt = flat.view(flat.shape[0], n, width).permute(1, 2, 0).contiguous()  # [n, width, rows]
-        return torch.bmm(wc, xt)[:, :, :rows].transpose(1, 2).reshape(n, *x.shape[:-1], w.shape[0])
-    wt = w.view(w.shape[0], n, width).permute(1, 2, 0)  # [n, width, out]
+        return torch.bmm(wc, xt)[:, :, :rows].transpose(1, 2).reshape(n, *x.shape[:-1], dense.shape[0])
+    wt = dense.view(dense.shape[0], n, width).permute(1, 2, 0)  # [n, width, out]
     xcs = [b.view(b.shape[0], n, width).transpose(0, 1) for b in _blocks(flat)]  # [n, rows, width]
-    return _cat([torch.bmm(xc, wt) for xc in xcs], 1)[:, :rows].reshape(n, *x.shape[:-1], w.shape[0])
+    return _cat([torch.bmm(xc, wt) for xc in xcs], 1)[:, :rows].reshape(n, *x.shape[:-1], dense.shape[0])
 
 
 Node = tuple[int, int]  # (level, index) in tree_sum's tree: level l's node j adds chunks [j * 2**l, ...)
@@ -431,21 +534,69 @@ def tree_root(known: dict[Node, torch.Tensor], n: int) -> torch.Tensor:
     return value(max(n - 1, 0).bit_length(), 0)
 
 
+@functools.cache
+def key_step(hd: int, dtype: torch.dtype) -> int:
+    """The multiple of keys :func:`attend`'s products read: the keys any row of a forward sees, rounded up
+    to it, instead of to whole ``KEY_CHUNK`` chunks (a step at 257 keys reads 272, not 384). The finest of
+    ``KEY_STEPS`` at which this CPU's products give every row the bits of whole chunks (:func:`_cuts_agree`),
+    else ``KEY_CHUNK``; measured once per process (tens of milliseconds). The elementwise work and the
+    sums over keys still run over whole chunks (zeros past the cut), as before."""
+    least = max(least_rows("scores", hd, dtype), least_rows("values", KEY_CHUNK, dtype))
+    return next((step for step in KEY_STEPS if _cuts_agree(step, hd, dtype, least)), KEY_CHUNK)
+
+
+def _cuts_agree(step: int, hd: int, dtype: torch.dtype, least: int) -> bool:
+    """Whether a product cut to a multiple of ``step`` keys computes what whole chunks do, at a few query
+    row counts from ``least``: each score (a column of ``q @ keys_t``, its sum over ``hd``) the same in a
+    product of fewer columns; and a chunk's weighted values (``e @ vals``, the sum over the chunk's keys)
+    the same over its first keys as over all ``KEY_CHUNK``, where the row's later keys have ``e`` = 0 (its
+    masked keys, or another row's) -- for every count of keys a row sees up to the cut."""
+    gen = torch.Generator().manual_seed(step * hd)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    for rows in (least, 2 * least + 1, 64):
+        keys_t = rand(1, 2, hd, 3 * KEY_CHUNK + 1)  # [..., :n]: views of a wider matrix, as the kept keys are
+        q = rand(1, 2, rows, hd)
+        every = torch.matmul(q, keys_t[..., : 3 * KEY_CHUNK])
+        for n in range(step, 3 * KEY_CHUNK, step):
+            if not torch.equal(torch.matmul(q, keys_t[..., :n]), every[..., :n]):
+                return False
+        weights = rand(8, rows, 2 * KEY_CHUNK).abs()
+        vals = rand(8, 2 * KEY_CHUNK, hd)[:, KEY_CHUNK:]  # views of wider matrices, as _chunk_values' are
+        for cut in range(step, KEY_CHUNK, step):
+            seen = sorted({k for k in (1, 2, 3, step - 1, cut // 2, cut - step + 1, cut - 1, cut) if k >= 1})
+            e = weights[: len(seen)].clone()[:, :, KEY_CHUNK:]
+            for i, k in enumerate(seen):
+                e[i, :, k:] = 0
+            v = vals[: len(seen)]
+            if not torch.equal(torch.bmm(e[:, :, :cut], v[:, :cut]), torch.bmm(e, v)):
+                return False
+    return True
+
+
 def key_span(length: int) -> int:
     """Keys a row attends over, rounded up to whole chunks (gather the pool's padding slots rather than pad
     the gathered keys: one copy instead of two)."""
-    return max(math.ceil(length / KEY_CHUNK), 1) * KEY_CHUNK
+    return max(round_up(length, KEY_CHUNK), KEY_CHUNK)
 
 
 def attend(
-    q: torch.Tensor, keys_t: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor,
+    keys_t: torch.Tensor,
+    vals: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    seen: int | None = None,
 ) -> torch.Tensor:
     """Attention of q [B, S, H, hd] over keys_t [B, KVh, hd, L] (the keys transposed: on CPU each KV head's
     [hd, L] row-major, as :class:`~rollout_worker.engine.kvcache.GatheredKV` keeps them for these kernels)
     and vals [B, KVh, L, hd] under mask [B, 1, S, L] (a query's visible keys): [B, S, H * hd], each query
     row bitwise independent of B, S, L and the other rows. Head ``h`` uses KV head ``h // (H // KVh)``, as
     in grouped-query attention. The scores are one product per (row, KV head) (a score's sum runs over
-    ``hd`` whatever L is); the sums over keys run per chunk."""
+    ``hd`` whatever L is); the sums over keys run per chunk. ``seen`` (default L): no row sees a key at
+    or past it; the products read that many keys, rounded up to :func:`key_step`."""
     bsz, seq, heads, hd = q.shape
     kvh, length = keys_t.shape[1], keys_t.shape[3]
     group = heads // kvh
@@ -458,22 +609,29 @@ def attend(
     if rows < least:  # rows of zeros: they fill the products only (no elementwise work, no sums)
         qg = torch.cat((qg, qg.new_zeros(bsz, kvh, least - rows, hd)), dim=2)
     span = key_span(length)
+    cut = span  # keys the products read: the keys any row sees, rounded up to key_step (CUDA: whole chunks)
+    if not q.is_cuda:
+        step = key_step(hd, q.dtype)
+        cut = min(max(round_up(length if seen is None else seen, step), step), span)
+    if cut > length:
+        keys_t = F.pad(keys_t, (0, cut - length))
+        vals = F.pad(vals, (0, 0, 0, cut - length))
     if span > length:
-        keys_t = F.pad(keys_t, (0, span - length))
-        vals = F.pad(vals, (0, 0, 0, span - length))
         vis = F.pad(vis, (0, span - length), value=False)
     n = span // KEY_CHUNK
-    scores = torch.matmul(qg, keys_t)  # [B, KVh, padded rows, L]
+    scores = torch.matmul(qg, keys_t[..., :cut])  # [B, KVh, padded rows, cut]
+    if cut < span:
+        scores = F.pad(scores, (0, span - cut))
     e = scores[:, :, :rows].masked_fill_(~vis, float("-inf"))  # the query rows, in place from here on
     top = e.amax(dim=-1, keepdim=True)  # exact in any order
     e = e.sub_(top).exp_()  # the same bits in place: the same elementwise kernels (L: whole chunks)
     den = tree_sum(sum_last(e.view(bsz, kvh, rows, n, KEY_CHUNK)).movedim(-1, 0))  # [B, KVh, rows]
-    num = tree_sum(_chunk_values(scores, vals, n))[:, :, :rows]  # [B, KVh, rows, hd]
+    num = tree_sum(_chunk_values(scores, vals, n, cut))[:, :, :rows]  # [B, KVh, rows, hd]
     out = num / den[..., None]
     return out.view(bsz, kvh, group, seq, hd).permute(0, 3, 1, 2, 4).reshape(bsz, seq, heads * hd)
 
 
-def _chunk_values(e: torch.Tensor, vals: torch.Tensor, n: int) -> torch.Tensor:
+def _chunk_values(e: torch.Tensor, vals: torch.Tensor, n: int, cut: int) -> torch.Tensor:
     """[n, B, KVh, rows, hd]: each chunk's weighted values, e [B, KVh, rows, n * C] @ vals [B, KVh, n * C,
     hd] over its C keys. On CPU one batched product per chunk over views of both (vals is a slice of the
     kept K/V, whose rows outrun L: a product over all chunks at once would first copy it, which took longer
@@ -483,8 +641,9 @@ def _chunk_values(e: torch.Tensor, vals: torch.Tensor, n: int) -> torch.Tensor:
     if e.is_cuda:
         chunked = e.view(bsz, kvh, rows, n, KEY_CHUNK).transpose(2, 3)  # [B, KVh, n, rows, C]
         return torch.matmul(chunked, vals.view(bsz, kvh, n, KEY_CHUNK, hd)).movedim(2, 0)
-    ef, vf = e.view(bsz * kvh, rows, span), vals.reshape(bsz * kvh, span, hd)
+    ef, vf = e.view(bsz * kvh, rows, span), vals.reshape(bsz * kvh, vals.shape[2], hd)
     parts = [
-        torch.bmm(ef[:, :, c : c + KEY_CHUNK], vf[:, c : c + KEY_CHUNK]) for c in range(0, span, KEY_CHUNK)
+        torch.bmm(ef[:, :, c : min(c + KEY_CHUNK, cut)], vf[:, c : min(c + KEY_CHUNK, cut)])
+        for c in range(0, span, KEY_CHUNK)
     ]
     return torch.stack(parts).view(n, bsz, kvh, rows, hd)

@@ -58,7 +58,7 @@ class Linear(Protocol):
     ) -> torch.Tensor: ...
 
 
-RowWeight = torch.Tensor | tuple[torch.Tensor, ...]  # a row-parallel weight; a tuple: packed chunks
+RowWeight = torch.Tensor | invariant.ChunkedWeight  # a row-parallel weight (chunked: deterministic)
 
 
 @dataclass(slots=True)
@@ -140,11 +140,12 @@ class Decoder:
         self, w: torch.Tensor, chunks: invariant.Chunks | None, have: dict[int, torch.Tensor]
     ) -> RowWeight:
         """A row-parallel projection's weight as :meth:`_row_parallel` reads it (with the deterministic
-        kernels, each fixed chunk's columns packed on their own, those in ``have`` already, or dense:
-        :func:`~rollout_worker.engine.invariant.partials`)."""
+        kernels, in chunks as :func:`~rollout_worker.engine.invariant.chunk_kernel` chooses; the oneDNN
+        chunks in ``have`` taken as they are)."""
         if chunks is None:
             return self._product(w)
-        return invariant.pack_chunks(w, chunks, have) if self.packed else w
+        kernel = invariant.chunk_kernel(chunks.width, w.dtype, self.packed)
+        return invariant.row_weight(w, chunks, kernel, have)
 
     def _layer(self, w: dict[str, torch.Tensor], i: int, reuse: Decoder | None) -> Layer:
         p = f"model.layers.{i}."
@@ -227,6 +228,7 @@ class Decoder:
         """
         bsz, seq = tokens.shape
         cos, sin = self.rope(positions)
+        seen = read.shape[1]  # keys any query sees (the padding past them is masked)
         if self.o_chunks is not None and read.shape[1] < invariant.key_span(read.shape[1]):
             read = F.pad(read, (0, invariant.key_span(read.shape[1]) - read.shape[1]))  # slot 0: masked
         key_pos = torch.arange(read.shape[1], device=tokens.device)
@@ -237,8 +239,7 @@ class Decoder:
         # a CUDA decode step (default kernels) gathers its keys KV-head-major, as its products read them
         kv_major = gathered is None and seq == 1 and self.o_chunks is None and tokens.is_cuda
         if gathered is not None:
-            rows, last = torch.arange(bsz, device=tokens.device), positions[:, 0]
-            gathered.begin(pool, read, last, keys_t=self.o_chunks is not None)
+            gathered.begin(pool, read, positions[:, 0], keys_t=self.o_chunks is not None)
         else:
             pool.version += 1  # writes that no GatheredKV mirrors
         for i, lw in enumerate(self.layers):
@@ -252,13 +253,13 @@ class Decoder:
             pool.k[i][write] = k
             pool.v[i][write] = v
             if gathered is not None:
-                attn = self._attend(q, *gathered.layer(i, pool, read, rows, last, (k, v)), mask, scale)
+                attn = self._attend(q, *gathered.layer(i, pool, read, (k, v)), mask, scale, seen)
             elif kv_major:  # [KVh, B, L, hd]: one gather from the request's pages into the products' layout
                 k_all, v_all = gather_slots(pool.k[i], read, True), gather_slots(pool.v[i], read, True)
                 attn = attend_kv_major(q, k_all, v_all, mask, scale)
             else:  # [B, KVh, L, hd], gathered from the request's pages
                 k_all, v_all = gather_slots(pool.k[i], read), gather_slots(pool.v[i], read)
-                attn = self._attend(q, self._keys(k_all), v_all.transpose(1, 2), mask, scale)
+                attn = self._attend(q, self._keys(k_all), v_all.transpose(1, 2), mask, scale, seen)
             x = x + self._row_parallel(attn, lw.wo, self.o_chunks)
             h = self.rms(x, lw.ln2)
             act = F.silu(self.linear(h, lw.w_gate)) * self.linear(h, lw.w_up)
@@ -274,6 +275,7 @@ class Decoder:
         if chunks is None:
             assert isinstance(w, torch.Tensor)  # only the deterministic kernels keep a weight in chunks
             return self.ps.all_reduce(self.linear(x, w))
+        assert isinstance(w, invariant.ChunkedWeight)
         parts = invariant.partials(x, w, chunks)
         if self.ps.tp == 1:
             return invariant.tree_sum(parts)
@@ -291,16 +293,23 @@ class Decoder:
         return gathered.permute(0, 2, 3, 1).contiguous().transpose(2, 3)
 
     def _attend(
-        self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor, scale: float
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        vals: torch.Tensor,
+        mask: torch.Tensor,
+        scale: float,
+        seen: int | None = None,
     ) -> torch.Tensor:
         """Attention of q [B, S, H, hd] over keys/vals [B, KVh, L, hd] (the keys as :meth:`_keys` lays them
-        out) under mask [B, 1, S, L]: [B, S, H*hd].
+        out) under mask [B, 1, S, L]: [B, S, H*hd]. ``seen``: the keys any query sees (the deterministic
+        kernels read no further, rounded up to their key step; L may be padded past them).
 
         Each head is computed on its own, so TP (which splits heads) changes nothing. (A CUDA decode step
         with the default kernels goes through :func:`attend_kv_major` instead.)
         """
         if self.o_chunks is not None:
-            return invariant.attend(q, keys.transpose(-1, -2), vals, mask, scale)
+            return invariant.attend(q, keys.transpose(-1, -2), vals, mask, scale, seen)
         bsz, seq = q.shape[0], q.shape[1]
         attn = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, vals, attn_mask=mask, scale=scale, enable_gqa=True
