@@ -211,11 +211,11 @@ def test_a_few_tokens_take_the_stacked_product_and_get_the_batched_bits() -> Non
             for s, (lo, hi) in enumerate(shards):
                 chunks = inv.Chunks.of(bounds, shards, s)
                 weight = inv.row_weight(w[:, lo:hi].contiguous(), chunks, "partials")
-                least = inv.fused_rows(chunks.width, torch.float32)
-                assert (weight.fused is None) == (least is None)
+                rows = inv.stacked_rows(chunks, torch.float32)
+                assert (weight.fused is None) == (rows is None)
                 if weight.fused is None:
                     continue
-                assert least is not None and weight.fused.rows == max(chunks.local, least)
+                assert weight.fused.rows == rows and rows >= chunks.local
                 dense = inv.ChunkedWeight(weight.dense)
                 for tokens in range(1, weight.fused.rows // chunks.local + 1):
                     x = torch.randn(tokens, 1, hi - lo, generator=gen)

@@ -84,7 +84,7 @@ def test_decoder_packs_float32_weights_only(tiny32: Path, tiny64: Path) -> None:
             assert len(w.per_chunk) == c.local and all(p.is_mkldnn for p in w.per_chunk)
         else:  # the batched product, and the stacked one for a few tokens where MKL agrees
             assert not w.per_chunk
-            assert (w.fused is None) == (invariant.fused_rows(c.width, torch.float32) is None)
+            assert (w.fused is None) == (invariant.stacked_rows(c, torch.float32) is None)
     dense = replica(tiny32, 64, 4, dtype=torch.float32, deterministic=True, pack=False).decoder
     wo = dense.layers[0].wo
     assert isinstance(wo, invariant.ChunkedWeight) and not wo.per_chunk and not wo.dense.is_mkldnn

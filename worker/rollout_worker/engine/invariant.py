@@ -67,6 +67,9 @@ KEY_STEPS = (8, 16, 32, 64)  # the multiples of keys attend may cut its products
 # chunks (an AVX-512 Xeon's: 2); above it (an AMD EPYC's: 12 tokens, each decode step's chunks computed as
 # 12 columns) one oneDNN product per packed chunk
 FEW_TOKENS = 4
+# the most rows a stacked chunk product (fuse) runs: its arithmetic grows with the chunks' square; at one
+# token it still beat the batched product at 32 chunks (1.1-1.9x, outputs of 576 and 2,048, an AVX-512 Xeon)
+FUSED_ROWS = 32
 
 # the products whose row rule least_rows measures, each as its call site lays out its operands
 Kernel = Literal["linear", "packed", "partials", "scores", "values"]
@@ -384,18 +387,24 @@ def packed_chunks(
 def fuse(w: torch.Tensor, chunks: Chunks) -> packed.MklPacked | None:
     """The local chunks of w [out, K_shard] stacked, [chunks * out, width] (chunk c's ``out`` rows, then
     chunk c + 1's), packed for MKL's GEMM on ``max(chunks, fused_rows)`` rows; None where this CPU's MKL
-    does not compute the batched product's bits (:func:`fused_rows`). A decode step of one token (or a
-    few, ``rows // chunks``) is then one product: its chunks as rows (token t's chunk c in row t * n + c),
-    each against every chunk, of which :func:`partials` keeps the block diagonal. That is ``chunks`` times
-    the arithmetic of one product, with the weight read once, in one call: on an AVX-512 Xeon a batch of
-    one's chunks took 159 us instead of 495 (SmolLM2's attention output, 9 chunks, one oneDNN product
-    each; the whole unchunked product: 132)."""
-    least = fused_rows(chunks.width, w.dtype)
-    if least is None:
+    does not compute the batched product's bits (:func:`fused_rows`), or past ``FUSED_ROWS``. A decode
+    step of one token (or a few, ``rows // chunks``) is then one product: its chunks as rows (token t's
+    chunk c in row t * n + c), each against every chunk, of which :func:`partials` keeps the block
+    diagonal. That is ``chunks`` times the arithmetic of one product, with the weight read once, in one
+    call: on an AVX-512 Xeon a batch of one's chunks took 159 us instead of 495 (SmolLM2's attention
+    output, 9 chunks, one oneDNN product each; the whole unchunked product: 132)."""
+    rows, n, out = stacked_rows(chunks, w.dtype), chunks.local, w.shape[0]
+    if rows is None:
         return None
-    n, out = chunks.local, w.shape[0]
     stacked = w.reshape(out, n, chunks.width).transpose(0, 1).reshape(n * out, chunks.width)
-    return packed.mkl_pack(stacked, max(n, least))
+    return packed.mkl_pack(stacked, rows)
+
+
+def stacked_rows(chunks: Chunks, dtype: torch.dtype) -> int | None:
+    """The rows :func:`fuse` packs a shard's stacked chunks for: ``max(chunks, fused_rows)``, or None."""
+    least = fused_rows(chunks.width, dtype)
+    rows = None if least is None else max(chunks.local, least)
+    return rows if rows is not None and rows <= FUSED_ROWS else None
 
 
 @functools.cache
