@@ -66,7 +66,7 @@ KEY_STEPS = (8, 16, 32, 64)  # the multiples of keys attend may cut its products
 # the batched chunk product's token rule up to which a decoder that packs takes it for its row-parallel
 # chunks (an AVX-512 Xeon's: 2); above it (an AMD EPYC's: 12 tokens, each decode step's chunks computed as
 # 12 columns) one oneDNN product per packed chunk
-FEW_TOKENS = 4
+BATCHED_RULE_MAX = 4
 # the most rows a stacked chunk product (fuse) runs: its arithmetic grows with the chunks' square; at one
 # token it still beat the batched product at 32 chunks (1.1-1.9x, outputs of 576 and 2,048, an AVX-512 Xeon)
 FUSED_ROWS = 32
@@ -143,10 +143,9 @@ def measure_rules(cfg: ModelConfig, dtype: torch.dtype, packed_weights: bool, wi
         if chunk_kernel(width, dtype, packed_weights) == "packed":
             least_rows("packed", width, dtype)
         else:
+            least_rows("partials", width, dtype)
             fused_rows(width, dtype)
-    least_rows("scores", cfg.head_dim, dtype)
-    least_rows("values", KEY_CHUNK, dtype)
-    key_step(cfg.head_dim, dtype)
+    key_step(cfg.head_dim, dtype)  # and attention's rules (query_rows)
 
 
 def _probe(kernel: Kernel, k: int, dtype: torch.dtype, gen: torch.Generator) -> Probe:
@@ -339,9 +338,9 @@ class ChunkedWeight:
 def chunk_kernel(width: int, dtype: torch.dtype, packs: bool) -> ChunkKernel:
     """How a decoder computes its row-parallel chunks of ``width`` on this CPU (the same on every layout
     and batch: a rule of the machine): one oneDNN product per packed chunk where the decoder packs and the
-    batched product would pad a decode step to more than ``FEW_TOKENS`` tokens; else the batched product
+    batched product would pad a decode step to more than ``BATCHED_RULE_MAX`` tokens; else the batched product
     (with :func:`fuse`'s stacked product for a few tokens, which computes the same bits)."""
-    if packs and least_rows("partials", width, dtype) > FEW_TOKENS:
+    if packs and least_rows("partials", width, dtype) > BATCHED_RULE_MAX:
         return "packed"
     return "partials"
 
@@ -407,34 +406,36 @@ def stacked_rows(chunks: Chunks, dtype: torch.dtype) -> int | None:
     return rows if rows is not None and rows <= FUSED_ROWS else None
 
 
+_STACKED, _STACKED_AT = 9, (0, 4, 8)  # fused_rows' probe: chunks stacked, and those it checks
+
+
 @functools.cache
 def fused_rows(width: int, dtype: torch.dtype) -> int | None:
-    """The fewest rows from which MKL's packed product (:func:`fuse`) gives a chunk's row, at any position
-    and among other chunks' rows of a stacked weight, the bits of :func:`partials`' batched product, in a
-    product of that many rows or more (each count its own packing, as for a decoder); None where it does
-    not at the largest count, or without MKL's packed GEMM, or not float32. Measured once per process
-    (milliseconds). On an AVX-512 Xeon MKL's packed and batched products agree for chunks of up to 512
-    columns and not for 1,792 (Llama-3.1-8B's MLP chunks)."""
+    """The fewest rows from which MKL's packed product (:func:`fuse`) gives a chunk's row, at any position and
+    among other chunks' rows of a stacked weight, the bits of :func:`partials`' batched product, in a product
+    of that many rows or more up to ``FUSED_ROWS`` (each count its own packing, as for a decoder); None where
+    it does not at ``FUSED_ROWS``, or without MKL's packed GEMM, or not float32. Measured once per process
+    (milliseconds). On an AVX-512 Xeon MKL's packed and batched products agree for chunks of up to 512 columns
+    and not for 1,792 (Llama-3.1-8B's MLP chunks)."""
     if dtype != torch.float32 or not packed.mkl_available():
         return None
     gen = torch.Generator().manual_seed(width)
     w = torch.randn(PROBE_COLS, width, generator=gen)
     row = torch.randn(width, generator=gen)
     ref = _chunks_t(w, row.expand(least_rows("partials", width, dtype), width), 1)[0]
-    stacked = w.repeat(3, 1)  # the chunk first and last among three
+    stacked = w.repeat(_STACKED, 1)  # the chunk first, in the middle and last among others
+    counts = [c for c in PROBE_ROWS if c <= FUSED_ROWS]
     agree = []
-    for count in PROBE_ROWS:
+    for count in counts:
         x = torch.randn(count, width, generator=gen)
         x[0] = x[-1] = row
         out = packed.mkl_linear(x, packed.mkl_pack(stacked, count))
-        agree.append(all(torch.equal(out[at, cols], ref) for at in (0, -1) for cols in (_FIRST, _LAST)))
+        blocks = [out[at, c * PROBE_COLS : (c + 1) * PROBE_COLS] for at in (0, -1) for c in _STACKED_AT]
+        agree.append(all(torch.equal(block, ref) for block in blocks))
     first = len(agree)
     while first > 0 and agree[first - 1]:
         first -= 1
-    return PROBE_ROWS[first] if first < len(agree) else None
-
-
-_FIRST, _LAST = slice(0, PROBE_COLS), slice(2 * PROBE_COLS, 3 * PROBE_COLS)
+    return counts[first] if first < len(agree) else None
 
 
 def partials(x: torch.Tensor, w: ChunkedWeight, chunks: Chunks) -> torch.Tensor:
@@ -545,19 +546,19 @@ def tree_root(known: dict[Node, torch.Tensor], n: int) -> torch.Tensor:
 
 @functools.cache
 def key_step(hd: int, dtype: torch.dtype) -> int:
-    """The multiple of keys :func:`attend`'s products read: the keys any row of a forward sees, rounded up
-    to it, instead of to whole ``KEY_CHUNK`` chunks (a step at 257 keys reads 272, not 384). The finest of
-    ``KEY_STEPS`` at which this CPU's products give every row the bits of whole chunks (:func:`_cuts_agree`),
-    else ``KEY_CHUNK``; measured once per process (tens of milliseconds). The elementwise work and the
-    sums over keys still run over whole chunks (zeros past the cut), as before."""
-    least = max(least_rows("scores", hd, dtype), least_rows("values", KEY_CHUNK, dtype))
+    """The multiple of keys :func:`attend`'s products read: the keys any row of a forward sees, rounded up to
+    it, instead of to whole ``KEY_CHUNK`` chunks (at a step of 8, a forward at 257 keys reads 264, not 384).
+    The finest of ``KEY_STEPS`` at which this CPU's products give every row the bits of whole chunks
+    (:func:`_cuts_agree`), else ``KEY_CHUNK``; measured once per process (tens of milliseconds). The
+    elementwise work and the sums over keys still run over whole chunks (zeros past the cut), as before."""
+    least = query_rows(hd, dtype)
     return next((step for step in KEY_STEPS if _cuts_agree(step, hd, dtype, least)), KEY_CHUNK)
 
 
 def _cuts_agree(step: int, hd: int, dtype: torch.dtype, least: int) -> bool:
-    """Whether a product cut to a multiple of ``step`` keys computes what whole chunks do, at a few query
-    row counts from ``least``: each score (a column of ``q @ keys_t``, its sum over ``hd``) the same in a
-    product of fewer columns; and a chunk's weighted values (``e @ vals``, the sum over the chunk's keys)
+    """Whether a product cut to a multiple of ``step`` keys computes what whole chunks do, at query row counts
+    from ``least`` to a prefill's 256: each score (a column of ``q @ keys_t``, its sum over ``hd``) the same
+    in a product of fewer columns; and a chunk's weighted values (``e @ vals``, the sum over the chunk's keys)
     the same over its first keys as over all ``KEY_CHUNK``, where the row's later keys have ``e`` = 0 (its
     masked keys, or another row's) -- for every count of keys a row sees up to the cut."""
     gen = torch.Generator().manual_seed(step * hd)
@@ -565,12 +566,18 @@ def _cuts_agree(step: int, hd: int, dtype: torch.dtype, least: int) -> bool:
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
 
-    for rows in (least, 2 * least + 1, 64):
-        keys_t = rand(1, 2, hd, 3 * KEY_CHUNK + 1)  # [..., :n]: views of a wider matrix, as the kept keys are
+    # the cuts a score is checked at: every multiple of the step up to 3 chunks, then a few longer contexts
+    cuts = [*range(step, 3 * KEY_CHUNK, step), *(c * KEY_CHUNK + step for c in (8, 16, 32))]
+    cap = round_up(cuts[-1], KEY_CHUNK) + 64  # the kept keys' capacity: a multiple of 64, past the span
+    for rows in (least, 2 * least + 1, 64, 256):
+        keys_t = rand(1, 2, hd, cap)  # [..., :n]: views of a wider matrix, as the kept keys are
         q = rand(1, 2, rows, hd)
-        every = torch.matmul(q, keys_t[..., : 3 * KEY_CHUNK])
-        for n in range(step, 3 * KEY_CHUNK, step):
-            if not torch.equal(torch.matmul(q, keys_t[..., :n]), every[..., :n]):
+        spans: dict[int, torch.Tensor] = {}
+        for n in cuts:
+            span = key_span(n)
+            if span not in spans:
+                spans[span] = torch.matmul(q, keys_t[..., :span])
+            if not torch.equal(torch.matmul(q, keys_t[..., :n]), spans[span][..., :n]):
                 return False
         weights = rand(8, rows, 2 * KEY_CHUNK).abs()
         vals = rand(8, 2 * KEY_CHUNK, hd)[:, KEY_CHUNK:]  # views of wider matrices, as _chunk_values' are
@@ -583,6 +590,11 @@ def _cuts_agree(step: int, hd: int, dtype: torch.dtype, least: int) -> bool:
             if not torch.equal(torch.bmm(e[:, :, :cut], v[:, :cut]), torch.bmm(e, v)):
                 return False
     return True
+
+
+def query_rows(hd: int, dtype: torch.dtype) -> int:
+    """The fewest query rows :func:`attend`'s two products run on this CPU: both products' row rule."""
+    return max(least_rows("scores", hd, dtype), least_rows("values", KEY_CHUNK, dtype))
 
 
 def key_span(length: int) -> int:
@@ -612,9 +624,7 @@ def attend(
     rows = group * seq
     qg = (q * scale).view(bsz, seq, kvh, group, hd).permute(0, 2, 3, 1, 4).reshape(bsz, kvh, rows, hd)
     vis = mask[:, :, None].expand(bsz, 1, group, seq, length).reshape(bsz, 1, rows, length)  # rows (g, s)
-    least = (
-        0 if q.is_cuda else max(least_rows("scores", hd, q.dtype), least_rows("values", KEY_CHUNK, q.dtype))
-    )
+    least = 0 if q.is_cuda else query_rows(hd, q.dtype)
     if rows < least:  # rows of zeros: they fill the products only (no elementwise work, no sums)
         qg = torch.cat((qg, qg.new_zeros(bsz, kvh, least - rows, hd)), dim=2)
     span = key_span(length)
@@ -625,8 +635,7 @@ def attend(
     if cut > length:
         keys_t = F.pad(keys_t, (0, cut - length))
         vals = F.pad(vals, (0, 0, 0, cut - length))
-    if span > length:
-        vis = F.pad(vis, (0, span - length), value=False)
+    vis = F.pad(vis[..., :cut], (0, span - min(cut, length)), value=False)  # no key past the cut counts
     n = span // KEY_CHUNK
     scores = torch.matmul(qg, keys_t[..., :cut])  # [B, KVh, padded rows, cut]
     if cut < span:

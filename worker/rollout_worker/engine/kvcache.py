@@ -229,6 +229,7 @@ class GatheredKV:
 
     def clear(self) -> None:
         self.k, self.v, self.version = [], [], -1
+        self.writes = (torch.zeros(0, dtype=torch.long),) * 2
         self.read = torch.zeros((0, 0), dtype=torch.long)
 
     def begin(self, pool: KVPool, read: torch.Tensor, positions: torch.Tensor, keys_t: bool = False) -> None:
@@ -339,7 +340,9 @@ def _offsets(buf: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 def _storage(buf: torch.Tensor) -> torch.Tensor:
-    """A kept buffer (contiguous, or a transposed view of contiguous storage) as its flat storage."""
+    """A kept buffer (contiguous, or a transposed view of contiguous storage, from its start) as its flat
+    storage."""
+    assert buf.storage_offset() == 0
     return buf.as_strided((buf.numel(),), (1,), 0)
 
 

@@ -102,11 +102,13 @@ class MklPacked:
 def mkl_pack(w: torch.Tensor, rows: int) -> MklPacked:
     """``w`` [out, in] packed for MKL's GEMM on ``rows`` rows (a copy)."""
     weight = torch.ops.mkl._mkl_reorder_linear_weight(w.contiguous(), rows)
+    if not weight.is_mkldnn:  # torch multiplies by ``origin`` (zeros) unless the weight is MKL's packing
+        raise RuntimeError("this torch's MKL reorder returned no packed weight")
     return MklPacked(weight, w.new_zeros(1).expand(w.shape), rows)
 
 
 def mkl_linear(x: torch.Tensor, w: MklPacked) -> torch.Tensor:
     """``F.linear(x, w)`` for x [w.rows, in]."""
-    if x.shape[0] != w.rows:
-        raise ValueError(f"a weight packed for {w.rows} rows multiplied by {x.shape[0]}")
+    if x.dim() != 2 or x.shape[0] != w.rows:
+        raise ValueError(f"a weight packed for {w.rows} rows multiplied by x of shape {tuple(x.shape)}")
     return torch.ops.mkl._mkl_linear(x, w.weight, w.origin, None, w.rows)
