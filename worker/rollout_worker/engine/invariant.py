@@ -205,9 +205,14 @@ def _rows(x: torch.Tensor, kernel: Kernel, k: int | None = None) -> tuple[torch.
     rows = x.numel() // width
     flat = x.reshape(rows, width)
     want = padded_rows(rows, x.is_cuda, 0 if x.is_cuda else least_rows(kernel, k or width, x.dtype))
-    if want > rows:
-        flat = torch.cat((flat, flat.new_zeros(want - rows, width)))
-    return flat, rows
+    return _pad_rows(flat, want), rows
+
+
+def _pad_rows(flat: torch.Tensor, want: int) -> torch.Tensor:
+    """flat [rows, K] with rows of zeros appended up to ``want`` rows."""
+    if want <= flat.shape[0]:
+        return flat
+    return torch.cat((flat, flat.new_zeros(want - flat.shape[0], flat.shape[1])))
 
 
 def _blocks(flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -402,8 +407,10 @@ def fuse(w: torch.Tensor, chunks: Chunks) -> packed.MklPacked | None:
 def stacked_rows(chunks: Chunks, dtype: torch.dtype) -> int | None:
     """The rows :func:`fuse` packs a shard's stacked chunks for: ``max(chunks, fused_rows)``, or None."""
     least = fused_rows(chunks.width, dtype)
-    rows = None if least is None else max(chunks.local, least)
-    return rows if rows is not None and rows <= FUSED_ROWS else None
+    if least is None:
+        return None
+    rows = max(chunks.local, least)
+    return rows if rows <= FUSED_ROWS else None
 
 
 _STACKED, _STACKED_AT = 9, (0, 4, 8)  # fused_rows' probe: chunks stacked, and those it checks
@@ -460,9 +467,7 @@ def partials(x: torch.Tensor, w: ChunkedWeight, chunks: Chunks) -> torch.Tensor:
         return out[:, :rows].reshape(n, *x.shape[:-1], out.shape[-1])
     dense, rows = w.dense, x.numel() // x.shape[-1]
     if w.fused is not None and rows * n <= w.fused.rows:
-        stacked = x.reshape(rows * n, width)  # token t's chunk c: row t * n + c
-        if rows * n < w.fused.rows:
-            stacked = torch.cat((stacked, stacked.new_zeros(w.fused.rows - rows * n, width)))
+        stacked = _pad_rows(x.reshape(rows * n, width), w.fused.rows)  # token t's chunk c: row t * n + c
         every = packed.mkl_linear(stacked, w.fused)[: rows * n].view(rows, n, n, dense.shape[0])
         return every.diagonal(dim1=1, dim2=2).permute(2, 0, 1).reshape(n, *x.shape[:-1], dense.shape[0])
     flat, rows = _rows(x, "partials", width)
@@ -549,7 +554,7 @@ def key_step(hd: int, dtype: torch.dtype) -> int:
     """The multiple of keys :func:`attend`'s products read: the keys any row of a forward sees, rounded up to
     it, instead of to whole ``KEY_CHUNK`` chunks (at a step of 8, a forward at 257 keys reads 264, not 384).
     The finest of ``KEY_STEPS`` at which this CPU's products give every row the bits of whole chunks
-    (:func:`_cuts_agree`), else ``KEY_CHUNK``; measured once per process (tens of milliseconds). The
+    (:func:`_cuts_agree`), else ``KEY_CHUNK``; measured once per process (about 0.1 s). The
     elementwise work and the sums over keys still run over whole chunks (zeros past the cut), as before."""
     least = query_rows(hd, dtype)
     return next((step for step in KEY_STEPS if _cuts_agree(step, hd, dtype, least)), KEY_CHUNK)
@@ -569,8 +574,11 @@ def _cuts_agree(step: int, hd: int, dtype: torch.dtype, least: int) -> bool:
     # the cuts a score is checked at: every multiple of the step up to 3 chunks, then a few longer contexts
     cuts = [*range(step, 3 * KEY_CHUNK, step), *(c * KEY_CHUNK + step for c in (8, 16, 32))]
     cap = round_up(cuts[-1], KEY_CHUNK) + 64  # the kept keys' capacity: a multiple of 64, past the span
-    for rows in (least, 2 * least + 1, 64, 256):
-        keys_t = rand(1, 2, hd, cap)  # [..., :n]: views of a wider matrix, as the kept keys are
+    keys_t = rand(1, 2, hd, cap)  # [..., :n]: views of a wider matrix, as the kept keys are
+    counts = (least, 2 * least + 1, 64, 256)
+    weights = rand(8, max(counts), 2 * KEY_CHUNK).abs()
+    vals = rand(8, 2 * KEY_CHUNK, hd)[:, KEY_CHUNK:]  # views of wider matrices, as _chunk_values' are
+    for rows in counts:
         q = rand(1, 2, rows, hd)
         spans: dict[int, torch.Tensor] = {}
         for n in cuts:
@@ -579,11 +587,9 @@ def _cuts_agree(step: int, hd: int, dtype: torch.dtype, least: int) -> bool:
                 spans[span] = torch.matmul(q, keys_t[..., :span])
             if not torch.equal(torch.matmul(q, keys_t[..., :n]), spans[span][..., :n]):
                 return False
-        weights = rand(8, rows, 2 * KEY_CHUNK).abs()
-        vals = rand(8, 2 * KEY_CHUNK, hd)[:, KEY_CHUNK:]  # views of wider matrices, as _chunk_values' are
         for cut in range(step, KEY_CHUNK, step):
             seen = sorted({k for k in (1, 2, 3, step - 1, cut // 2, cut - step + 1, cut - 1, cut) if k >= 1})
-            e = weights[: len(seen)].clone()[:, :, KEY_CHUNK:]
+            e = weights[: len(seen), :rows].clone()[:, :, KEY_CHUNK:]
             for i, k in enumerate(seen):
                 e[i, :, k:] = 0
             v = vals[: len(seen)]

@@ -229,8 +229,8 @@ class Decoder:
         bsz, seq = tokens.shape
         cos, sin = self.rope(positions)
         seen = read.shape[1]  # keys any query sees (the padding past them is masked)
-        if self.o_chunks is not None and read.shape[1] < invariant.key_span(read.shape[1]):
-            read = F.pad(read, (0, invariant.key_span(read.shape[1]) - read.shape[1]))  # slot 0: masked
+        if self.o_chunks is not None and seen < invariant.key_span(seen):
+            read = F.pad(read, (0, invariant.key_span(seen) - seen))  # slot 0: masked
         key_pos = torch.arange(read.shape[1], device=tokens.device)
         mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, S, L]: keys a query sees
         hd = self.cfg.head_dim
