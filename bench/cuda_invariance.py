@@ -80,7 +80,7 @@ def main(device: str = "cuda") -> None:
     chunks = invariant.Chunks(1792, (8,), 0)
     check(
         "invariant.partials down (8 x 1792)",
-        lambda m: invariant.partials(x[:m], invariant.ChunkedWeight(w_down), chunks).sum(0),
+        lambda m: invariant.partials(x[:m], invariant.ChunkedWeight(w_down, "rows"), chunks).sum(0),
         ROWS,
     )
     h = rand(max(ROWS), 4096).float()

@@ -3,7 +3,8 @@ alone, among 3, 4 and 63 other rows, at any position, and at TP 1, 2 and 4 (the 
 KV groups included). Each test also runs the default kernel on the same inputs and requires it to differ
 somewhere: that is what the invariant kernel is for, and it shows the comparison can fail. The products are
 tested on both kernels the engine uses: MKL's ``sgemm`` (float64, bfloat16, float32 unpacked) and oneDNN's
-product on packed weights (float32, ``engine.packed``; the row-parallel chunks packed one by one)."""
+product on packed weights (float32, ``engine.packed``); the row-parallel chunks in both forms of their
+batched ``sgemm`` (the tokens as columns, with the stacked product for a few, or as rows)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ KERNELS: dict[str, tuple[Product, Callable[[torch.Tensor], torch.Tensor], Produc
     "sgemm": (inv.linear, lambda w: w, F.linear),
     "packed": (inv.packed_linear, packed.pack, packed.linear),
 }
-CHUNK_KERNELS: dict[str, inv.ChunkKernel] = {"sgemm": "partials", "packed": "packed"}  # row-parallel
 kernels = pytest.mark.parametrize(
     "kernel",
     [
@@ -111,7 +111,11 @@ def test_linear_folds_a_strided_3d_input_into_one_product(kernel: str) -> None:
 
 
 def _row_parallel(
-    x: torch.Tensor, w: torch.Tensor, bounds: tuple[int, ...], shards: list[tuple[int, int]], kernel: str
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bounds: tuple[int, ...],
+    shards: list[tuple[int, int]],
+    kernel: inv.ChunkKernel,
 ) -> torch.Tensor:
     """The row-parallel product as the ranks compute it on ``kernel``: each shard's partials added into its
     whole subtrees, gathered (here in one process), added up the fixed tree; also checked against the
@@ -120,7 +124,7 @@ def _row_parallel(
     for s, (lo, hi) in enumerate(shards):
         chunks = inv.Chunks.of(bounds, shards, s)
         shard = w[:, lo:hi].contiguous()
-        mine = inv.partials(x[..., lo:hi], inv.row_weight(shard, chunks, CHUNK_KERNELS[kernel]), chunks)
+        mine = inv.partials(x[..., lo:hi], inv.row_weight(shard, chunks, kernel), chunks)
         parts.append(mine)
         sums.append(inv.shard_sums(mine, chunks))
     every = inv.gathered_sum(sums, inv.Chunks.of(bounds, shards, 0))
@@ -128,12 +132,12 @@ def _row_parallel(
     return every
 
 
-@kernels
-def test_row_parallel_sum_does_not_depend_on_tp_or_batch(kernel: str) -> None:
-    """Attention output (9 heads of 64, uneven at TP 2 and 4) and MLP down (1536) of the real model: the
-    chunks' products as one batched sgemm product over the dense weight (a row alone: one MKL product over
-    the stacked chunks, where this CPU's MKL computes the same bits), or one oneDNN product per packed
-    chunk."""
+@pytest.mark.parametrize("kernel", ["partials", "rows"])
+def test_row_parallel_sum_does_not_depend_on_tp_or_batch(kernel: inv.ChunkKernel) -> None:
+    """Attention output (9 heads of 64, uneven at TP 2 and 4) and MLP down (1536) of the real model, on
+    each chunk kernel: one batched sgemm product over the dense weight, the tokens as its columns (a row
+    alone: one MKL product over the stacked chunks, where this CPU's MKL computes the same bits) or as its
+    rows."""
     cfg = _smollm2()
     chunks = inv.RowChunks.of(cfg, 4)
     gen = torch.Generator().manual_seed(3)
@@ -167,7 +171,8 @@ def test_fused_rows_is_the_fewest_rows_that_give_the_batched_products_bits(width
     gen = torch.Generator().manual_seed(width + 1)
     w = torch.randn(48, width, generator=gen)
     row = torch.randn(width, generator=gen)
-    batched = inv._chunks_t(w, torch.stack((row,) * 7), 1)[3]
+    rule = inv.least_rows("partials", width, torch.float32)
+    batched = inv._chunk_products("partials", w, row.expand(rule, width), 1)[0, 0]
     stacked = w.repeat(3, 1)
 
     def among(count: int, at: int) -> list[torch.Tensor]:
@@ -216,7 +221,7 @@ def test_a_few_tokens_take_the_stacked_product_and_get_the_batched_bits() -> Non
                 if weight.fused is None:
                     continue
                 assert weight.fused.rows == rows and rows >= chunks.local
-                dense = inv.ChunkedWeight(weight.dense)
+                dense = inv.ChunkedWeight(weight.dense, "partials")
                 for tokens in range(1, weight.fused.rows // chunks.local + 1):
                     x = torch.randn(tokens, 1, hi - lo, generator=gen)
                     before = calls
@@ -370,7 +375,7 @@ def test_attention_over_keys_cut_to_key_step_is_bitwise_whole_chunks(
         assert torch.equal(cut, inv.attend(q, _t(k[:1, :, :37]), v[:1, :, :37], causal, 0.125))
 
 
-@pytest.mark.parametrize("kernel", ["linear", "partials", "scores", "values"])
+@pytest.mark.parametrize("kernel", ["linear", "partials", "rows", "scores", "values"])
 @pytest.mark.parametrize("k", [64, 128, 576, 1536])
 def test_least_rows_is_the_fewest_rows_that_agree(kernel: inv.Kernel, k: int) -> None:
     """Measured on this machine's BLAS: a row among ``least`` rows or more (first, middle, last; up to
@@ -393,6 +398,27 @@ def test_least_rows_is_the_fewest_rows_that_agree(kernel: inv.Kernel, k: int) ->
             assert torch.equal(among(count, at), ref), (count, at)
     if least > 1:
         assert not (torch.equal(among(least - 1, 0), ref) and torch.equal(among(least - 1, least - 2), ref))
+
+
+def test_chunk_kernel_takes_the_form_that_pads_to_fewer_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The row-parallel chunks' batched product takes the tokens as its columns where their rule is at most
+    the rows' (an AVX-512 Xeon's 2 against 9; a tie too, for the stacked product), else as its rows (an
+    AVX-512 EPYC's 12 against 4); a form without a rule is not taken, and neither having one is refused."""
+    rules: dict[str, int | None] = {}
+
+    def least(kernel: str, k: int, dtype: torch.dtype) -> int:
+        rule = rules[kernel]
+        if rule is None:
+            raise RuntimeError(f"no rule for {kernel}")
+        return rule
+
+    monkeypatch.setattr(inv, "least_rows", least)
+    for columns, rows, want in ((2, 9, "partials"), (4, 4, "partials"), (12, 4, "rows"), (None, 12, "rows")):
+        rules.update(partials=columns, rows=rows)
+        assert inv.chunk_kernel(192, torch.float32) == want
+    rules.update(partials=None, rows=None)
+    with pytest.raises(RuntimeError, match=r"chunk products over K=192 .*run without --deterministic"):
+        inv.chunk_kernel(192, torch.float32)
 
 
 def test_least_rows_finds_a_kernels_rule_or_says_it_has_none(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -433,6 +459,6 @@ def test_cuda_row_blocks_are_fixed_and_reassembled_in_order(monkeypatch: pytest.
     for rows in (1, 8, 9, 20):
         x = torch.randn(rows, 64, generator=gen, dtype=torch.float64)
         assert torch.allclose(inv.linear(x, w), F.linear(x, w), rtol=0, atol=1e-12)
-        parts = inv.partials(x, inv.ChunkedWeight(w), chunks)
+        parts = inv.partials(x, inv.ChunkedWeight(w, "rows"), chunks)
         assert parts.shape == (4, rows, 24)
         assert torch.allclose(parts.sum(0), F.linear(x, w), rtol=0, atol=1e-12)

@@ -14,8 +14,6 @@ import torch.nn.functional as F
 from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.engine import invariant, packed
 from rollout_worker.engine.checkpoint import CheckpointReader
-from rollout_worker.engine.model import Decoder
-from rollout_worker.engine.parallel import SINGLE, ParallelState
 from rollout_worker.engine.presets import preset_config
 from rollout_worker.engine.sequence import Sequence
 from rollout_worker.engine.weights import load_shard
@@ -80,14 +78,13 @@ def test_decoder_packs_float32_weights_only(tiny32: Path, tiny64: Path) -> None:
     assert det.down_chunks is not None
     for w, c in ((det.layers[0].wo, det.o_chunks), (det.layers[0].w_down, det.down_chunks)):
         assert isinstance(w, invariant.ChunkedWeight) and not w.dense.is_mkldnn
-        if invariant.chunk_kernel(c.width, torch.float32, True) == "packed":  # each chunk's columns alone
-            assert len(w.per_chunk) == c.local and all(p.is_mkldnn for p in w.per_chunk)
-        else:  # the batched product, and the stacked one for a few tokens where MKL agrees
-            assert not w.per_chunk
-            assert (w.fused is None) == (invariant.stacked_rows(c, torch.float32) is None)
+        # a batched product, and with the tokens as columns the stacked one, where this CPU's MKL agrees
+        assert w.kernel == invariant.chunk_kernel(c.width, torch.float32)
+        want = w.kernel == "partials" and invariant.stacked_rows(c, torch.float32) is not None
+        assert (w.fused is not None) == want
     dense = replica(tiny32, 64, 4, dtype=torch.float32, deterministic=True, pack=False).decoder
     wo = dense.layers[0].wo
-    assert isinstance(wo, invariant.ChunkedWeight) and not wo.per_chunk and not wo.dense.is_mkldnn
+    assert isinstance(wo, invariant.ChunkedWeight) and not wo.dense.is_mkldnn
     assert not replica(tiny64, 64, 4).decoder.packed  # float64: sgemm
 
 
@@ -110,36 +107,3 @@ def test_packed_replica_decodes_as_one_on_f_linear(tiny32: Path) -> None:
         assert lp_a == pytest.approx(lp_b, abs=1e-4), steps
         steps += 1
     assert steps > 20 and not off.unfinished
-
-
-def test_a_switch_takes_the_packed_chunks_its_rank_held(
-    tiny32: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A deterministic decoder built on another layout of the same weights (a switch's) takes the old
-    decoder's packed row-parallel chunks that its shard holds, the same objects, and packs only the others,
-    each chunk's product bitwise a fresh build's: TP 1 -> 2 takes every chunk, 2 -> 1 packs the other half.
-    (The chunks packed one by one, as on a CPU whose rule chooses them.)"""
-    monkeypatch.setattr(invariant, "chunk_kernel", lambda *_: "packed")
-    cfg = ModelConfig.load(tiny32)
-    reader, cpu = CheckpointReader(tiny32, cfg), torch.device("cpu")
-    chunks = invariant.RowChunks.of(cfg, 2)
-    one = Decoder(cfg, load_shard(reader, cfg, 1, 0, torch.float32, cpu), SINGLE, chunks)
-    gen = torch.Generator().manual_seed(7)
-    for shard in (0, 1):
-        ps = ParallelState(tp=2, shard=shard, group=None)
-        two = Decoder(cfg, load_shard(reader, cfg, 2, shard, torch.float32, cpu), ps, chunks, reuse=one)
-        back = Decoder(cfg, load_shard(reader, cfg, 1, 0, torch.float32, cpu), SINGLE, chunks, reuse=two)
-        assert two.o_chunks is not None and two.down_chunks is not None
-        for full, half, rebuilt in zip(one.layers, two.layers, back.layers, strict=True):
-            for weights, c in (
-                ((full.wo, half.wo, rebuilt.wo), two.o_chunks),
-                ((full.w_down, half.w_down, rebuilt.w_down), two.down_chunks),
-            ):
-                assert all(isinstance(w, invariant.ChunkedWeight) for w in weights)
-                whole, mine, again = (w.per_chunk for w in weights if isinstance(w, invariant.ChunkedWeight))
-                assert c.local < len(whole) and all(m is whole[c.start + i] for i, m in enumerate(mine))
-                for i, (fresh, got) in enumerate(zip(whole, again, strict=True)):
-                    held = c.start <= i < c.start + c.local
-                    assert (got is mine[i - c.start]) if held else (got is not fresh)
-                    x = torch.randn(5, c.width, generator=gen)
-                    assert torch.equal(packed.linear(x, got), packed.linear(x, fresh))

@@ -16,9 +16,9 @@ logprob, in float32 as in float64. Each reduction whose order could change gets 
   pad a smaller product to it.
 - **Row-parallel products** (attention output, MLP down), whose sum over K is split across ranks: K is cut
   into equal chunks that no layout the model may run at splits (:func:`chunk_bounds`), each chunk's
-  partial product is computed alone (:func:`partials`, as :func:`chunk_kernel` chooses by the CPU's
-  rules: one batched product over every chunk, and for a few tokens one MKL product over the stacked
-  chunks that computes the same bits; or one oneDNN product per packed chunk), each shard adds its
+  partial product is computed alone (:func:`partials`: one batched product over every chunk, the tokens
+  as its columns or its rows as :func:`chunk_kernel` chooses by the CPU's rules, and for a few tokens as
+  columns one MKL product over the stacked chunks that computes the same bits), each shard adds its
   chunks' whole subtrees of one fixed tree (:func:`tree_sum`, :func:`shard_sums`), the ranks all-gather
   those sums and each adds them up the same tree (:func:`gathered_sum`). The same chunks and the same
   tree on every layout, instead of an all-reduce whose order the backend and the TP size choose.
@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -63,17 +63,13 @@ TP_SIZES = (1, 2, 4, 8)  # chunk bounds cover these TP sizes (and every divisor 
 PROBE_ROWS = (*range(1, 33), 48, 64, 128, 256)
 PROBE_COLS = 64  # output columns of a probe (the row rule seen does not depend on them)
 KEY_STEPS = (8, 16, 32, 64)  # the multiples of keys attend may cut its products to, finest first (key_step)
-# the batched chunk product's token rule up to which a decoder that packs takes it for its row-parallel
-# chunks (an AVX-512 Xeon's: 2); above it (an AMD EPYC's: 12 tokens, each decode step's chunks computed as
-# 12 columns) one oneDNN product per packed chunk
-BATCHED_RULE_MAX = 4
 # the most rows a stacked chunk product (fuse) runs: its arithmetic grows with the chunks' square; at one
 # token it still beat the batched product at 32 chunks (1.1-1.9x, outputs of 576 and 2,048, an AVX-512 Xeon)
 FUSED_ROWS = 32
 
 # the products whose row rule least_rows measures, each as its call site lays out its operands
-Kernel = Literal["linear", "packed", "partials", "scores", "values"]
-ChunkKernel = Literal["packed", "partials"]  # a row-parallel weight's chunks: see row_weight
+Kernel = Literal["linear", "packed", "partials", "rows", "scores", "values"]
+ChunkKernel = Literal["partials", "rows"]  # how a row-parallel weight's chunks are multiplied: see partials
 Probe = Callable[[torch.Tensor], list[torch.Tensor]]  # a kernel's products of x, in each variant
 
 
@@ -136,14 +132,11 @@ def least_rows(kernel: Kernel, k: int, dtype: torch.dtype) -> int:
 
 def measure_rules(cfg: ModelConfig, dtype: torch.dtype, packed_weights: bool, widths: Iterable[int]) -> None:
     """:func:`least_rows` of every product a decoder of ``cfg`` runs on CPU (its row-parallel chunks of
-    ``widths``: as :func:`chunk_kernel` chooses, with :func:`fused_rows` for the batched kernel), so a CPU
-    without a rule fails when the decoder is built, not in a forward."""
+    ``widths``: both forms, as :func:`chunk_kernel` compares them, with :func:`fused_rows` for the tokens as
+    columns), so a CPU without a rule fails when the decoder is built, not in a forward."""
     least_rows("packed" if packed_weights else "linear", cfg.hidden_size, dtype)
     for width in widths:
-        if chunk_kernel(width, dtype, packed_weights) == "packed":
-            least_rows("packed", width, dtype)
-        else:
-            least_rows("partials", width, dtype)
+        if chunk_kernel(width, dtype) == "partials":  # both forms' rules measured
             fused_rows(width, dtype)
     key_step(cfg.head_dim, dtype)  # and attention's rules (query_rows)
 
@@ -159,12 +152,12 @@ def _probe(kernel: Kernel, k: int, dtype: torch.dtype, gen: torch.Generator) -> 
     if kernel == "linear":
         w = rand(PROBE_COLS, k)
         return lambda x: [F.linear(x, w)]
-    if kernel == "packed":  # x itself, and as a chunk of a wider matrix (partials' view, at any offset)
+    if kernel == "packed":  # x itself, and as a strided view at an offset (no longer 64-byte aligned)
         pw = packed.pack(rand(PROBE_COLS, k))
         return lambda x: [packed.linear(v, pw, None) for v in (x, _strided(x))]
-    if kernel == "partials":  # partials on CPU: w_c @ x_c^T, chunk c of width k of 1 to 3 in one product
+    if kernel in ("partials", "rows"):  # partials' batched products: chunk c of width k of 1 to 3 in one
         w = rand(PROBE_COLS, k)
-        return lambda x: [_chunks_t(w, x, n) for n in (1, 2, 3)]
+        return lambda x: [_chunk_products(kernel, w.repeat(1, n), x.repeat(1, n), n)[-1] for n in (1, 2, 3)]
     if kernel == "scores":  # attend's q [B, KVh, rows, hd] @ keys_t [B, KVh, hd, L], a slice of a wider one
         keys_t = rand(1, 2, k, 2 * KEY_CHUNK)[..., :KEY_CHUNK]
         return lambda x: [torch.matmul(torch.stack((x, x))[None], keys_t)[0, 1]]
@@ -181,13 +174,17 @@ def _strided(x: torch.Tensor) -> torch.Tensor:
     return wide[:, 1 : 1 + x.shape[1]]
 
 
-def _chunks_t(w: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
-    """The last chunk's product, [rows, cols], of :func:`partials`' CPU product over ``n`` chunks of w
-    [cols, k] and x [rows, k] (the others: copies of them)."""
-    wide, xs = w.repeat(1, n), x.repeat(1, n)
-    wc = wide.view(w.shape[0], n, w.shape[1]).transpose(0, 1)
-    xt = xs.view(x.shape[0], n, x.shape[1]).permute(1, 2, 0).contiguous()
-    return torch.bmm(wc, xt)[-1].T
+def _chunk_products(kernel: ChunkKernel, dense: torch.Tensor, flat: torch.Tensor, n: int) -> torch.Tensor:
+    """[n, rows, out]: each of ``n`` equal chunks' product of flat [rows, K] and dense [out, K], in one
+    batched product over strided views of both (no copy of the weight). ``partials``: each chunk's
+    ``w_c @ x_c^T``, read back transposed (the chunk's ``out`` rows, the same in every batch, are the
+    product's rows, so the tokens' rule is the columns'); ``rows``: each chunk's ``x_c @ w_c^T``."""
+    out, width = dense.shape[0], flat.shape[1] // n
+    xc = flat.view(flat.shape[0], n, width).transpose(0, 1)  # [n, rows, width]
+    if kernel == "rows":
+        return torch.bmm(xc, dense.view(out, n, width).permute(1, 2, 0))
+    xt = xc.transpose(1, 2).contiguous()  # [n, width, rows]
+    return torch.bmm(dense.view(out, n, width).transpose(0, 1), xt).transpose(1, 2)
 
 
 def padded_rows(rows: int, cuda: bool, least: int) -> int:
@@ -331,61 +328,45 @@ def mlp_shards(cfg: ModelConfig, tp: int) -> list[tuple[int, int]]:
 @dataclass(frozen=True, slots=True)
 class ChunkedWeight:
     """A row-parallel weight as the deterministic kernels read it (:func:`row_weight`): the shard's dense
-    weight [out, K_shard] (the batched product reads its chunks as strided views; CUDA, its row blocks),
-    and where chosen, each chunk packed for oneDNN, or the chunks packed for MKL as one stacked matrix for
-    a few tokens (:func:`fuse`)."""
+    weight [out, K_shard] (the batched products read its chunks as strided views), the kernel
+    :func:`partials` runs (:func:`chunk_kernel`), and for ``partials`` the chunks packed for MKL as one
+    stacked matrix for a few tokens (:func:`fuse`)."""
 
     dense: torch.Tensor
-    per_chunk: tuple[torch.Tensor, ...] = ()
+    kernel: ChunkKernel
     fused: packed.MklPacked | None = None
 
 
-def chunk_kernel(width: int, dtype: torch.dtype, packs: bool) -> ChunkKernel:
-    """How a decoder computes its row-parallel chunks of ``width`` on this CPU (the same on every layout
-    and batch: a rule of the machine): one oneDNN product per packed chunk where the decoder packs and the
-    batched product would pad a decode step to more than ``BATCHED_RULE_MAX`` tokens; else the batched product
-    (with :func:`fuse`'s stacked product for a few tokens, which computes the same bits)."""
-    if packs and least_rows("partials", width, dtype) > BATCHED_RULE_MAX:
-        return "packed"
-    return "partials"
+def chunk_kernel(width: int, dtype: torch.dtype) -> ChunkKernel:
+    """How a decoder multiplies its row-parallel chunks of ``width`` on this CPU (the same on every layout
+    and batch: a rule of the machine): in the batched product (:func:`_chunk_products`) whose form pads a
+    decode step to fewer tokens; on a tie the tokens as columns (``partials``, with :func:`fuse`'s stacked
+    product for a few tokens, which computes the same bits). Measured: the columns on an AVX-512 Xeon (2
+    tokens, where the rows need 9 for a chunk of 192), the rows on an AVX-512 AMD EPYC (4 tokens, where the
+    columns need 12). One oneDNN product per packed chunk (a 1-token rule) was slower on both: each call
+    costs 20-40 us, so on the EPYC ``small``'s 8 attention chunks took 267 us at one token against the
+    rows' 179, and 576 against 494 at 64 (weights read from memory). A form without a rule is not taken;
+    neither having one is an error."""
+    rules: dict[ChunkKernel, int] = {}
+    for form in ("partials", "rows"):
+        try:
+            rules[form] = least_rows(form, width, dtype)
+        except RuntimeError:
+            continue
+    if not rules:
+        raise RuntimeError(
+            f"deterministic kernels: this CPU's row-parallel chunk products over K={width} ({dtype}) compute "
+            f"a row differently with every row count up to {PROBE_ROWS[-1]}; run without --deterministic"
+        )
+    return min(rules, key=rules.__getitem__)  # the first, partials, on a tie
 
 
-def row_weight(
-    w: torch.Tensor, chunks: Chunks, kernel: ChunkKernel, have: Mapping[int, torch.Tensor] | None = None
-) -> ChunkedWeight:
+def row_weight(w: torch.Tensor, chunks: Chunks, kernel: ChunkKernel) -> ChunkedWeight:
     """w [out, K_shard] as :func:`partials` reads it with ``kernel`` (:func:`chunk_kernel`; on CUDA the
-    dense weight). ``have``: see :func:`pack_chunks`."""
-    if w.is_cuda:
-        return ChunkedWeight(w)
-    if kernel == "packed":
-        return ChunkedWeight(w, per_chunk=pack_chunks(w, chunks, have))
-    return ChunkedWeight(w, fused=fuse(w, chunks))
-
-
-def pack_chunks(
-    w: torch.Tensor, chunks: Chunks, have: Mapping[int, torch.Tensor] | None = None
-) -> tuple[torch.Tensor, ...]:
-    """Each local chunk's columns of w [out, K_shard] packed on their own for oneDNN (:func:`packed.pack`;
-    a copy, as the packed projections are), or taken from ``have`` (chunk index among every shard's ->
-    that chunk packed, of the same values: a chunk's bounds are the same on every layout, so a switch
-    repacks only the chunks a rank did not hold)."""
-    width, have = chunks.width, have or {}
-    out = []
-    for c in range(chunks.local):
-        kept = have.get(chunks.start + c)
-        out.append(packed.pack(w[:, c * width : (c + 1) * width]) if kept is None else kept)
-    return tuple(out)
-
-
-def packed_chunks(
-    w: torch.Tensor | ChunkedWeight, chunks: Chunks | None, want: Chunks | None
-) -> dict[int, torch.Tensor]:
-    """A decoder's oneDNN-packed chunks of one row-parallel weight by their index among every shard's (for
-    :func:`pack_chunks`' ``have``); none where the weight is not packed by chunk or its chunks are not
-    ``want``'s width."""
-    if chunks is None or want is None or chunks.width != want.width or not isinstance(w, ChunkedWeight):
-        return {}
-    return {chunks.start + c: wc for c, wc in enumerate(w.per_chunk)}
+    rows, in blocks)."""
+    if w.is_cuda or kernel == "rows":
+        return ChunkedWeight(w, "rows")
+    return ChunkedWeight(w, "partials", fused=fuse(w, chunks))
 
 
 def fuse(w: torch.Tensor, chunks: Chunks) -> packed.MklPacked | None:
@@ -395,8 +376,8 @@ def fuse(w: torch.Tensor, chunks: Chunks) -> packed.MklPacked | None:
     step of one token (or a few, ``rows // chunks``) is then one product: its chunks as rows (token t's
     chunk c in row t * n + c), each against every chunk, of which :func:`partials` keeps the block
     diagonal. That is ``chunks`` times the arithmetic of one product, with the weight read once, in one
-    call: on an AVX-512 Xeon a batch of one's chunks took 159 us instead of 495 (SmolLM2's attention
-    output, 9 chunks, one oneDNN product each; the whole unchunked product: 132)."""
+    call: on an AVX-512 Xeon, at one token, 1.1-1.9x faster than the batched product up to 32 chunks
+    (``FUSED_ROWS``)."""
     rows, n, out = stacked_rows(chunks, w.dtype), chunks.local, w.shape[0]
     if rows is None:
         return None
@@ -429,7 +410,7 @@ def fused_rows(width: int, dtype: torch.dtype) -> int | None:
     gen = torch.Generator().manual_seed(width)
     w = torch.randn(PROBE_COLS, width, generator=gen)
     row = torch.randn(width, generator=gen)
-    ref = _chunks_t(w, row.expand(least_rows("partials", width, dtype), width), 1)[0]
+    ref = _chunk_products("partials", w, row.expand(least_rows("partials", width, dtype), width), 1)[0, 0]
     stacked = w.repeat(_STACKED, 1)  # the chunk first, in the middle and last among others
     counts = [c for c in PROBE_ROWS if c <= FUSED_ROWS]
     agree = []
@@ -448,36 +429,24 @@ def fused_rows(width: int, dtype: torch.dtype) -> int | None:
 def partials(x: torch.Tensor, w: ChunkedWeight, chunks: Chunks) -> torch.Tensor:
     """[chunks, *rows, out]: each local chunk's partial product of x [*rows, K_shard] and w [out, K_shard].
 
-    - ``w.per_chunk`` (:func:`chunk_kernel`'s ``packed``): one oneDNN product per chunk over a view of x's
-      rows, padded to the packed product's row rule at the chunk's width (1 row for a chunk of up to 1,024
-      columns on the CPUs seen).
-    - Else on CPU, with a few tokens (``rows * chunks`` up to the rows ``w.fused`` was packed for): one MKL
-      product over the stacked chunks, its block diagonal kept (:func:`fuse`).
-    - Else on CPU: one batched product over strided views of the dense weight (no copy), each chunk's
-      ``w_c @ x_c^T`` (the chunk's ``out`` rows, the same in every batch, are the product's rows, so the
-      token rows' rule is the columns': 2 tokens on an AVX-512 Xeon, where ``x_c @ w_c^T`` needs 9 rows for
-      a chunk of 192), read back transposed.
-    - On CUDA ``x_c @ w_c^T`` in row blocks."""
+    As ``w.kernel`` says (:func:`chunk_kernel`, a rule of the machine):
+
+    - ``partials``: with a few tokens (``rows * chunks`` up to the rows ``w.fused`` was packed for), one MKL
+      product over the stacked chunks, its block diagonal kept (:func:`fuse`); else one batched product of
+      each chunk's ``w_c @ x_c^T`` (:func:`_chunk_products`), the tokens padded to its rule (2 on an
+      AVX-512 Xeon, where ``x_c @ w_c^T`` needs 9 rows for a chunk of 192).
+    - ``rows``: one batched product of each chunk's ``x_c @ w_c^T``, the rows padded to its rule (4 on an
+      AVX-512 AMD EPYC, where ``w_c @ x_c^T`` needs 12 tokens); on CUDA (always) in row blocks."""
     n, width = chunks.local, chunks.width
-    if w.per_chunk:
-        flat, rows = _rows(x, "packed", width)
-        out = torch.stack(
-            [packed.linear(flat[:, c * width : (c + 1) * width], wc) for c, wc in enumerate(w.per_chunk)]
-        )
-        return out[:, :rows].reshape(n, *x.shape[:-1], out.shape[-1])
     dense, rows = w.dense, x.numel() // x.shape[-1]
     if w.fused is not None and rows * n <= w.fused.rows:
         stacked = _pad_rows(x.reshape(rows * n, width), w.fused.rows)  # token t's chunk c: row t * n + c
         every = packed.mkl_linear(stacked, w.fused)[: rows * n].view(rows, n, n, dense.shape[0])
         return every.diagonal(dim1=1, dim2=2).permute(2, 0, 1).reshape(n, *x.shape[:-1], dense.shape[0])
-    flat, rows = _rows(x, "partials", width)
-    if not flat.is_cuda:
-        wc = dense.view(dense.shape[0], n, width).transpose(0, 1)  # [n, out, width]
-        xt = flat.view(flat.shape[0], n, width).permute(1, 2, 0).contiguous()  # [n, width, rows]
-        return torch.bmm(wc, xt)[:, :, :rows].transpose(1, 2).reshape(n, *x.shape[:-1], dense.shape[0])
-    wt = dense.view(dense.shape[0], n, width).permute(1, 2, 0)  # [n, width, out]
-    xcs = [b.view(b.shape[0], n, width).transpose(0, 1) for b in _blocks(flat)]  # [n, rows, width]
-    return _cat([torch.bmm(xc, wt) for xc in xcs], 1)[:, :rows].reshape(n, *x.shape[:-1], dense.shape[0])
+    kernel: ChunkKernel = "rows" if x.is_cuda else w.kernel
+    flat, rows = _rows(x, kernel, width)
+    out = _cat([_chunk_products(kernel, dense, block, n) for block in _blocks(flat)], 1)
+    return out[:, :rows].reshape(n, *x.shape[:-1], dense.shape[0])
 
 
 Node = tuple[int, int]  # (level, index) in tree_sum's tree: level l's node j adds chunks [j * 2**l, ...)

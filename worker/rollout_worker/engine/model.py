@@ -89,13 +89,10 @@ class Decoder:
         ps: ParallelState,
         chunks: invariant.RowChunks | None = None,
         pack: bool = True,
-        reuse: Decoder | None = None,
     ) -> None:
         """``chunks``: the deterministic kernels (:mod:`~rollout_worker.engine.invariant`) with these
         row-parallel chunks; None: the BLAS's and the backend's own orders. ``pack``: float32 products on
-        CPU run on weights packed once for oneDNN (:mod:`~rollout_worker.engine.packed`). ``reuse``: the
-        decoder of the same weights' values on another layout (a switch's): its packed row-parallel chunks
-        are taken instead of packed again."""
+        CPU run on weights packed once for oneDNN (:mod:`~rollout_worker.engine.packed`)."""
         self.cfg, self.ps = cfg, ps
         self.packed = pack and packed.packs(weights["model.embed_tokens.weight"])
         kernels: tuple[Linear, Linear] = (
@@ -119,9 +116,7 @@ class Decoder:
         self.embed = weights["model.embed_tokens.weight"]
         self.norm = weights["model.norm.weight"]
         self.lm_head = self._product(weights["lm_head.weight"])
-        if reuse is not None and (reuse.packed != self.packed or not reuse.layers):
-            reuse = None
-        self.layers: list[Layer] = [self._layer(weights, i, reuse) for i in range(cfg.num_layers)]
+        self.layers: list[Layer] = [self._layer(weights, i) for i in range(cfg.num_layers)]
         dev = self.embed.device
         self.inv_freq = rope_inv_freq(cfg).to(dev)
         self.dtype = self.embed.dtype
@@ -136,26 +131,19 @@ class Decoder:
         """A projection's weight as :attr:`linear` reads it (packed: a copy in oneDNN's layout)."""
         return packed.pack(w) if self.packed else w
 
-    def _row_product(
-        self, w: torch.Tensor, chunks: invariant.Chunks | None, have: dict[int, torch.Tensor]
-    ) -> RowWeight:
+    def _row_product(self, w: torch.Tensor, chunks: invariant.Chunks | None) -> RowWeight:
         """A row-parallel projection's weight as :meth:`_row_parallel` reads it (with the deterministic
-        kernels, in chunks as :func:`~rollout_worker.engine.invariant.chunk_kernel` chooses; the oneDNN
-        chunks in ``have`` taken as they are)."""
+        kernels, in chunks as :func:`~rollout_worker.engine.invariant.chunk_kernel` chooses)."""
         if chunks is None:
             return self._product(w)
-        kernel = invariant.chunk_kernel(chunks.width, w.dtype, self.packed)
-        return invariant.row_weight(w, chunks, kernel, have)
+        if w.is_cuda:  # always the rows, in blocks: no CPU rule to measure
+            return invariant.row_weight(w, chunks, "rows")
+        return invariant.row_weight(w, chunks, invariant.chunk_kernel(chunks.width, w.dtype))
 
-    def _layer(self, w: dict[str, torch.Tensor], i: int, reuse: Decoder | None) -> Layer:
+    def _layer(self, w: dict[str, torch.Tensor], i: int) -> Layer:
         p = f"model.layers.{i}."
         a = p + "self_attn."
         product = self._product
-        o_have = down_have = {}
-        if reuse is not None:  # its packed chunks of the same widths
-            old = reuse.layers[i]
-            o_have = invariant.packed_chunks(old.wo, reuse.o_chunks, self.o_chunks)
-            down_have = invariant.packed_chunks(old.w_down, reuse.down_chunks, self.down_chunks)
         return Layer(
             ln1=w[p + "input_layernorm.weight"],
             wq=product(w[a + "q_proj.weight"]),
@@ -166,11 +154,11 @@ class Decoder:
             bv=w.get(a + "v_proj.bias"),
             q_norm=w.get(a + "q_norm.weight"),
             k_norm=w.get(a + "k_norm.weight"),
-            wo=self._row_product(w[a + "o_proj.weight"], self.o_chunks, o_have),
+            wo=self._row_product(w[a + "o_proj.weight"], self.o_chunks),
             ln2=w[p + "post_attention_layernorm.weight"],
             w_gate=product(w[p + "mlp.gate_proj.weight"]),
             w_up=product(w[p + "mlp.up_proj.weight"]),
-            w_down=self._row_product(w[p + "mlp.down_proj.weight"], self.down_chunks, down_have),
+            w_down=self._row_product(w[p + "mlp.down_proj.weight"], self.down_chunks),
         )
 
     def rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -112,7 +112,7 @@ def reconfigure(
         weights, wstats = reshard(st.weights, st.model, st.pstate(old), (old, target), st.rank)
         phases["reshard_ms"] = _lap(t)
         event.weights = wstats
-        rep = st.make_replica(target, weights, reuse=st.replica.decoder)  # the same values, resharded
+        rep = st.make_replica(target, weights)
         rep.ratio = ratio
         _fill(st.rank, rep, target, placements, outputs)
         t = time.perf_counter()

@@ -90,9 +90,9 @@ class RankState:
         """This rank's decoder of ``weights`` at ``lay``."""
         return make_decoder(self.cfg, weights, self.pstate(lay))
 
-    def make_replica(self, lay: Layout, weights: Weights, reuse: Decoder | None = None) -> Replica:
-        """This rank's replica of ``weights`` at ``lay`` (``reuse``: see :func:`make_decoder`)."""
-        rep = make_replica(self.cfg, self.rank, lay, weights, self.groups, self.device, self.stage_cpu, reuse)
+    def make_replica(self, lay: Layout, weights: Weights) -> Replica:
+        """This rank's replica of ``weights`` at ``lay``."""
+        rep = make_replica(self.cfg, self.rank, lay, weights, self.groups, self.device, self.stage_cpu)
         rep.poison = self.faults.poison(self.rank) if self.faults is not None else None
         return rep
 
@@ -140,15 +140,12 @@ def parallel_state(rank: int, lay: Layout, groups: Groups, stage_cpu: bool) -> P
     )
 
 
-def make_decoder(
-    cfg: EngineConfig, weights: Weights, ps: ParallelState, reuse: Decoder | None = None
-) -> Decoder:
+def make_decoder(cfg: EngineConfig, weights: Weights, ps: ParallelState) -> Decoder:
     """The decoder of ``weights`` on ``ps``, with the deterministic kernels and packed weights when the
-    settings ask for them. ``reuse``: a decoder of the same values on another layout (a switch's old one),
-    whose packed row-parallel chunks the new one takes."""
+    settings ask for them."""
     chunks = RowChunks.of(cfg.model, cfg.world) if cfg.engine.deterministic else None
     pack = packed.wanted(cfg.engine.packed_weights, cfg.model, cfg.world)
-    return Decoder(cfg.model, weights, ps, chunks, pack, reuse)
+    return Decoder(cfg.model, weights, ps, chunks, pack)
 
 
 def make_replica(
@@ -159,10 +156,9 @@ def make_replica(
     groups: Groups,
     device: torch.device,
     stage_cpu: bool,
-    reuse: Decoder | None = None,
 ) -> Replica:
     m = cfg.model
-    decoder = make_decoder(cfg, weights, parallel_state(rank, lay, groups, stage_cpu), reuse)
+    decoder = make_decoder(cfg, weights, parallel_state(rank, lay, groups, stage_cpu))
     eng = cfg.engine
     pool = KVPool(
         m.num_layers,
