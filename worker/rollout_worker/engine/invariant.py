@@ -361,10 +361,12 @@ def chunk_kernel(width: int, dtype: torch.dtype) -> ChunkKernel:
     return min(rules, key=rules.__getitem__)  # the first, partials, on a tie
 
 
-def row_weight(w: torch.Tensor, chunks: Chunks, kernel: ChunkKernel) -> ChunkedWeight:
-    """w [out, K_shard] as :func:`partials` reads it with ``kernel`` (:func:`chunk_kernel`; on CUDA the
-    rows, in blocks)."""
-    if w.is_cuda or kernel == "rows":
+def row_weight(w: torch.Tensor, chunks: Chunks, kernel: ChunkKernel | None = None) -> ChunkedWeight:
+    """w [out, K_shard] as :func:`partials` reads it with ``kernel`` (default: this CPU's,
+    :func:`chunk_kernel`); on CUDA always the rows, in blocks, without measuring a CPU rule."""
+    if w.is_cuda:
+        return ChunkedWeight(w, "rows")
+    if (kernel or chunk_kernel(chunks.width, w.dtype)) == "rows":
         return ChunkedWeight(w, "rows")
     return ChunkedWeight(w, "partials", fused=fuse(w, chunks))
 
@@ -436,16 +438,16 @@ def partials(x: torch.Tensor, w: ChunkedWeight, chunks: Chunks) -> torch.Tensor:
       each chunk's ``w_c @ x_c^T`` (:func:`_chunk_products`), the tokens padded to its rule (2 on an
       AVX-512 Xeon, where ``x_c @ w_c^T`` needs 9 rows for a chunk of 192).
     - ``rows``: one batched product of each chunk's ``x_c @ w_c^T``, the rows padded to its rule (4 on an
-      AVX-512 AMD EPYC, where ``w_c @ x_c^T`` needs 12 tokens); on CUDA (always) in row blocks."""
+      AVX-512 AMD EPYC, where ``w_c @ x_c^T`` needs 12 tokens); on CUDA in row blocks (:func:`row_weight`
+      takes it there)."""
     n, width = chunks.local, chunks.width
     dense, rows = w.dense, x.numel() // x.shape[-1]
     if w.fused is not None and rows * n <= w.fused.rows:
         stacked = _pad_rows(x.reshape(rows * n, width), w.fused.rows)  # token t's chunk c: row t * n + c
         every = packed.mkl_linear(stacked, w.fused)[: rows * n].view(rows, n, n, dense.shape[0])
         return every.diagonal(dim1=1, dim2=2).permute(2, 0, 1).reshape(n, *x.shape[:-1], dense.shape[0])
-    kernel: ChunkKernel = "rows" if x.is_cuda else w.kernel
-    flat, rows = _rows(x, kernel, width)
-    out = _cat([_chunk_products(kernel, dense, block, n) for block in _blocks(flat)], 1)
+    flat, rows = _rows(x, w.kernel, width)
+    out = _cat([_chunk_products(w.kernel, dense, block, n) for block in _blocks(flat)], 1)
     return out[:, :rows].reshape(n, *x.shape[:-1], dense.shape[0])
 
 

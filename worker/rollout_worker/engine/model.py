@@ -136,9 +136,7 @@ class Decoder:
         kernels, in chunks as :func:`~rollout_worker.engine.invariant.chunk_kernel` chooses)."""
         if chunks is None:
             return self._product(w)
-        if w.is_cuda:  # always the rows, in blocks: no CPU rule to measure
-            return invariant.row_weight(w, chunks, "rows")
-        return invariant.row_weight(w, chunks, invariant.chunk_kernel(chunks.width, w.dtype))
+        return invariant.row_weight(w, chunks)
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> Layer:
         p = f"model.layers.{i}."
