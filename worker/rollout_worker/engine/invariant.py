@@ -16,9 +16,11 @@ logprob, in float32 as in float64. Each reduction whose order could change gets 
   pad a smaller product to it.
 - **Row-parallel products** (attention output, MLP down), whose sum over K is split across ranks: K is cut
   into equal chunks that no layout the model may run at splits (:func:`chunk_bounds`), each chunk's
-  partial product is computed alone (:func:`partials`: one batched product over every chunk, the tokens
-  as its columns or its rows as :func:`chunk_kernel` chooses by the CPU's rules, and for a few tokens as
-  columns one MKL product over the stacked chunks that computes the same bits), each shard adds its
+  partial product is computed alone (:func:`partials`: on the project's fixed-order kernel,
+  :mod:`~rollout_worker.engine.native`, where it is built and the decoder packs; else one batched product
+  over every chunk, the tokens as its columns or its rows as :func:`chunk_kernel` chooses by the CPU's
+  rules, and for a few tokens as columns one MKL product over the stacked chunks that computes the same
+  bits), each shard adds its
   chunks' whole subtrees of one fixed tree (:func:`tree_sum`, :func:`shard_sums`), the ranks all-gather
   those sums and each adds them up the same tree (:func:`gathered_sum`). The same chunks and the same
   tree on every layout, instead of an all-reduce whose order the backend and the TP size choose.
@@ -53,7 +55,7 @@ import torch.nn.functional as F
 from rollout_worker.api import heads
 from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.api.pages import round_up
-from rollout_worker.engine import packed
+from rollout_worker.engine import native, packed
 from rollout_worker.engine.sharding import q_head_range
 
 CUDA_ROWS = 128  # rows of every product on CUDA: one GEMM shape (still bound by the weights' reads)
@@ -68,8 +70,10 @@ KEY_STEPS = (8, 16, 32, 64)  # the multiples of keys attend may cut its products
 FUSED_ROWS = 32
 
 # the products whose row rule least_rows measures, each as its call site lays out its operands
-Kernel = Literal["linear", "packed", "partials", "rows", "scores", "values"]
-ChunkKernel = Literal["partials", "rows"]  # how a row-parallel weight's chunks are multiplied: see partials
+Kernel = Literal["linear", "native", "packed", "partials", "rows", "scores", "values"]
+ChunkKernel = Literal[
+    "native", "partials", "rows"
+]  # how a row-parallel weight's chunks are multiplied: see partials
 Probe = Callable[[torch.Tensor], list[torch.Tensor]]  # a kernel's products of x, in each variant
 
 
@@ -132,11 +136,11 @@ def least_rows(kernel: Kernel, k: int, dtype: torch.dtype) -> int:
 
 def measure_rules(cfg: ModelConfig, dtype: torch.dtype, packed_weights: bool, widths: Iterable[int]) -> None:
     """:func:`least_rows` of every product a decoder of ``cfg`` runs on CPU (its row-parallel chunks of
-    ``widths``: both forms, as :func:`chunk_kernel` compares them, with :func:`fused_rows` for the tokens as
-    columns), so a CPU without a rule fails when the decoder is built, not in a forward."""
+    ``widths``: as :func:`chunk_kernel` chooses, with :func:`fused_rows` for the tokens as columns), so a CPU
+    without a rule fails when the decoder is built, not in a forward."""
     least_rows("packed" if packed_weights else "linear", cfg.hidden_size, dtype)
     for width in widths:
-        if chunk_kernel(width, dtype) == "partials":  # both forms' rules measured
+        if chunk_kernel(width, dtype, packed_weights) == "partials":  # its rules measured
             fused_rows(width, dtype)
     key_step(cfg.head_dim, dtype)  # and attention's rules (query_rows)
 
@@ -158,6 +162,10 @@ def _probe(kernel: Kernel, k: int, dtype: torch.dtype, gen: torch.Generator) -> 
     if kernel in ("partials", "rows"):  # partials' batched products: chunk c of width k of 1 to 3 in one
         w = rand(PROBE_COLS, k)
         return lambda x: [_chunk_products(kernel, w.repeat(1, n), x.repeat(1, n), n)[-1] for n in (1, 2, 3)]
+    if kernel == "native":  # the last of 1 to 3 chunks, each packed with the others
+        w = rand(PROBE_COLS, k)
+        packs = {n: native.pack(w.repeat(1, n), n) for n in (1, 2, 3)}
+        return lambda x: [native.partials(x.repeat(1, n), packs[n], PROBE_COLS)[-1] for n in (1, 2, 3)]
     if kernel == "scores":  # attend's q [B, KVh, rows, hd] @ keys_t [B, KVh, hd, L], a slice of a wider one
         keys_t = rand(1, 2, k, 2 * KEY_CHUNK)[..., :KEY_CHUNK]
         return lambda x: [torch.matmul(torch.stack((x, x))[None], keys_t)[0, 1]]
@@ -329,24 +337,35 @@ def mlp_shards(cfg: ModelConfig, tp: int) -> list[tuple[int, int]]:
 class ChunkedWeight:
     """A row-parallel weight as the deterministic kernels read it (:func:`row_weight`): the shard's dense
     weight [out, K_shard] (the batched products read its chunks as strided views), the kernel
-    :func:`partials` runs (:func:`chunk_kernel`), and for ``partials`` the chunks packed for MKL as one
-    stacked matrix for a few tokens (:func:`fuse`)."""
+    :func:`partials` runs (:func:`chunk_kernel`), for ``partials`` the chunks packed for MKL as one
+    stacked matrix for a few tokens (:func:`fuse`), and for ``native`` the chunks in the fixed-order
+    kernel's blocks (:func:`~rollout_worker.engine.native.pack`)."""
 
     dense: torch.Tensor
     kernel: ChunkKernel
     fused: packed.MklPacked | None = None
+    blocks: torch.Tensor | None = None
 
 
-def chunk_kernel(width: int, dtype: torch.dtype) -> ChunkKernel:
+def chunk_kernel(width: int, dtype: torch.dtype, copies: bool = True) -> ChunkKernel:
     """How a decoder multiplies its row-parallel chunks of ``width`` on this CPU (the same on every layout
-    and batch: a rule of the machine): in the batched product (:func:`_chunk_products`) whose form pads a
-    decode step to fewer tokens; on a tie the tokens as columns (``partials``, with :func:`fuse`'s stacked
-    product for a few tokens, which computes the same bits). Measured: the columns on an AVX-512 Xeon (2
-    tokens, where the rows need 9 for a chunk of 192), the rows on an AVX-512 AMD EPYC (4 tokens, where the
-    columns need 12). One oneDNN product per packed chunk (a 1-token rule) was slower on both: each call
-    costs 20-40 us, so on the EPYC ``small``'s 8 attention chunks took 267 us at one token against the
-    rows' 179, and 576 against 494 at 64 (weights read from memory). A form without a rule is not taken;
-    neither having one is an error."""
+    and batch: a rule of the machine, and of the engine's ``packed_weights``).
+
+    ``copies``: the decoder may hold a copy of the weights in a kernel's own layout (it packs,
+    :func:`~rollout_worker.engine.packed.wanted`). Then float32 chunks run on the fixed-order kernel
+    (:mod:`~rollout_worker.engine.native`) where this machine builds it and it measures a rule of 1 row (by
+    construction; measured all the same): on an AVX-512 Xeon 1.2-2.2x faster than the MKL forms at 1 to
+    64 tokens. Else in the batched MKL product (:func:`_chunk_products`) whose form pads a decode step to
+    fewer tokens; on a tie the tokens as columns (``partials``, with :func:`fuse`'s stacked product for a
+    few tokens, which computes the same bits). Measured: the columns on an AVX-512 Xeon (2 tokens, where
+    the rows need 9 for a chunk of 192), the rows on an AVX-512 AMD EPYC (4 tokens, where the columns need
+    12). One oneDNN product per packed chunk (a 1-token rule) was slower on both: each call costs 20-40
+    us, so on the EPYC ``small``'s 8 attention chunks took 267 us at one token against the rows' 179, and
+    576 against 494 at 64 (weights read from memory). A form without a rule is not taken; neither having
+    one is an error."""
+    built = dtype == torch.float32 and native.kernels() is not None
+    if copies and built and least_rows("native", width, dtype) == 1:
+        return "native"
     rules: dict[ChunkKernel, int] = {}
     for form in ("partials", "rows"):
         try:
@@ -361,12 +380,18 @@ def chunk_kernel(width: int, dtype: torch.dtype) -> ChunkKernel:
     return min(rules, key=rules.__getitem__)  # the first, partials, on a tie
 
 
-def row_weight(w: torch.Tensor, chunks: Chunks, kernel: ChunkKernel | None = None) -> ChunkedWeight:
+def row_weight(
+    w: torch.Tensor, chunks: Chunks, kernel: ChunkKernel | None = None, copies: bool = True
+) -> ChunkedWeight:
     """w [out, K_shard] as :func:`partials` reads it with ``kernel`` (default: this CPU's,
-    :func:`chunk_kernel`); on CUDA always the rows, in blocks, without measuring a CPU rule."""
+    :func:`chunk_kernel`, which ``copies`` may allow a copy in a kernel's layout); on CUDA always the rows,
+    in blocks, without measuring a CPU rule."""
     if w.is_cuda:
         return ChunkedWeight(w, "rows")
-    if (kernel or chunk_kernel(chunks.width, w.dtype)) == "rows":
+    kernel = kernel or chunk_kernel(chunks.width, w.dtype, copies)
+    if kernel == "native":
+        return ChunkedWeight(w, "native", blocks=native.pack(w, chunks.local))
+    if kernel == "rows":
         return ChunkedWeight(w, "rows")
     return ChunkedWeight(w, "partials", fused=fuse(w, chunks))
 
@@ -439,9 +464,13 @@ def partials(x: torch.Tensor, w: ChunkedWeight, chunks: Chunks) -> torch.Tensor:
       AVX-512 Xeon, where ``x_c @ w_c^T`` needs 9 rows for a chunk of 192).
     - ``rows``: one batched product of each chunk's ``x_c @ w_c^T``, the rows padded to its rule (4 on an
       AVX-512 AMD EPYC, where ``w_c @ x_c^T`` needs 12 tokens); on CUDA in row blocks (:func:`row_weight`
-      takes it there)."""
+      takes it there).
+    - ``native``: the fixed-order kernel over ``w.blocks``, any number of tokens as they are."""
     n, width = chunks.local, chunks.width
     dense, rows = w.dense, x.numel() // x.shape[-1]
+    if w.blocks is not None:
+        flat = x.reshape(rows, x.shape[-1]).contiguous()
+        return native.partials(flat, w.blocks, dense.shape[0]).view(n, *x.shape[:-1], dense.shape[0])
     if w.fused is not None and rows * n <= w.fused.rows:
         stacked = _pad_rows(x.reshape(rows * n, width), w.fused.rows)  # token t's chunk c: row t * n + c
         every = packed.mkl_linear(stacked, w.fused)[: rows * n].view(rows, n, n, dense.shape[0])

@@ -133,10 +133,11 @@ class Decoder:
 
     def _row_product(self, w: torch.Tensor, chunks: invariant.Chunks | None) -> RowWeight:
         """A row-parallel projection's weight as :meth:`_row_parallel` reads it (with the deterministic
-        kernels, in chunks as :func:`~rollout_worker.engine.invariant.chunk_kernel` chooses)."""
+        kernels, in chunks as :func:`~rollout_worker.engine.invariant.chunk_kernel` chooses: a copy in the
+        fixed-order kernel's layout only where the decoder packs its weights)."""
         if chunks is None:
             return self._product(w)
-        return invariant.row_weight(w, chunks)
+        return invariant.row_weight(w, chunks, copies=self.packed)
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> Layer:
         p = f"model.layers.{i}."
