@@ -22,10 +22,25 @@ from rollout_worker.engine.sharding import kv_head_range, q_head_range
 
 OTHERS = (0, 3, 4, 63)  # other rows in the batch
 Product = Callable[..., torch.Tensor]
+
+# the fixed-order kernel runs where this machine builds it (the CI machine does; an AVX2 CPU does not)
+NATIVE = pytest.param(
+    "native", marks=pytest.mark.skipif(native.kernels() is None, reason="no AVX-512 or no C++ compiler")
+)
+
+
+def _unpacked(w: native.Packed) -> torch.Tensor:
+    """The dense [out, in] weight a one-chunk :func:`native.pack` holds."""
+    _, blocks, k, width = w.blocks.shape
+    return w.blocks[0].permute(0, 2, 1).reshape(blocks * width, k)[: w.out]
+
+
 # kernel: (the invariant product, how it takes a weight, the default product on that weight)
-KERNELS: dict[str, tuple[Product, Callable[[torch.Tensor], torch.Tensor], Product]] = {
+KERNELS: dict[str, tuple[Product, Callable[[torch.Tensor], object], Product]] = {
     "sgemm": (inv.linear, lambda w: w, F.linear),
     "packed": (inv.packed_linear, packed.pack, packed.linear),
+    # the fixed-order kernel, whose default is sgemm on the same weight
+    "native": (native.linear, native.pack, lambda x, w: F.linear(x, _unpacked(w))),
 }
 kernels = pytest.mark.parametrize(
     "kernel",
@@ -34,12 +49,8 @@ kernels = pytest.mark.parametrize(
         pytest.param(
             "packed", marks=pytest.mark.skipif(not packed.available(), reason="no oneDNN packed linear")
         ),
+        NATIVE,
     ],
-)
-
-# the fixed-order kernel runs where this machine builds it (the CI machine does; an AVX2 CPU does not)
-NATIVE = pytest.param(
-    "native", marks=pytest.mark.skipif(native.kernels() is None, reason="no AVX-512 or no C++ compiler")
 )
 
 
@@ -480,7 +491,7 @@ def test_native_partials_are_each_chunks_product_in_one_order_whatever_the_token
     gen = torch.Generator().manual_seed(out + k)
     w, x = torch.randn(out, k, generator=gen), torch.randn(67, k, generator=gen)
     width = k // n
-    every = native.partials(x, native.pack(w, n), out)
+    every = native.partials(x, native.pack(w, n))
     exact = torch.stack(
         [
             x.double()[:, c * width : (c + 1) * width] @ w.double()[:, c * width : (c + 1) * width].T
@@ -491,13 +502,13 @@ def test_native_partials_are_each_chunks_product_in_one_order_whatever_the_token
     blocks = native.pack(w, n)
     for t in (1, 2, 3, 4, 5, 17, 63):
         for at in (0, 3, 67 - t):
-            assert torch.equal(native.partials(x[at : at + t], blocks, out), every[:, at : at + t]), (t, at)
+            assert torch.equal(native.partials(x[at : at + t], blocks), every[:, at : at + t]), (t, at)
     for c in range(n):
         cols = slice(c * width, (c + 1) * width)
-        alone = native.partials(x[:, cols].contiguous(), native.pack(w[:, cols], 1), out)[0]
+        alone = native.partials(x[:, cols].contiguous(), native.pack(w[:, cols]))[0]
         assert torch.equal(alone, every[c])
     for fewer in sorted({1, 15, 17, 63, 65, out - 1} & set(range(1, out))):
-        assert torch.equal(native.partials(x, native.pack(w[:fewer], n), fewer), every[..., :fewer]), fewer
+        assert torch.equal(native.partials(x, native.pack(w[:fewer], n)), every[..., :fewer]), fewer
     rounded = (x[:, None, :width] * w[None, :, :width]).sum(-1)  # each product rounded, then torch's sum
     assert not torch.equal(rounded, every[0])  # another order gives other bits: the comparisons can fail
 

@@ -138,7 +138,8 @@ def measure_rules(cfg: ModelConfig, dtype: torch.dtype, packed_weights: bool, wi
     """:func:`least_rows` of every product a decoder of ``cfg`` runs on CPU (its row-parallel chunks of
     ``widths``: as :func:`chunk_kernel` chooses, with :func:`fused_rows` for the tokens as columns), so a CPU
     without a rule fails when the decoder is built, not in a forward."""
-    least_rows("packed" if packed_weights else "linear", cfg.hidden_size, dtype)
+    if not (packed_weights and native_rule(cfg.hidden_size, dtype)):  # else the fixed-order kernel's
+        least_rows("packed" if packed_weights else "linear", cfg.hidden_size, dtype)
     for width in widths:
         if chunk_kernel(width, dtype, packed_weights) == "partials":  # its rules measured
             fused_rows(width, dtype)
@@ -165,7 +166,7 @@ def _probe(kernel: Kernel, k: int, dtype: torch.dtype, gen: torch.Generator) -> 
     if kernel == "native":  # the last of 1 to 3 chunks, each packed with the others
         w = rand(PROBE_COLS, k)
         packs = {n: native.pack(w.repeat(1, n), n) for n in (1, 2, 3)}
-        return lambda x: [native.partials(x.repeat(1, n), packs[n], PROBE_COLS)[-1] for n in (1, 2, 3)]
+        return lambda x: [native.partials(x.repeat(1, n), packs[n])[-1] for n in (1, 2, 3)]
     if kernel == "scores":  # attend's q [B, KVh, rows, hd] @ keys_t [B, KVh, hd, L], a slice of a wider one
         keys_t = rand(1, 2, k, 2 * KEY_CHUNK)[..., :KEY_CHUNK]
         return lambda x: [torch.matmul(torch.stack((x, x))[None], keys_t)[0, 1]]
@@ -344,7 +345,7 @@ class ChunkedWeight:
     dense: torch.Tensor
     kernel: ChunkKernel
     fused: packed.MklPacked | None = None
-    blocks: torch.Tensor | None = None
+    blocks: native.Packed | None = None
 
 
 def chunk_kernel(width: int, dtype: torch.dtype, copies: bool = True) -> ChunkKernel:
@@ -363,8 +364,7 @@ def chunk_kernel(width: int, dtype: torch.dtype, copies: bool = True) -> ChunkKe
     us, so on the EPYC ``small``'s 8 attention chunks took 267 us at one token against the rows' 179, and
     576 against 494 at 64 (weights read from memory). A form without a rule is not taken; neither having
     one is an error."""
-    built = dtype == torch.float32 and native.kernels() is not None
-    if copies and built and least_rows("native", width, dtype) == 1:
+    if copies and native_rule(width, dtype):
         return "native"
     rules: dict[ChunkKernel, int] = {}
     for form in ("partials", "rows"):
@@ -378,6 +378,12 @@ def chunk_kernel(width: int, dtype: torch.dtype, copies: bool = True) -> ChunkKe
             f"a row differently with every row count up to {PROBE_ROWS[-1]}; run without --deterministic"
         )
     return min(rules, key=rules.__getitem__)  # the first, partials, on a tie
+
+
+def native_rule(k: int, dtype: torch.dtype) -> bool:
+    """Whether products over ``k`` run on the fixed-order kernel (:mod:`~rollout_worker.engine.native`):
+    float32, built on this machine, and measured to have the rule it is built for, 1 row."""
+    return dtype == torch.float32 and native.kernels() is not None and least_rows("native", k, dtype) == 1
 
 
 def row_weight(
@@ -470,7 +476,7 @@ def partials(x: torch.Tensor, w: ChunkedWeight, chunks: Chunks) -> torch.Tensor:
     dense, rows = w.dense, x.numel() // x.shape[-1]
     if w.blocks is not None:
         flat = x.reshape(rows, x.shape[-1]).contiguous()
-        return native.partials(flat, w.blocks, dense.shape[0]).view(n, *x.shape[:-1], dense.shape[0])
+        return native.partials(flat, w.blocks).view(n, *x.shape[:-1], dense.shape[0])
     if w.fused is not None and rows * n <= w.fused.rows:
         stacked = _pad_rows(x.reshape(rows * n, width), w.fused.rows)  # token t's chunk c: row t * n + c
         every = packed.mkl_linear(stacked, w.fused)[: rows * n].view(rows, n, n, dense.shape[0])

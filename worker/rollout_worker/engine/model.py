@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from rollout_worker.api.model_config import ModelConfig
-from rollout_worker.engine import invariant, packed
+from rollout_worker.engine import invariant, native, packed
 from rollout_worker.engine.kvcache import GatheredKV, KVPool, gather_slots
 from rollout_worker.engine.parallel import ParallelState
 from rollout_worker.engine.sharding import kv_head_range, q_head_range
@@ -51,22 +51,22 @@ def _mean_last(x: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(Protocol):
-    """A product as ``F.linear`` takes it: (x, w, b=None)."""
+    """A product as ``F.linear`` takes it: (x, w, b=None), w as the decoder prepared it (:data:`Weight`)."""
 
-    def __call__(
-        self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, /
-    ) -> torch.Tensor: ...
+    def __call__(self, x: torch.Tensor, w: Any, b: torch.Tensor | None = None, /) -> torch.Tensor: ...
 
 
+# a column-parallel or replicated weight: dense, packed for oneDNN, or for the fixed-order kernel
+Weight = torch.Tensor | native.Packed
 RowWeight = torch.Tensor | invariant.ChunkedWeight  # a row-parallel weight (chunked: deterministic)
 
 
 @dataclass(slots=True)
 class Layer:
     ln1: torch.Tensor
-    wq: torch.Tensor
-    wk: torch.Tensor
-    wv: torch.Tensor
+    wq: Weight
+    wk: Weight
+    wv: Weight
     bq: torch.Tensor | None
     bk: torch.Tensor | None
     bv: torch.Tensor | None
@@ -74,8 +74,8 @@ class Layer:
     k_norm: torch.Tensor | None
     wo: RowWeight
     ln2: torch.Tensor
-    w_gate: torch.Tensor
-    w_up: torch.Tensor
+    w_gate: Weight
+    w_up: Weight
     w_down: RowWeight
 
 
@@ -92,13 +92,17 @@ class Decoder:
     ) -> None:
         """``chunks``: the deterministic kernels (:mod:`~rollout_worker.engine.invariant`) with these
         row-parallel chunks; None: the BLAS's and the backend's own orders. ``pack``: float32 products on
-        CPU run on weights packed once for oneDNN (:mod:`~rollout_worker.engine.packed`)."""
+        CPU run on weights packed once for oneDNN (:mod:`~rollout_worker.engine.packed`), or with the
+        deterministic kernels for the fixed-order kernel where this machine has it
+        (:func:`~rollout_worker.engine.invariant.native_rule`)."""
         self.cfg, self.ps = cfg, ps
-        self.packed = pack and packed.packs(weights["model.embed_tokens.weight"])
+        embed = weights["model.embed_tokens.weight"]
+        self.packed = pack and packed.packs(embed)
+        self.native = bool(chunks) and self.packed and invariant.native_rule(cfg.hidden_size, embed.dtype)
         kernels: tuple[Linear, Linear] = (
             (invariant.packed_linear, invariant.linear) if chunks else (packed.linear, F.linear)
         )
-        self.linear = kernels[0] if self.packed else kernels[1]
+        self.linear: Linear = native.linear if self.native else kernels[0] if self.packed else kernels[1]
         self.mean_last = invariant.mean_last if chunks else _mean_last
         self.o_chunks = self.down_chunks = None
         if chunks:
@@ -106,16 +110,15 @@ class Decoder:
             self.down_chunks = invariant.Chunks.of(
                 chunks.mlp_down, invariant.mlp_shards(cfg, ps.tp), ps.shard
             )
-            embed = weights["model.embed_tokens.weight"]
             if not embed.is_cuda:  # each product's row rule, before the first forward needs it
                 widths = (self.o_chunks.width, self.down_chunks.width)
                 invariant.measure_rules(cfg, embed.dtype, self.packed, widths)
         q_lo, q_hi = q_head_range(cfg, ps.tp, ps.shard)  # shards may differ in width (uneven heads)
         kv_lo, kv_hi = kv_head_range(cfg, ps.tp, ps.shard)
         self.heads, self.kv_heads = q_hi - q_lo, kv_hi - kv_lo
-        self.embed = weights["model.embed_tokens.weight"]
+        self.embed = embed
         self.norm = weights["model.norm.weight"]
-        self.lm_head = self._product(weights["lm_head.weight"])
+        self.lm_head: Weight = self._product(weights["lm_head.weight"])
         self.layers: list[Layer] = [self._layer(weights, i) for i in range(cfg.num_layers)]
         dev = self.embed.device
         self.inv_freq = rope_inv_freq(cfg).to(dev)
@@ -127,16 +130,19 @@ class Decoder:
         self.layers = []
         self.embed = self.norm = self.lm_head = torch.empty(0, device=self.embed.device)
 
-    def _product(self, w: torch.Tensor) -> torch.Tensor:
-        """A projection's weight as :attr:`linear` reads it (packed: a copy in oneDNN's layout)."""
+    def _product(self, w: torch.Tensor) -> Weight:
+        """A projection's weight as :attr:`linear` reads it (packed: a copy in oneDNN's layout, or in the
+        fixed-order kernel's)."""
+        if self.native:
+            return native.pack(w)
         return packed.pack(w) if self.packed else w
 
     def _row_product(self, w: torch.Tensor, chunks: invariant.Chunks | None) -> RowWeight:
         """A row-parallel projection's weight as :meth:`_row_parallel` reads it (with the deterministic
         kernels, in chunks as :func:`~rollout_worker.engine.invariant.chunk_kernel` chooses: a copy in the
         fixed-order kernel's layout only where the decoder packs its weights)."""
-        if chunks is None:
-            return self._product(w)
+        if chunks is None:  # the default kernels (never the fixed-order one)
+            return packed.pack(w) if self.packed else w
         return invariant.row_weight(w, chunks, copies=self.packed)
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> Layer:

@@ -1,4 +1,6 @@
-"""The deterministic kernels' own fixed-order products (``csrc/fixed_order.cpp``), built on first use.
+"""The deterministic kernels' own fixed-order products (``csrc/fixed_order.cpp``), built on first use: a
+row-parallel weight's chunks (:func:`partials`) and, as one chunk, the row-independent products
+(:func:`linear`: q/k/v, gate/up, the logits), where the decoder packs its weights.
 
 A row-parallel chunk's partial product on MKL or oneDNN has a row rule (a token alone and among others
 round alike only from so many rows, :func:`~rollout_worker.engine.invariant.least_rows`), so a decode step
@@ -8,8 +10,8 @@ order itself: each output is one chain of fused multiply-adds over the chunk's i
 (:func:`pack`). Its rule is 1 at every width, and it reads the weight once per call whatever the tokens.
 Measured with one thread on an AVX-512 Xeon (``bench/fixed_order.py``: SmolLM2-135M's and ``small``'s
 row-parallel weights, read from memory): 1.2-2.2x faster than the MKL chunk products at 1 to 64 tokens,
-and 0.89-1.43x the time of oneDNN's whole product on packed weights (the default kernels', not
-invariant): 1.2-1.4x faster at one token, within 11% at 4 to 64.
+and against oneDNN's whole product on packed weights (the default kernels', not invariant) 1.2-1.4x
+faster at one token and within 11% either way at 4 to 64.
 
 AVX-512 only (its float32 FMAs); built with the C++ compiler torch's extensions use (``g++``) and ninja
 (the ``engine`` extra installs it), once per machine, into torch's extension cache (``TORCH_EXTENSIONS_DIR``;
@@ -23,6 +25,7 @@ import functools
 import logging
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -66,17 +69,38 @@ def kernels() -> ModuleType | None:
         return None
 
 
-def pack(w: torch.Tensor, n: int) -> torch.Tensor:
-    """w [out, n * width] (float32) as the kernel reads it: [n, ceil(out / 64), width, 64], each chunk's
-    blocks of 64 outputs, zeros past ``out`` (a copy)."""
-    mod = kernels()
-    assert mod is not None
-    return mod.pack(w, n)
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """A float32 weight [out, n * width] as the kernel reads it (:func:`pack`): ``blocks`` [n, ceil(out /
+    64), width, 64], each chunk's blocks of 64 outputs, zeros past ``out``."""
+
+    blocks: torch.Tensor
+    out: int
+
+    @property
+    def chunks(self) -> int:
+        return self.blocks.shape[0]
 
 
-def partials(x: torch.Tensor, packed: torch.Tensor, out: int) -> torch.Tensor:
-    """[n, rows, out]: each chunk's product of x [rows, n * width] (rows of unit stride) and the weight
-    :func:`pack` packed."""
+def pack(w: torch.Tensor, n: int = 1) -> Packed:
+    """w [out, n * width] (float32) in ``n`` chunks, packed for the kernel (a copy)."""
     mod = kernels()
     assert mod is not None
-    return mod.partials(x, packed, out)
+    return Packed(mod.pack(w, n), w.shape[0])
+
+
+def partials(x: torch.Tensor, w: Packed) -> torch.Tensor:
+    """[n, rows, out]: each chunk's product of x [rows, n * width] (rows of unit stride) and ``w``."""
+    mod = kernels()
+    assert mod is not None
+    return mod.partials(x, w.blocks, w.out)
+
+
+def linear(x: torch.Tensor, w: Packed, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, b)`` for x [*rows, in] and a weight packed in one chunk, each output of each row in
+    the kernel's one order (the bias added after)."""
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    out = partials(flat, w)[0]
+    if b is not None:
+        out = out + b
+    return out.view(*x.shape[:-1], w.out)
