@@ -315,10 +315,19 @@ def _t(keys: torch.Tensor) -> torch.Tensor:
     return keys.transpose(-1, -2).contiguous()
 
 
-def test_attention_row_does_not_depend_on_batch_padding_prefill_or_tp() -> None:
+@pytest.fixture(params=["torch", NATIVE])
+def attention(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """attend on the fixed-order kernel (where it is built) or on torch's operations (as elsewhere)."""
+    if request.param == "torch":
+        monkeypatch.setattr(inv, "native_attention", lambda *_, **__: False)
+    return str(request.param)
+
+
+def test_attention_row_does_not_depend_on_batch_padding_prefill_or_tp(attention: str) -> None:
     """A query's output: decoded alone over its own keys; among 3, 4 and 63 other rows whose keys are
     longer (its keys padded to theirs); as the last row of a prefill of its whole sequence; and per TP
-    shard of the real model's heads (9 query heads over 3 KV heads; at TP 4 a KV head is duplicated)."""
+    shard of the real model's heads (9 query heads over 3 KV heads; at TP 4 a KV head is duplicated).
+    Within float32 rounding of SDPA's."""
     cfg = _smollm2()
     hd, heads, kvh = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     gen = torch.Generator().manual_seed(5)
@@ -329,6 +338,7 @@ def test_attention_row_does_not_depend_on_batch_padding_prefill_or_tp() -> None:
     q = seq_q[:, -1:]
     ref = inv.attend(q, _t(k), v, torch.ones(1, 1, 1, own, dtype=torch.bool), 0.125)
     default_ref = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, scale=0.125, enable_gqa=True)
+    assert torch.allclose(ref, default_ref.transpose(1, 2).reshape(ref.shape), atol=1e-5)
     default_differs = False
     for n in (3, 4, 63):
         for length in (own, own + 1, 300, 700):
@@ -364,7 +374,8 @@ def test_attention_over_keys_cut_to_key_step_is_bitwise_whole_chunks(
     """Products cut to this CPU's ``key_step`` (the keys any row sees, rounded up) give every query row the
     bits of whole ``KEY_CHUNK`` chunks: rows seeing 1 to 300 keys, alone and in a batch whose longest row
     sees up to 300, decode rows and a prefill. Where no finer step holds (``KEY_CHUNK``), every candidate
-    is shown to disagree."""
+    is shown to disagree. (torch's operations: the fixed-order kernel reads no further than ``seen``.)"""
+    monkeypatch.setattr(inv, "native_attention", lambda *_, **__: False)
     step = inv.key_step(hd, torch.float32)
     if step == inv.KEY_CHUNK:
         least = inv.query_rows(hd, torch.float32)

@@ -76,7 +76,8 @@ def test_decoder_packs_float32_weights_only(tiny32: Path, tiny64: Path) -> None:
     assert det.packed and det.o_chunks is not None
     # the column-parallel weights: for the fixed-order kernel where this machine builds it, else oneDNN's
     wq = det.layers[0].wq
-    assert det.native == (native.kernels() is not None)
+    assert det.native == det.native_attention == (native.kernels() is not None)
+    assert det.keys_t == (not det.native_attention)  # torch's attention reads the kept keys transposed
     assert isinstance(wq, native.Packed) if det.native else isinstance(wq, torch.Tensor) and wq.is_mkldnn
     # the row-parallel weights: in chunks as this CPU's rules choose (chunk_kernel)
     assert det.down_chunks is not None

@@ -99,6 +99,12 @@ class Decoder:
         embed = weights["model.embed_tokens.weight"]
         self.packed = pack and packed.packs(embed)
         self.native = bool(chunks) and self.packed and invariant.native_rule(cfg.hidden_size, embed.dtype)
+        # the deterministic kernels' attention: on the fixed-order kernel (which reads the keys as they are,
+        # and no further than any row sees), else on torch's operations (on CPU over transposed keys)
+        self.native_attention = bool(chunks) and invariant.native_attention(
+            cfg.head_dim, embed.dtype, embed.is_cuda
+        )
+        self.keys_t = bool(chunks) and not embed.is_cuda and not self.native_attention
         kernels: tuple[Linear, Linear] = (
             (invariant.packed_linear, invariant.linear) if chunks else (packed.linear, F.linear)
         )
@@ -222,7 +228,8 @@ class Decoder:
         bsz, seq = tokens.shape
         cos, sin = self.rope(positions)
         seen = read.shape[1]  # keys any query sees (the padding past them is masked)
-        if self.o_chunks is not None and seen < invariant.key_span(seen):
+        whole_chunks = self.o_chunks is not None and not self.native_attention  # torch ops read whole chunks
+        if whole_chunks and seen < invariant.key_span(seen):
             read = F.pad(read, (0, invariant.key_span(seen) - seen))  # slot 0: masked
         key_pos = torch.arange(read.shape[1], device=tokens.device)
         mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, S, L]: keys a query sees
@@ -232,7 +239,7 @@ class Decoder:
         # a CUDA decode step (default kernels) gathers its keys KV-head-major, as its products read them
         kv_major = gathered is None and seq == 1 and self.o_chunks is None and tokens.is_cuda
         if gathered is not None:
-            gathered.begin(pool, read, positions[:, 0], keys_t=self.o_chunks is not None)
+            gathered.begin(pool, read, positions[:, 0], keys_t=self.keys_t)
         else:
             pool.version += 1  # writes that no GatheredKV mirrors
         for i, lw in enumerate(self.layers):
@@ -278,10 +285,12 @@ class Decoder:
 
     def _keys(self, gathered: torch.Tensor) -> torch.Tensor:
         """Keys gathered from the pool [B, L, KVh, hd] as :meth:`_attend` takes them, [B, KVh, L, hd]: with
-        the deterministic kernels on CPU a transposed view of each KV head's [hd, L] row-major (as
-        :class:`GatheredKV` keeps them there: one layout, one kernel; MKL's 3-row product with a transposed
-        operand took about 3x longer)."""
-        if self.o_chunks is None or gathered.is_cuda:
+        the deterministic kernels on CPU's torch operations (:attr:`keys_t`) a transposed view of each KV
+        head's [hd, L] row-major (as :class:`GatheredKV` keeps them there: one layout, one kernel; MKL's
+        3-row product with a transposed operand took about 3x longer). The fixed-order kernel reads them as
+        they are, and so does :class:`GatheredKV`, whose writes of a step's keys are then contiguous (into
+        the transposed layout, one scattered element per head dimension)."""
+        if not self.keys_t:
             return gathered.transpose(1, 2)
         return gathered.permute(0, 2, 3, 1).contiguous().transpose(2, 3)
 

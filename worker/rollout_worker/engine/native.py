@@ -1,6 +1,7 @@
 """The deterministic kernels' own fixed-order products (``csrc/fixed_order.cpp``), built on first use: a
 row-parallel weight's chunks (:func:`partials`) and, as one chunk, the row-independent products
-(:func:`linear`: q/k/v, gate/up, the logits), where the decoder packs its weights.
+(:func:`linear`: q/k/v, gate/up, the logits), where the decoder packs its weights; and attention
+(:func:`attend`).
 
 A row-parallel chunk's partial product on MKL or oneDNN has a row rule (a token alone and among others
 round alike only from so many rows, :func:`~rollout_worker.engine.invariant.least_rows`), so a decode step
@@ -104,3 +105,28 @@ def linear(x: torch.Tensor, w: Packed, b: torch.Tensor | None = None) -> torch.T
     if b is not None:
         out = out + b
     return out.view(*x.shape[:-1], w.out)
+
+
+def attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    vals: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    seen: int | None = None,
+) -> torch.Tensor:
+    """Attention of q [B, S, H, hd] over keys and vals [B, KVh, L, hd] (each head's vectors of unit stride;
+    else copied) under mask [B, 1, S, L] (a query's visible keys): [B, S, H * hd], as
+    :func:`~rollout_worker.engine.invariant.attend` computes it but in the kernel's fixed orders (float32 on
+    CPU, ``hd`` a multiple of 16 up to 128). Each query row on its own: its scores (per key, the head
+    dimension's 16 lanes summed over its vectors in order, then the lanes in one order), its maximum, its
+    exponentials (the kernel's own polynomial), their sum (a lane per key modulo 16, then the lanes) and
+    its weighted values (a lane per head dimension, over the keys in order); keys past ``seen`` are not
+    read. A row's result depends on nothing else in the batch, on the keys it does not see, or on their
+    number."""
+    mod = kernels()
+    assert mod is not None
+    bsz, seq, length = q.shape[0], q.shape[1], keys.shape[2]
+    keys, vals = (t if t.stride(-1) == 1 else t.contiguous() for t in (keys, vals))
+    rows = mask.expand(bsz, 1, seq, mask.shape[-1])[:, 0].contiguous().view(torch.uint8)  # [B, S, L]
+    return mod.attend(q, keys, vals, rows, scale, length if seen is None else min(seen, length))

@@ -6,6 +6,8 @@
 #include <torch/extension.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <cmath>
+#include <vector>
 
 constexpr int64_t LANES = 16, BLOCK = 64;  // outputs per vector, per packed block (4 vectors)
 
@@ -88,7 +90,185 @@ torch::Tensor partials(torch::Tensor x, torch::Tensor packed, int64_t O) {
   return out;
 }
 
+
+// ---- attention: every query row on its own, each sum in one fixed order ----
+
+// exp(x) for x <= 0 (a score less the row's maximum): n = round(x log2 e), r = x - n ln 2 (two steps),
+// a degree-6 polynomial of r, scaled by 2^n; the same instructions for every element, so the same bits.
+static inline __m512 exp_le0(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+static inline float lanes_sum(__m512 v) {  // one fixed order
+  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
+  return _mm_cvtss_f32(q);
+}
+
+static inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+
+// 16 accumulators -> one vector of their 16 sums (sum k in lane k); every accumulator's lanes are added in
+// the same order whatever its position k: (l + l+2) within 4-lane groups, the two pairs, the 128-bit
+// groups 0+1 and 2+3, then those two
+static inline __m512 reduce16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    __m512d s = _mm512_castps_pd(a[2 * i]), t = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(s, t)), _mm512_castpd_ps(_mm512_unpackhi_pd(s, t)));
+  }
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// the scores of one query row (q: hd floats, scaled) against keys [j0, j0 + 16) (rows of hd, stride ldk):
+// per key the head dimension's 16 lanes summed over its vectors in order, then the lanes (reduce16). Keys
+// at or past L repeat key j0 (computed, not stored).
+static inline void score_keys(const float* q, const float* keys, int64_t ldk, int64_t hd, int64_t j0, int64_t L,
+                              float* sc) {
+  __m512 acc[16];
+  const float* kr[16];
+  for (int k = 0; k < 16; ++k) {
+    acc[k] = _mm512_setzero_ps();
+    kr[k] = keys + (j0 + k < L ? j0 + k : j0) * ldk;
+  }
+  for (int64_t d = 0; d < hd; d += 16) {
+    __m512 qv = _mm512_loadu_ps(q + d);
+    for (int k = 0; k < 16; ++k) acc[k] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kr[k] + d), acc[k]);
+  }
+  _mm512_mask_storeu_ps(sc + j0, tail_mask(L - j0), reduce16(acc));
+}
+
+// out rows = sum over keys j in order of e[r][j] * v[j] (a lane per head dimension), HV vectors of 16
+template <int RT, int HV>
+static inline void value_tile(const float* const* e, const float* vals, int64_t ldv, int64_t L, float* const* out,
+                              const float* den) {
+  __m512 acc[RT][HV];
+  for (int i = 0; i < RT; ++i)
+    for (int v = 0; v < HV; ++v) acc[i][v] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < L; ++j) {
+    __m512 vv[HV];
+    for (int v = 0; v < HV; ++v) vv[v] = _mm512_loadu_ps(vals + j * ldv + 16 * v);
+    for (int i = 0; i < RT; ++i) {
+      __m512 ev = _mm512_set1_ps(e[i][j]);
+      for (int v = 0; v < HV; ++v) acc[i][v] = _mm512_fmadd_ps(ev, vv[v], acc[i][v]);
+    }
+  }
+  for (int i = 0; i < RT; ++i) {
+    __m512 dv = _mm512_set1_ps(den[i]);
+    for (int v = 0; v < HV; ++v) _mm512_storeu_ps(out[i] + 16 * v, _mm512_div_ps(acc[i][v], dv));
+  }
+}
+
+template <int HV>
+static void values_of(float* const* e, const float* vals, int64_t ldv, int64_t L, float* const* out,
+                      const float* den, int64_t rows) {
+  constexpr int RT = 16 / HV;
+  for (int64_t r0 = 0; r0 < rows; r0 += RT) {
+    int rt = (int)std::min<int64_t>(RT, rows - r0);
+    const float* er[RT];
+    float* orow[RT];
+    float dn[RT];
+    alignas(64) float scratch[RT][16 * HV];
+    for (int i = 0; i < RT; ++i) {
+      int k = std::min(i, rt - 1);
+      er[i] = e[r0 + k];
+      dn[i] = den[r0 + k];
+      orow[i] = i < rt ? out[r0 + i] : scratch[i];
+    }
+    value_tile<RT, HV>(er, vals, ldv, L, orow, dn);
+  }
+}
+
+// q [B, S, H, hd], keys and vals [B, KVh, >= L, hd] (last stride 1),
+// mask [B, S, L] (uint8: the keys each query row sees) -> [B, S, H * hd]. Query head h reads KV head
+// h / (H / KVh). Every row's result is its own: bitwise the same whatever B, S, L past its last visible
+// key, and the other rows.
+torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor vals, torch::Tensor mask, double scale,
+                     int64_t L) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && vals.scalar_type() == at::kFloat,
+              "attend: float32");
+  TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && vals.dim() == 4 && mask.dim() == 3, "attend: shapes");
+  TORCH_CHECK(keys.stride(3) == 1 && vals.stride(3) == 1 && mask.scalar_type() == at::kByte, "attend: layouts");
+  q = q.contiguous();
+  mask = mask.contiguous();
+  int64_t B = q.size(0), S = q.size(1), H = q.size(2), hd = q.size(3), KVh = keys.size(1);
+  TORCH_CHECK(H % KVh == 0 && hd % 16 == 0 && hd <= 128 && keys.size(3) == hd && vals.size(3) == hd,
+              "attend: head layout");
+  TORCH_CHECK(keys.size(2) >= L && vals.size(2) >= L && mask.size(2) >= L, "attend: fewer keys than L");
+  int64_t G = H / KVh, rows = G * S, HV = hd / 16;
+  auto out = torch::empty({B, S, H * hd}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = keys.data_ptr<float>();
+  const float* vp = vals.data_ptr<float>();
+  const uint8_t* mp = mask.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  int64_t Lp = (L + 15) / 16 * 16;
+  std::vector<float> qbuf(rows * hd), sbuf(rows * std::max<int64_t>(Lp, 16)), den(rows);
+  std::vector<float*> erow(rows), orow(rows);
+  int64_t mstride = mask.size(2);
+  pybind11::gil_scoped_release no_gil;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t kv = 0; kv < KVh; ++kv) {
+      const float* kk = kp + b * keys.stride(0) + kv * keys.stride(1);
+      const float* vv = vp + b * vals.stride(0) + kv * vals.stride(1);
+      for (int64_t r = 0; r < rows; ++r) {  // row r: query head kv * G + r / S at position r % S
+        int64_t g = r / S, s = r % S;
+        const float* src = qp + ((b * S + s) * H + kv * G + g) * hd;
+        for (int64_t d = 0; d < hd; ++d) qbuf[r * hd + d] = src[d] * (float)scale;
+        erow[r] = sbuf.data() + r * Lp;
+        orow[r] = op + (b * S + s) * H * hd + (kv * G + g) * hd;
+      }
+      for (int64_t j0 = 0; j0 < L; j0 += 16)  // 16 keys stay in cache across the rows
+        for (int64_t r = 0; r < rows; ++r) score_keys(qbuf.data() + r * hd, kk, keys.stride(2), hd, j0, L, erow[r]);
+      for (int64_t r = 0; r < rows; ++r) {  // the row's visible keys: maximum, exponentials, their sum
+        const uint8_t* mr = mp + (b * S + r % S) * mstride;
+        float* e = erow[r];
+        float top = -INFINITY;
+        for (int64_t j = 0; j < L; ++j)
+          if (mr[j]) top = std::max(top, e[j]);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j0 = 0; j0 < L; j0 += 16) {
+          __mmask16 m = tail_mask(L - j0);
+          __mmask16 seen = 0;
+          for (int k = 0; k < 16 && j0 + k < L; ++k) seen |= (__mmask16)(mr[j0 + k] ? 1u << k : 0);
+          __m512 x = _mm512_maskz_loadu_ps(m, e + j0);
+          __m512 ex = _mm512_maskz_mov_ps(seen, exp_le0(_mm512_sub_ps(x, _mm512_set1_ps(top))));
+          _mm512_mask_storeu_ps(e + j0, m, ex);
+          sum = _mm512_add_ps(sum, ex);
+        }
+        den[r] = top == -INFINITY ? 1.0f : lanes_sum(sum);  // a row that sees no key: zeros
+      }
+      switch (HV) {
+        case 1: values_of<1>(erow.data(), vv, vals.stride(2), L, orow.data(), den.data(), rows); break;
+        case 2: values_of<2>(erow.data(), vv, vals.stride(2), L, orow.data(), den.data(), rows); break;
+        case 4: values_of<4>(erow.data(), vv, vals.stride(2), L, orow.data(), den.data(), rows); break;
+        case 8: values_of<8>(erow.data(), vv, vals.stride(2), L, orow.data(), den.data(), rows); break;
+      }
+    }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack);
   m.def("partials", &partials);
+  m.def("attend", &attend);
 }
