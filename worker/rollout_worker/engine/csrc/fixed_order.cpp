@@ -222,46 +222,52 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor vals, to
   const uint8_t* mp = mask.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   int64_t Lp = (L + 15) / 16 * 16;
-  std::vector<float> qbuf(rows * hd), sbuf(rows * std::max<int64_t>(Lp, 16)), den(rows);
-  std::vector<float*> erow(rows), orow(rows);
+  // rows in blocks (each row's work is its own): the scores' buffer is ROW_BLOCK x L, whatever a prefill's rows
+  constexpr int64_t ROW_BLOCK = 64;
+  int64_t nb_max = std::min(rows, ROW_BLOCK);
+  std::vector<float> qbuf(nb_max * hd), sbuf(nb_max * std::max<int64_t>(Lp, 16)), den(nb_max);
+  std::vector<float*> erow(nb_max), orow(nb_max);
   int64_t mstride = mask.size(2);
   pybind11::gil_scoped_release no_gil;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t kv = 0; kv < KVh; ++kv) {
       const float* kk = kp + b * keys.stride(0) + kv * keys.stride(1);
       const float* vv = vp + b * vals.stride(0) + kv * vals.stride(1);
-      for (int64_t r = 0; r < rows; ++r) {  // row r: query head kv * G + r / S at position r % S
-        int64_t g = r / S, s = r % S;
-        const float* src = qp + ((b * S + s) * H + kv * G + g) * hd;
-        for (int64_t d = 0; d < hd; ++d) qbuf[r * hd + d] = src[d] * (float)scale;
-        erow[r] = sbuf.data() + r * Lp;
-        orow[r] = op + (b * S + s) * H * hd + (kv * G + g) * hd;
-      }
-      for (int64_t j0 = 0; j0 < L; j0 += 16)  // 16 keys stay in cache across the rows
-        for (int64_t r = 0; r < rows; ++r) score_keys(qbuf.data() + r * hd, kk, keys.stride(2), hd, j0, L, erow[r]);
-      for (int64_t r = 0; r < rows; ++r) {  // the row's visible keys: maximum, exponentials, their sum
-        const uint8_t* mr = mp + (b * S + r % S) * mstride;
-        float* e = erow[r];
-        float top = -INFINITY;
-        for (int64_t j = 0; j < L; ++j)
-          if (mr[j]) top = std::max(top, e[j]);
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t j0 = 0; j0 < L; j0 += 16) {
-          __mmask16 m = tail_mask(L - j0);
-          __mmask16 seen = 0;
-          for (int k = 0; k < 16 && j0 + k < L; ++k) seen |= (__mmask16)(mr[j0 + k] ? 1u << k : 0);
-          __m512 x = _mm512_maskz_loadu_ps(m, e + j0);
-          __m512 ex = _mm512_maskz_mov_ps(seen, exp_le0(_mm512_sub_ps(x, _mm512_set1_ps(top))));
-          _mm512_mask_storeu_ps(e + j0, m, ex);
-          sum = _mm512_add_ps(sum, ex);
+      for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
+        int64_t nb = std::min(ROW_BLOCK, rows - r0);
+        for (int64_t i = 0; i < nb; ++i) {  // row r: query head kv * G + r / S at position r % S
+          int64_t r = r0 + i, g = r / S, s = r % S;
+          const float* src = qp + ((b * S + s) * H + kv * G + g) * hd;
+          for (int64_t d = 0; d < hd; ++d) qbuf[i * hd + d] = src[d] * (float)scale;
+          erow[i] = sbuf.data() + i * Lp;
+          orow[i] = op + (b * S + s) * H * hd + (kv * G + g) * hd;
         }
-        den[r] = top == -INFINITY ? 1.0f : lanes_sum(sum);  // a row that sees no key: zeros
-      }
-      switch (HV) {
-        case 1: values_of<1>(erow.data(), vv, vals.stride(2), L, orow.data(), den.data(), rows); break;
-        case 2: values_of<2>(erow.data(), vv, vals.stride(2), L, orow.data(), den.data(), rows); break;
-        case 4: values_of<4>(erow.data(), vv, vals.stride(2), L, orow.data(), den.data(), rows); break;
-        case 8: values_of<8>(erow.data(), vv, vals.stride(2), L, orow.data(), den.data(), rows); break;
+        for (int64_t j0 = 0; j0 < L; j0 += 16)  // 16 keys stay in cache across the rows
+          for (int64_t i = 0; i < nb; ++i) score_keys(qbuf.data() + i * hd, kk, keys.stride(2), hd, j0, L, erow[i]);
+        for (int64_t i = 0; i < nb; ++i) {  // the row's visible keys: maximum, exponentials, their sum
+          const uint8_t* mr = mp + (b * S + (r0 + i) % S) * mstride;
+          float* e = erow[i];
+          float top = -INFINITY;
+          for (int64_t j = 0; j < L; ++j)
+            if (mr[j]) top = std::max(top, e[j]);
+          __m512 sum = _mm512_setzero_ps();
+          for (int64_t j0 = 0; j0 < L; j0 += 16) {
+            __mmask16 m = tail_mask(L - j0);
+            __mmask16 seen = 0;
+            for (int k = 0; k < 16 && j0 + k < L; ++k) seen |= (__mmask16)(mr[j0 + k] ? 1u << k : 0);
+            __m512 x = _mm512_maskz_loadu_ps(m, e + j0);
+            __m512 ex = _mm512_maskz_mov_ps(seen, exp_le0(_mm512_sub_ps(x, _mm512_set1_ps(top))));
+            _mm512_mask_storeu_ps(e + j0, m, ex);
+            sum = _mm512_add_ps(sum, ex);
+          }
+          den[i] = top == -INFINITY ? 1.0f : lanes_sum(sum);  // a row that sees no key: zeros
+        }
+        switch (HV) {
+          case 1: values_of<1>(erow.data(), vv, vals.stride(2), L, orow.data(), den.data(), nb); break;
+          case 2: values_of<2>(erow.data(), vv, vals.stride(2), L, orow.data(), den.data(), nb); break;
+          case 4: values_of<4>(erow.data(), vv, vals.stride(2), L, orow.data(), den.data(), nb); break;
+          case 8: values_of<8>(erow.data(), vv, vals.stride(2), L, orow.data(), den.data(), nb); break;
+        }
       }
     }
   return out;
