@@ -1,8 +1,9 @@
-// Fixed-order float32 products for the deterministic kernels (issue 19): each row-parallel chunk's partial
-// product, every output one chain of fused multiply-adds over the chunk's inputs in order, from zero. A
-// vector's 16 lanes are 16 outputs (no sum across lanes), so an output's bits do not depend on the number
-// of tokens, on where a token or an output falls in a tile, or on the other chunks: batch- and
-// TP-invariant by construction, on any AVX-512 CPU. Built on first use by rollout_worker.engine.native.
+// Fixed-order float32 kernels for the deterministic kernels (issue 19), built on first use by
+// rollout_worker.engine.native. Products (`partials`): each chunk's partial product, every output one chain
+// of fused multiply-adds over the chunk's inputs in order, from zero; a vector's 16 lanes are 16 outputs
+// (no sum across lanes), so an output's bits do not depend on the number of tokens, on where a token or an
+// output falls in a tile, or on the other chunks: batch- and TP-invariant by construction. Attention
+// (`attend`): every query row on its own, each of its sums in one fixed order.
 #include <torch/extension.h>
 #include <immintrin.h>
 #include <algorithm>
@@ -10,6 +11,9 @@
 #include <vector>
 
 constexpr int64_t LANES = 16, BLOCK = 64;  // outputs per vector, per packed block (4 vectors)
+
+// the lanes of the first n (all from 16 on)
+static inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
 
 // out[t, o] for TT tokens and OB blocks of 64 outputs: each (t, o) one chain of fused multiply-adds over k
 // in order, from zero (a lane per output: no reduction across lanes). Token rows past the edge repeat the
@@ -33,9 +37,7 @@ static inline void tile(const float* const* xr, const float* const* wb, int64_t 
     for (int j = 0; j < OB * 4; ++j) {
       int64_t o = o0 + j * LANES;
       if (o >= O) break;
-      int64_t rest = O - o;
-      __mmask16 m = rest >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << rest) - 1);
-      _mm512_mask_storeu_ps(outr[i] + o, m, acc[i][j]);
+      _mm512_mask_storeu_ps(outr[i] + o, tail_mask(O - o), acc[i][j]);
     }
 }
 
@@ -90,7 +92,6 @@ torch::Tensor partials(torch::Tensor x, torch::Tensor packed, int64_t O) {
   return out;
 }
 
-
 // ---- attention: every query row on its own, each sum in one fixed order ----
 
 // exp(x) for x <= 0 (a score less the row's maximum): n = round(x log2 e), r = x - n ln 2 (two steps),
@@ -119,7 +120,6 @@ static inline float lanes_sum(__m512 v) {  // one fixed order
   return _mm_cvtss_f32(q);
 }
 
-static inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
 
 // 16 accumulators -> one vector of their 16 sums (sum k in lane k); every accumulator's lanes are added in
 // the same order whatever its position k: (l + l+2) within 4-lane groups, the two pairs, the 128-bit
