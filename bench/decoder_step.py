@@ -7,7 +7,9 @@ the median of ``steps`` steps (after 3 warm-up steps), both kernels in the same 
 also prints a torch profile of 2 steps of the last batch size, after the warm-up steps. To compare two
 versions, run it from each checkout in turn, alternating.
 Usage (repository root): .venv/bin/python bench/decoder_step.py [--preset small] [--batch 1,16,64]
-[--context 250] [--steps 12] [--runs 3] [--json OUT] [--profile default|deterministic]
+[--context 250] [--steps 12] [--runs 3] [--pack on|off] [--json OUT] [--profile default|deterministic]
+``--pack off`` builds both decoders as an engine does where its weights' packed copies do not fit
+(``packed_weights``: ``medium`` on most machines).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=250)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--pack", choices=["on", "off"], default="on", help="packed weights (default on)")
     ap.add_argument("--json")
     ap.add_argument("--profile", choices=["default", "deterministic"], help="print a torch profile too")
     args = ap.parse_args()
@@ -80,8 +83,8 @@ def main() -> None:
     cfg = ModelConfig.from_dict(preset_config(args.preset), where=args.preset)
     weights = random_shard(cfg, 1, 0, torch.float32, torch.device("cpu"))
     decoders = {
-        "default": Decoder(cfg, weights, SINGLE),
-        "deterministic": Decoder(cfg, weights, SINGLE, RowChunks.of(cfg, 2)),
+        "default": Decoder(cfg, weights, SINGLE, pack=args.pack == "on"),
+        "deterministic": Decoder(cfg, weights, SINGLE, RowChunks.of(cfg, 2), pack=args.pack == "on"),
     }
     batches = [int(b) for b in args.batch.split(",")]
     runs: dict[str, dict[int, list[float]]] = {k: {b: [] for b in batches} for k in decoders}
@@ -89,7 +92,8 @@ def main() -> None:
         for b in batches:
             for name, dec in decoders.items():
                 runs[name][b].append(statistics.median(steps_ms(dec, cfg, b, args.context, args.steps)))
-    print(f"{args.preset}, one TP=1 decoder, context {args.context}, median of {args.runs} runs (ms):")
+    print(f"{args.preset}, one TP=1 decoder, packed {args.pack}, context {args.context}", end="")
+    print(f", median of {args.runs} runs (ms):")
     print(" batch  default  determ.  tok/s ratio")
     points = []
     for b in batches:
@@ -107,7 +111,8 @@ def main() -> None:
         print(table)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"preset": args.preset, "context": args.context, "points": points}, f, indent=1)
+            out = {"preset": args.preset, "pack": args.pack, "context": args.context, "points": points}
+            json.dump(out, f, indent=1)
         print(f"wrote {args.json}")
 
 

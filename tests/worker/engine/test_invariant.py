@@ -5,7 +5,8 @@ somewhere: that is what the invariant kernel is for, and it shows the comparison
 tested on both kernels the engine uses: MKL's ``sgemm`` (float64, bfloat16, float32 unpacked) and oneDNN's
 product on packed weights (float32, ``engine.packed``); the row-parallel chunks in both forms of their
 batched ``sgemm`` (the tokens as columns, with the stacked product for a few, or as rows) and on the
-fixed-order kernel (``engine.native``, where this machine builds it: AVX-512 and a C++ compiler)."""
+fixed-order kernel (``engine.native``, where this machine builds it: AVX-512 and a C++ compiler) in both
+its forms, over a packed copy (``native``) and over the weight as it is (``dense``)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,8 @@ OTHERS = (0, 3, 4, 63)  # other rows in the batch
 Product = Callable[..., torch.Tensor]
 
 # the fixed-order kernel runs where this machine builds it (the CI machine does; an AVX2 CPU does not)
-NATIVE = pytest.param(
-    "native", marks=pytest.mark.skipif(native.kernels() is None, reason="no AVX-512 or no C++ compiler")
-)
+BUILT = pytest.mark.skipif(native.kernels() is None, reason="no AVX-512 or no C++ compiler")
+NATIVE, DENSE = pytest.param("native", marks=BUILT), pytest.param("dense", marks=BUILT)
 
 
 def _unpacked(w: native.Packed) -> torch.Tensor:
@@ -41,6 +41,7 @@ KERNELS: dict[str, tuple[Product, Callable[[torch.Tensor], object], Product]] = 
     "packed": (inv.packed_linear, packed.pack, packed.linear),
     # the fixed-order kernel, whose default is sgemm on the same weight
     "native": (native.linear, native.pack, lambda x, w: F.linear(x, _unpacked(w))),
+    "dense": (native.linear, lambda w: w, F.linear),
 }
 kernels = pytest.mark.parametrize(
     "kernel",
@@ -50,6 +51,7 @@ kernels = pytest.mark.parametrize(
             "packed", marks=pytest.mark.skipif(not packed.available(), reason="no oneDNN packed linear")
         ),
         NATIVE,
+        DENSE,
     ],
 )
 
@@ -149,12 +151,12 @@ def _row_parallel(
     return every
 
 
-@pytest.mark.parametrize("kernel", [NATIVE, "partials", "rows"])
+@pytest.mark.parametrize("kernel", [NATIVE, DENSE, "partials", "rows"])
 def test_row_parallel_sum_does_not_depend_on_tp_or_batch(kernel: inv.ChunkKernel) -> None:
     """Attention output (9 heads of 64, uneven at TP 2 and 4) and MLP down (1536) of the real model, on
-    each chunk kernel: the fixed-order kernel, or one batched sgemm product over the dense weight, the
-    tokens as its columns (a row alone: one MKL product over the stacked chunks, where this CPU's MKL
-    computes the same bits) or as its rows."""
+    each chunk kernel: the fixed-order kernel (packed or dense), or one batched sgemm product over the
+    dense weight, the tokens as its columns (a row alone: one MKL product over the stacked chunks, where
+    this CPU's MKL computes the same bits) or as its rows."""
     cfg = _smollm2()
     chunks = inv.RowChunks.of(cfg, 4)
     gen = torch.Generator().manual_seed(3)
@@ -403,14 +405,14 @@ def test_attention_over_keys_cut_to_key_step_is_bitwise_whole_chunks(
         assert torch.equal(cut, inv.attend(q, _t(k[:1, :, :37]), v[:1, :, :37], causal, 0.125))
 
 
-@pytest.mark.parametrize("kernel", ["linear", NATIVE, "partials", "rows", "scores", "values"])
+@pytest.mark.parametrize("kernel", ["linear", NATIVE, DENSE, "partials", "rows", "scores", "values"])
 @pytest.mark.parametrize("k", [64, 128, 576, 1536])
 def test_least_rows_is_the_fewest_rows_that_agree(kernel: inv.Kernel, k: int) -> None:
     """Measured on this machine's BLAS: a row among ``least`` rows or more (first, middle, last; up to
     300) has one value, and among ``least - 1`` rows another (the rule is the smallest that holds). The
     fixed-order kernel's is 1 row, by construction."""
     least = inv.least_rows(kernel, k, torch.float32)
-    assert kernel != "native" or least == 1
+    assert kernel not in ("native", "dense") or least == 1
     gen = torch.Generator().manual_seed(k)
     probe = inv._probe(kernel, k, torch.float32, gen)
     row = torch.randn(k, generator=gen)
@@ -443,6 +445,7 @@ def test_chunk_kernel_takes_the_form_that_pads_to_fewer_tokens(monkeypatch: pyte
         return rule
 
     monkeypatch.setattr(inv, "least_rows", least)
+    monkeypatch.setattr(native, "kernels", lambda: None)  # the MKL forms' choice, as on a CPU without it
     for columns, rows, want in ((2, 9, "partials"), (4, 4, "partials"), (12, 4, "rows"), (None, 12, "rows")):
         rules.update(partials=columns, rows=rows)
         assert inv.chunk_kernel(192, torch.float32, copies=False) == want
@@ -454,19 +457,22 @@ def test_chunk_kernel_takes_the_form_that_pads_to_fewer_tokens(monkeypatch: pyte
 def test_chunk_kernel_takes_the_fixed_order_kernel_where_it_is_built_and_may_copy(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The fixed-order kernel is taken for float32 chunks where the decoder may hold a copy of the weights
-    (it packs) and the kernel is built here with its measured rule of 1 row; else the MKL forms' choice."""
-    rules = {"native": 1, "partials": 2, "rows": 9}
+    """The fixed-order kernel is taken for float32 chunks where it is built here with its measured rule of 1
+    row: over a packed copy where the decoder may hold one (it packs), else over the weight as it is;
+    elsewhere the MKL forms' choice."""
+    rules = {"native": 1, "dense": 1, "partials": 2, "rows": 9}
     monkeypatch.setattr(inv, "least_rows", lambda kernel, k, dtype: rules[kernel])
     built: list[object | None] = [object()]
     monkeypatch.setattr(native, "kernels", lambda: built[0])
     assert inv.chunk_kernel(192, torch.float32) == "native"
-    assert inv.chunk_kernel(192, torch.float32, copies=False) == "partials"
+    assert inv.chunk_kernel(192, torch.float32, copies=False) == "dense"
     assert inv.chunk_kernel(192, torch.float64) == "partials"
-    rules["native"] = 2  # not what the kernel is built to do: not taken
+    rules["native"] = rules["dense"] = 2  # not what the kernel is built to do: not taken
     assert inv.chunk_kernel(192, torch.float32) == "partials"
-    rules["native"], built[0] = 1, None  # not built here
+    assert inv.chunk_kernel(192, torch.float32, copies=False) == "partials"
+    rules["native"], rules["dense"], built[0] = 1, 1, None  # not built here
     assert inv.chunk_kernel(192, torch.float32) == "partials"
+    assert inv.chunk_kernel(192, torch.float32, copies=False) == "partials"
 
 
 def test_native_kernel_is_not_taken_where_it_does_not_build(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -489,20 +495,33 @@ def test_native_kernel_is_not_taken_where_it_does_not_build(monkeypatch: pytest.
         native.kernels.cache_clear()
 
 
-@pytest.mark.skipif(native.kernels() is None, reason="no AVX-512 or no C++ compiler")
-@pytest.mark.parametrize(("out", "k", "n"), [(576, 1536, 8), (576, 576, 9), (100, 192, 3), (17, 32, 2)])
+def _fixed(form: str, w: torch.Tensor, n: int) -> native.Packed | torch.Tensor:
+    """w [out, n * width] as the fixed-order kernel's ``form`` reads it: packed in ``n`` chunks (a copy), or
+    as it is, a view of a wider matrix (rows of another stride)."""
+    if form == "native":
+        return native.pack(w, n)
+    wide = w.new_zeros(w.shape[0], w.shape[1] + 5)
+    wide[:, 3 : 3 + w.shape[1]] = w
+    return wide[:, 3 : 3 + w.shape[1]]
+
+
+@BUILT
+@pytest.mark.parametrize("form", ["native", "dense"])
+@pytest.mark.parametrize(
+    ("out", "k", "n"), [(576, 1536, 8), (576, 576, 9), (100, 192, 3), (17, 32, 2), (21, 200, 2)]
+)
 def test_native_partials_are_each_chunks_product_in_one_order_whatever_the_tokens(
-    out: int, k: int, n: int
+    form: str, out: int, k: int, n: int
 ) -> None:
-    """The fixed-order kernel against float64 (its error no worse than sgemm's bound), and bitwise: a
-    token's chunk products alone, among 1-66 others at any position (every tile shape and tail), each chunk
-    packed alone, and an output among fewer outputs (the blocks' tails) are the same; another order's
-    differ. (On an AVX-512 Xeon MKL's sgemm of many rows computes these very bits: its kernel adds over K
-    in the same order.)"""
+    """The fixed-order kernel in both forms against float64 (its error no worse than sgemm's bound), and
+    bitwise: a token's chunk products alone, among 1-66 others at any position (every tile shape and tail),
+    each chunk alone, and an output among fewer outputs (the tiles' tails) are the same; another order's
+    differ. (On an AVX-512 Xeon MKL's sgemm of many rows computes the packed form's very bits: its kernel
+    adds over K in the same order.)"""
     gen = torch.Generator().manual_seed(out + k)
     w, x = torch.randn(out, k, generator=gen), torch.randn(67, k, generator=gen)
     width = k // n
-    every = native.partials(x, native.pack(w, n))
+    every = native.partials(x, _fixed(form, w, n), n)
     exact = torch.stack(
         [
             x.double()[:, c * width : (c + 1) * width] @ w.double()[:, c * width : (c + 1) * width].T
@@ -510,16 +529,16 @@ def test_native_partials_are_each_chunks_product_in_one_order_whatever_the_token
         ]
     )
     assert (every.double() - exact).abs().max() < 2e-6 * width
-    blocks = native.pack(w, n)
-    for t in (1, 2, 3, 4, 5, 17, 63):
+    weight = _fixed(form, w, n)
+    for t in (1, 2, 3, 4, 5, 6, 7, 17, 63):
         for at in (0, 3, 67 - t):
-            assert torch.equal(native.partials(x[at : at + t], blocks), every[:, at : at + t]), (t, at)
+            assert torch.equal(native.partials(x[at : at + t], weight, n), every[:, at : at + t]), (t, at)
     for c in range(n):
         cols = slice(c * width, (c + 1) * width)
-        alone = native.partials(x[:, cols].contiguous(), native.pack(w[:, cols]))[0]
+        alone = native.partials(x[:, cols].contiguous(), _fixed(form, w[:, cols].contiguous(), 1))[0]
         assert torch.equal(alone, every[c])
-    for fewer in sorted({1, 15, 17, 63, 65, out - 1} & set(range(1, out))):
-        assert torch.equal(native.partials(x, native.pack(w[:fewer], n)), every[..., :fewer]), fewer
+    for fewer in sorted({1, 3, 5, 15, 17, 63, 65, out - 1} & set(range(1, out))):
+        assert torch.equal(native.partials(x, _fixed(form, w[:fewer], n), n), every[..., :fewer]), fewer
     rounded = (x[:, None, :width] * w[None, :, :width]).sum(-1)  # each product rounded, then torch's sum
     assert not torch.equal(rounded, every[0])  # another order gives other bits: the comparisons can fail
 

@@ -87,9 +87,13 @@ def test_decoder_packs_float32_weights_only(tiny32: Path, tiny64: Path) -> None:
         assert w.kernel == invariant.chunk_kernel(c.width, torch.float32)
         want = w.kernel == "partials" and invariant.stacked_rows(c, torch.float32) is not None
         assert (w.fused is not None) == want
+    # not packing: the fixed-order kernel over the weights as they are, where it is built
     dense = replica(tiny32, 64, 4, dtype=torch.float32, deterministic=True, pack=False).decoder
-    wo = dense.layers[0].wo
-    assert isinstance(wo, invariant.ChunkedWeight) and not wo.dense.is_mkldnn
+    wq, wo = dense.layers[0].wq, dense.layers[0].wo
+    assert not dense.packed and dense.native == (native.kernels() is not None)
+    assert isinstance(wq, torch.Tensor) and not wq.is_mkldnn
+    assert isinstance(wo, invariant.ChunkedWeight) and not wo.dense.is_mkldnn and wo.blocks is None
+    assert (wo.kernel == "dense") == dense.native
     assert not replica(tiny64, 64, 4).decoder.packed  # float64: sgemm
 
 

@@ -13,11 +13,14 @@ logprob, in float32 as in float64. Each reduction whose order could change gets 
   K (measured: MKL on AMD EPYCs, AVX2 and AVX-512, 4 rows for every K; on an AVX-512 Xeon, 3 rows at K =
   64, 6 at 128, 16 from 512; oneDNN's packed product, 2 rows on all three), so :func:`least_rows`
   measures it on the machine, once per kernel, K and dtype, and :func:`linear` and :func:`packed_linear`
-  pad a smaller product to it.
+  pad a smaller product to it. Where the project's fixed-order kernel is built
+  (:mod:`~rollout_worker.engine.native`, :func:`native_rule`) the decoder runs them on it instead, as one
+  chunk: its rule is 1 row, so nothing is padded.
 - **Row-parallel products** (attention output, MLP down), whose sum over K is split across ranks: K is cut
   into equal chunks that no layout the model may run at splits (:func:`chunk_bounds`), each chunk's
   partial product is computed alone (:func:`partials`: on the project's fixed-order kernel,
-  :mod:`~rollout_worker.engine.native`, where it is built and the decoder packs; else one batched product
+  :mod:`~rollout_worker.engine.native`, where it is built, over a packed copy where the decoder packs
+  and over the weight as it is where not; else one batched product
   over every chunk, the tokens as its columns or its rows as :func:`chunk_kernel` chooses by the CPU's
   rules, and for a few tokens as columns one MKL product over the stacked chunks that computes the same
   bits), each shard adds its
@@ -72,9 +75,9 @@ KEY_STEPS = (8, 16, 32, 64)  # the multiples of keys attend may cut its products
 FUSED_ROWS = 32
 
 # the products whose row rule least_rows measures, each as its call site lays out its operands
-Kernel = Literal["linear", "native", "packed", "partials", "rows", "scores", "values"]
+Kernel = Literal["dense", "linear", "native", "packed", "partials", "rows", "scores", "values"]
 ChunkKernel = Literal[
-    "native", "partials", "rows"
+    "dense", "native", "partials", "rows"
 ]  # how a row-parallel weight's chunks are multiplied: see partials
 Probe = Callable[[torch.Tensor], list[torch.Tensor]]  # a kernel's products of x, in each variant
 
@@ -140,7 +143,7 @@ def measure_rules(cfg: ModelConfig, dtype: torch.dtype, packed_weights: bool, wi
     """:func:`least_rows` of every product a decoder of ``cfg`` runs on CPU (its row-parallel chunks of
     ``widths``: as :func:`chunk_kernel` chooses, with :func:`fused_rows` for the tokens as columns), so a CPU
     without a rule fails when the decoder is built, not in a forward."""
-    if not (packed_weights and native_rule(cfg.hidden_size, dtype)):  # else the fixed-order kernel's
+    if not native_rule(cfg.hidden_size, dtype, packed_weights):  # else the fixed-order kernel's
         least_rows("packed" if packed_weights else "linear", cfg.hidden_size, dtype)
     for width in widths:
         if chunk_kernel(width, dtype, packed_weights) == "partials":  # its rules measured
@@ -170,6 +173,12 @@ def _probe(kernel: Kernel, k: int, dtype: torch.dtype, gen: torch.Generator) -> 
         w = rand(PROBE_COLS, k)
         packs = {n: native.pack(w.repeat(1, n), n) for n in (1, 2, 3)}
         return lambda x: [native.partials(x.repeat(1, n), packs[n])[-1] for n in (1, 2, 3)]
+    if kernel == "dense":  # the last of 1 to 3 chunks of a weight as it is, and of a view of a wider one
+        w = rand(PROBE_COLS, k)
+        wides = {n: _strided(w.repeat(1, n)) for n in (1, 2, 3)}
+        return lambda x: [
+            native.partials(x.repeat(1, n), v, n)[-1] for n in (1, 2, 3) for v in (w.repeat(1, n), wides[n])
+        ]
     if kernel == "scores":  # attend's q [B, KVh, rows, hd] @ keys_t [B, KVh, hd, L], a slice of a wider one
         keys_t = rand(1, 2, k, 2 * KEY_CHUNK)[..., :KEY_CHUNK]
         return lambda x: [torch.matmul(torch.stack((x, x))[None], keys_t)[0, 1]]
@@ -355,11 +364,12 @@ def chunk_kernel(width: int, dtype: torch.dtype, copies: bool = True) -> ChunkKe
     """How a decoder multiplies its row-parallel chunks of ``width`` on this CPU (the same on every layout
     and batch: a rule of the machine, and of the engine's ``packed_weights``).
 
-    ``copies``: the decoder may hold a copy of the weights in a kernel's own layout (it packs,
-    :func:`~rollout_worker.engine.packed.wanted`). Then float32 chunks run on the fixed-order kernel
-    (:mod:`~rollout_worker.engine.native`) where this machine builds it and it measures a rule of 1 row (by
-    construction; measured all the same): on an AVX-512 Xeon 1.2-2.2x faster than the MKL forms at 1 to
-    64 tokens. Else in the batched MKL product (:func:`_chunk_products`) whose form pads a decode step to
+    Float32 chunks run on the fixed-order kernel (:mod:`~rollout_worker.engine.native`) where this machine
+    builds it and it measures a rule of 1 row (by construction; measured all the same): ``native``, over a
+    copy in its blocks, where ``copies`` says the decoder may hold a copy of the weights in a kernel's own
+    layout (it packs, :func:`~rollout_worker.engine.packed.wanted`), on an AVX-512 Xeon 1.2-2.2x faster
+    than the MKL forms at 1 to 64 tokens; else ``dense``, over the weight as it is. Else in the batched
+    MKL product (:func:`_chunk_products`) whose form pads a decode step to
     fewer tokens; on a tie the tokens as columns (``partials``, with :func:`fuse`'s stacked product for a
     few tokens, which computes the same bits). Measured: the columns on an AVX-512 Xeon (2 tokens, where
     the rows need 9 for a chunk of 192), the rows on an AVX-512 AMD EPYC (4 tokens, where the columns need
@@ -367,8 +377,14 @@ def chunk_kernel(width: int, dtype: torch.dtype, copies: bool = True) -> ChunkKe
     us, so on the EPYC ``small``'s 8 attention chunks took 267 us at one token against the rows' 179, and
     576 against 494 at 64 (weights read from memory). A form without a rule is not taken; neither having
     one is an error."""
-    if copies and native_rule(width, dtype):
-        return "native"
+    if native_rule(width, dtype, copies):
+        return "native" if copies else "dense"
+    return mkl_form(width, dtype)
+
+
+def mkl_form(width: int, dtype: torch.dtype) -> ChunkKernel:
+    """The batched MKL product's form :func:`chunk_kernel` takes for chunks of ``width`` without the
+    fixed-order kernel: the one whose rule pads a decode step to fewer tokens (``partials`` on a tie)."""
     rules: dict[ChunkKernel, int] = {}
     for form in ("partials", "rows"):
         try:
@@ -383,10 +399,13 @@ def chunk_kernel(width: int, dtype: torch.dtype, copies: bool = True) -> ChunkKe
     return min(rules, key=rules.__getitem__)  # the first, partials, on a tie
 
 
-def native_rule(k: int, dtype: torch.dtype) -> bool:
-    """Whether products over ``k`` run on the fixed-order kernel (:mod:`~rollout_worker.engine.native`):
-    float32, built on this machine, and measured to have the rule it is built for, 1 row."""
-    return dtype == torch.float32 and native.kernels() is not None and least_rows("native", k, dtype) == 1
+def native_rule(k: int, dtype: torch.dtype, copies: bool = True) -> bool:
+    """Whether products over ``k`` run on the fixed-order kernel (:mod:`~rollout_worker.engine.native`), over
+    a packed copy (``copies``) or over the weight as it is: float32, built on this machine, and measured to
+    have the rule it is built for, 1 row."""
+    if dtype != torch.float32 or native.kernels() is None:
+        return False
+    return least_rows("native" if copies else "dense", k, dtype) == 1
 
 
 def row_weight(
@@ -400,8 +419,8 @@ def row_weight(
     kernel = kernel or chunk_kernel(chunks.width, w.dtype, copies)
     if kernel == "native":
         return ChunkedWeight(w, "native", blocks=native.pack(w, chunks.local))
-    if kernel == "rows":
-        return ChunkedWeight(w, "rows")
+    if kernel in ("dense", "rows"):
+        return ChunkedWeight(w, kernel)
     return ChunkedWeight(w, "partials", fused=fuse(w, chunks))
 
 
@@ -474,12 +493,14 @@ def partials(x: torch.Tensor, w: ChunkedWeight, chunks: Chunks) -> torch.Tensor:
     - ``rows``: one batched product of each chunk's ``x_c @ w_c^T``, the rows padded to its rule (4 on an
       AVX-512 AMD EPYC, where ``w_c @ x_c^T`` needs 12 tokens); on CUDA in row blocks (:func:`row_weight`
       takes it there).
-    - ``native``: the fixed-order kernel over ``w.blocks``, any number of tokens as they are."""
+    - ``native``: the fixed-order kernel over ``w.blocks``, any number of tokens as they are;
+    - ``dense``: the fixed-order kernel over ``w.dense`` as it is, any number of tokens as they are."""
     n, width = chunks.local, chunks.width
     dense, rows = w.dense, x.numel() // x.shape[-1]
-    if w.blocks is not None:
+    if w.kernel in ("native", "dense"):
         flat = x.reshape(rows, x.shape[-1]).contiguous()
-        return native.partials(flat, w.blocks).view(n, *x.shape[:-1], dense.shape[0])
+        weight = dense if w.blocks is None else w.blocks
+        return native.partials(flat, weight, n).view(n, *x.shape[:-1], dense.shape[0])
     if w.fused is not None and rows * n <= w.fused.rows:
         stacked = _pad_rows(x.reshape(rows * n, width), w.fused.rows)  # token t's chunk c: row t * n + c
         every = packed.mkl_linear(stacked, w.fused)[: rows * n].view(rows, n, n, dense.shape[0])

@@ -94,11 +94,16 @@ class Decoder:
         row-parallel chunks; None: the BLAS's and the backend's own orders. ``pack``: float32 products on
         CPU run on weights packed once for oneDNN (:mod:`~rollout_worker.engine.packed`), or with the
         deterministic kernels for the fixed-order kernel where this machine has it
-        (:func:`~rollout_worker.engine.invariant.native_rule`)."""
+        (:func:`~rollout_worker.engine.invariant.native_rule`); not packing, the deterministic kernels
+        run the fixed-order kernel over the weights as they are."""
         self.cfg, self.ps = cfg, ps
         embed = weights["model.embed_tokens.weight"]
         self.packed = pack and packed.packs(embed)
-        self.native = bool(chunks) and self.packed and invariant.native_rule(cfg.hidden_size, embed.dtype)
+        self.native = (
+            bool(chunks)
+            and not embed.is_cuda
+            and invariant.native_rule(cfg.hidden_size, embed.dtype, self.packed)
+        )
         # the deterministic kernels' attention: on the fixed-order kernel (which reads the keys as they are,
         # and no further than any row sees), else on torch's operations (on CPU over transposed keys)
         self.native_attention = bool(chunks) and invariant.native_attention(
@@ -138,10 +143,10 @@ class Decoder:
 
     def _product(self, w: torch.Tensor) -> Weight:
         """A projection's weight as :attr:`linear` reads it (packed: a copy in oneDNN's layout, or in the
-        fixed-order kernel's)."""
-        if self.native:
-            return native.pack(w)
-        return packed.pack(w) if self.packed else w
+        fixed-order kernel's; else as it is)."""
+        if self.packed:
+            return native.pack(w) if self.native else packed.pack(w)
+        return w
 
     def _row_product(self, w: torch.Tensor, chunks: invariant.Chunks | None) -> RowWeight:
         """A row-parallel projection's weight as :meth:`_row_parallel` reads it (with the deterministic

@@ -1,18 +1,30 @@
 """The deterministic kernels' own fixed-order products (``csrc/fixed_order.cpp``), built on first use: a
 row-parallel weight's chunks (:func:`partials`) and, as one chunk, the row-independent products
-(:func:`linear`: q/k/v, gate/up, the logits), where the decoder packs its weights; and attention
-(:func:`attend`).
+(:func:`linear`: q/k/v, gate/up, the logits); and attention (:func:`attend`).
 
 A row-parallel chunk's partial product on MKL or oneDNN has a row rule (a token alone and among others
 round alike only from so many rows, :func:`~rollout_worker.engine.invariant.least_rows`), so a decode step
-of a few tokens pads them, and MKL copies the weight into its panels on every call. This kernel fixes the
-order itself: each output is one chain of fused multiply-adds over the chunk's inputs in order, a vector's
-16 lanes being 16 outputs (no sum across lanes), over a weight packed once into blocks of 64 outputs
-(:func:`pack`). Its rule is 1 at every width, and it reads the weight once per call whatever the tokens.
-Measured with one thread on an AVX-512 Xeon (``bench/fixed_order.py``: SmolLM2-135M's and ``small``'s
-row-parallel weights, read from memory): 1.2-2.2x faster than the MKL chunk products at 1 to 64 tokens,
-and against oneDNN's whole product on packed weights (the default kernels', not invariant) 1.2-1.4x
-faster at one token and within 11% either way at 4 to 64.
+of a few tokens pads them, and MKL copies the weight into its panels on every call. These kernels fix the
+order themselves, so their rule is 1 at every width, and they read the weight once per call whatever the
+tokens. Two forms, one per weight layout (the engine's ``packed_weights`` chooses, the same on every
+layout):
+
+- **packed** (where the decoder packs its weights, :func:`pack`): each output is one chain of fused
+  multiply-adds over the chunk's inputs in order, a vector's 16 lanes being 16 outputs (no sum across
+  lanes), over a weight copied once into blocks of 64 outputs. Measured with one thread on an AVX-512 Xeon
+  (``bench/fixed_order.py``: SmolLM2-135M's and ``small``'s row-parallel weights, read from memory):
+  1.2-2.2x faster than the MKL chunk products at 1 to 64 tokens, and against oneDNN's whole product on
+  packed weights (the default kernels', not invariant) 1.2-1.4x faster at one token and within 11% either
+  way at 4 to 64; on an AVX-512 AMD EPYC 1.3-4.0x faster than the MKL chunk products, and against
+  oneDNN's 1.7-1.8x faster at one token, 0.90-1.8x at 4 to 64.
+- **dense** (the weight as it is, where copies do not fit: ``medium`` and larger): a vector's 16 lanes are
+  16 of an output's inputs, lane ``l`` one chain over inputs ``l, l + 16, ...`` in order, the lanes then
+  added in one fixed order; tiles of 4 tokens x 4 outputs (1 to 3 tokens in one pass), the next rows
+  prefetched. Measured with one thread on an AVX-512 AMD EPYC (``bench/fixed_order.py --shapes medium``:
+  ``medium``'s q, gate, attention output and MLP down): 1.3-1.4x faster than MKL's own ``sgemm`` (the
+  default kernels', not invariant) at one token and 1.4-4.0x at 4 to 64; 1.3-5.4x faster than the MKL
+  forms it replaces, which pad a decode step to 4 or 16 rows. Over narrow chunks (``small``'s 64 inputs)
+  the packed form is faster (``--shapes small``: 1.0-1.9x at 4 to 64 tokens).
 
 AVX-512 only (its float32 FMAs); built with the C++ compiler torch's extensions use (``g++``) and ninja
 (the ``engine`` extra installs it), once per machine, into torch's extension cache (``TORCH_EXTENSIONS_DIR``;
@@ -45,8 +57,9 @@ def cpu_supported() -> bool:
 
 @functools.cache
 def kernels() -> ModuleType | None:
-    """The built kernel module (``pack``, ``partials``), built on the first call in a machine's extension
-    cache; None where this CPU lacks AVX-512, no C++ compiler is found or the build fails (logged once)."""
+    """The built kernel module (``pack``, ``partials``, ``dense``, ``attend``), built on the first call in a
+    machine's extension cache; None where this CPU lacks AVX-512, no C++ compiler is found or the build
+    fails (logged once)."""
     if not cpu_supported():
         return None
     if shutil.which("c++") is None and shutil.which("g++") is None:
@@ -90,21 +103,25 @@ def pack(w: torch.Tensor, n: int = 1) -> Packed:
     return Packed(mod.pack(w, n), w.shape[0])
 
 
-def partials(x: torch.Tensor, w: Packed) -> torch.Tensor:
-    """[n, rows, out]: each chunk's product of x [rows, n * width] (rows of unit stride) and ``w``."""
+def partials(x: torch.Tensor, w: Packed | torch.Tensor, n: int = 1) -> torch.Tensor:
+    """[n, rows, out]: each chunk's product of x [rows, n * width] (rows of unit stride) and ``w``: packed
+    (:func:`pack`, its own chunk count), or dense [out, n * width] as it is (rows of unit stride, any row
+    stride: lanes over the inputs, see the module's text) in ``n`` chunks."""
     mod = kernels()
     assert mod is not None
-    return mod.partials(x, w.blocks, w.out)
+    if isinstance(w, Packed):
+        return mod.partials(x, w.blocks, w.out)
+    return mod.dense(x, w, n)
 
 
-def linear(x: torch.Tensor, w: Packed, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w, b)`` for x [*rows, in] and a weight packed in one chunk, each output of each row in
-    the kernel's one order (the bias added after)."""
+def linear(x: torch.Tensor, w: Packed | torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, b)`` for x [*rows, in] and a weight packed in one chunk or dense, each output of each
+    row in the kernel's one order (the bias added after)."""
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     out = partials(flat, w)[0]
     if b is not None:
         out = out + b
-    return out.view(*x.shape[:-1], w.out)
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def attend(

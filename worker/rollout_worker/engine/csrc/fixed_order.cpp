@@ -124,7 +124,7 @@ static inline float lanes_sum(__m512 v) {  // one fixed order
 // 16 accumulators -> one vector of their 16 sums (sum k in lane k); every accumulator's lanes are added in
 // the same order whatever its position k: (l + l+2) within 4-lane groups, the two pairs, the 128-bit
 // groups 0+1 and 2+3, then those two
-static inline __m512 reduce16(const __m512* v) {
+__attribute__((always_inline)) static inline __m512 reduce16(const __m512* v) {
   __m512 a[8], b[4], c[2];
   for (int i = 0; i < 8; ++i)
     a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
@@ -137,6 +137,95 @@ static inline __m512 reduce16(const __m512* v) {
                          _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
   return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// ---- products over a dense weight [O, K] as it is (no copy): lanes over K ----
+
+// out[t, o] for TT tokens and OT outputs (TT * OT <= 16 accumulators): accumulator (t, o)'s lane l is one
+// chain of fused multiply-adds over k = l, l + 16, ... in order, from zero (the last vector's lanes past K
+// load zeros); its 16 lanes are then summed in reduce16's one order. An output's bits so depend on nothing
+// but its row and the weight's: not on the tokens beside it, on TT or OT, or on where a tile falls. Rows of
+// a tile past the edge repeat the last one (computed, not stored).
+template <int TT, int OT>
+__attribute__((always_inline)) static inline void dense_tile(const float* const* xr, const float* const* wr, int64_t K, float* const* outr,
+                              int tt, int ot, int64_t ahead) {
+  __m512 acc[16];
+  for (int a = 0; a < 16; ++a) acc[a] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[OT];
+    for (int j = 0; j < OT; ++j) {
+      wv[j] = _mm512_loadu_ps(wr[j] + k);
+      _mm_prefetch((const char*)(wr[j] + k + ahead), _MM_HINT_T1);
+    }
+    for (int i = 0; i < TT; ++i) {
+      __m512 xv = _mm512_loadu_ps(xr[i] + k);
+      for (int j = 0; j < OT; ++j) acc[i * OT + j] = _mm512_fmadd_ps(xv, wv[j], acc[i * OT + j]);
+    }
+  }
+  if (k < K) {
+    __mmask16 m = tail_mask(K - k);
+    __m512 wv[OT];
+    for (int j = 0; j < OT; ++j) wv[j] = _mm512_maskz_loadu_ps(m, wr[j] + k);
+    for (int i = 0; i < TT; ++i) {
+      __m512 xv = _mm512_maskz_loadu_ps(m, xr[i] + k);
+      for (int j = 0; j < OT; ++j) acc[i * OT + j] = _mm512_fmadd_ps(xv, wv[j], acc[i * OT + j]);
+    }
+  }
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, reduce16(acc));
+  for (int i = 0; i < tt; ++i)
+    for (int j = 0; j < ot; ++j) outr[i][j] = sums[i * OT + j];
+}
+
+// chunk c's out [T, O] (chunks T * O apart) = x [T, n * width] (row stride ldx) times w [O, n * width] (row
+// stride ldw), transposed, over columns [c * width, (c + 1) * width): tokens [t0, t1) in tiles of TT, outputs
+// in tiles of OT, each tile's rows of w read for every chunk in turn (so each row is read in order) while
+// the next tile's are prefetched
+template <int TT, int OT>
+static void dense_tiles(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t n, int64_t width,
+                        float* out, int64_t O, int64_t t0, int64_t t1, int64_t T) {
+  for (int64_t o = 0; o < O; o += OT) {
+    int ot = (int)std::min<int64_t>(OT, O - o);
+    const float* wr[OT];
+    for (int64_t c = 0; c < n; ++c) {
+      for (int j = 0; j < OT; ++j) wr[j] = w + (o + std::min(j, ot - 1)) * ldw + c * width;
+      for (int64_t t = t0; t < t1; t += TT) {
+        int tt = (int)std::min<int64_t>(TT, t1 - t);
+        const float* xr[TT];
+        float* outr[TT];
+        for (int i = 0; i < TT; ++i) {
+          xr[i] = x + (t + std::min(i, tt - 1)) * ldx + c * width;
+          outr[i] = out + c * T * O + (t + i) * O + o;
+        }
+        // the rows' next chunk, or the next tile's first: read next, fetched meanwhile
+        dense_tile<TT, OT>(xr, wr, width, outr, tt, ot, c + 1 < n ? width : OT * ldw - c * width);
+      }
+    }
+  }
+}
+
+// x [T, n * width] (rows of unit stride), w [O, n * width] (rows of unit stride, any row stride) -> [n, T, O]:
+// chunk c's product of x's and w's columns [c * width, (c + 1) * width), each output of each token as
+// dense_tile computes it. Four tokens at a time (4 x 4 outputs); the rest, 1 to 3, in one pass over w.
+torch::Tensor dense(torch::Tensor x, torch::Tensor w, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.stride(1) == 1 && w.stride(1) == 1, "dense: 2-D, unit strides");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "dense: float32");
+  TORCH_CHECK(n > 0 && w.size(1) % n == 0 && x.size(1) == w.size(1), "dense: x's width does not match w's");
+  int64_t T = x.size(0), O = w.size(0), width = w.size(1) / n;
+  auto out = torch::empty({n, T, O}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  int64_t full = T / 4 * 4, ldx = x.stride(0), ldw = w.stride(0);
+  pybind11::gil_scoped_release no_gil;
+  dense_tiles<4, 4>(xp, ldx, wp, ldw, n, width, op, O, 0, full, T);
+  switch (T - full) {
+    case 1: dense_tiles<1, 16>(xp, ldx, wp, ldw, n, width, op, O, full, T, T); break;
+    case 2: dense_tiles<2, 8>(xp, ldx, wp, ldw, n, width, op, O, full, T, T); break;
+    case 3: dense_tiles<3, 5>(xp, ldx, wp, ldw, n, width, op, O, full, T, T); break;
+  }
+  return out;
 }
 
 // the scores of one query row (q: hd floats, scaled) against keys [j0, j0 + 16) (rows of hd, stride ldk):
@@ -276,5 +365,6 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor vals, to
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack);
   m.def("partials", &partials);
+  m.def("dense", &dense);
   m.def("attend", &attend);
 }
