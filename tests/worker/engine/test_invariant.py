@@ -5,7 +5,7 @@ somewhere: that is what the invariant kernel is for, and it shows the comparison
 tested on both kernels the engine uses: MKL's ``sgemm`` (float64, bfloat16, float32 unpacked) and oneDNN's
 product on packed weights (float32, ``engine.packed``); the row-parallel chunks in both forms of their
 batched ``sgemm`` (the tokens as columns, with the stacked product for a few, or as rows) and on the
-fixed-order kernel (``engine.native``, where this machine builds it: AVX-512 and a C++ compiler) in both
+fixed-order kernel (``engine.native``, where this machine builds it: AVX-512 or AVX2, a C++ compiler) in both
 its forms, over a packed copy (``native``) and over the weight as it is (``dense``)."""
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from rollout_worker.engine.sharding import kv_head_range, q_head_range
 OTHERS = (0, 3, 4, 63)  # other rows in the batch
 Product = Callable[..., torch.Tensor]
 
-# the fixed-order kernel runs where this machine builds it (the CI machine does; an AVX2 CPU does not)
-BUILT = pytest.mark.skipif(native.kernels() is None, reason="no AVX-512 or no C++ compiler")
+# the fixed-order kernel runs where this machine builds it (AVX-512 or AVX2; .ci/run fails where it does not)
+BUILT = pytest.mark.skipif(native.kernels() is None, reason="no AVX-512 or AVX2, or no C++ compiler")
 NATIVE, DENSE = pytest.param("native", marks=BUILT), pytest.param("dense", marks=BUILT)
 
 
@@ -477,22 +477,24 @@ def test_chunk_kernel_takes_the_fixed_order_kernel_where_it_is_built_and_may_cop
 
 def test_native_kernel_is_not_taken_where_it_does_not_build(monkeypatch: pytest.MonkeyPatch) -> None:
     """A failed build (a compiler error) is logged once and leaves the MKL kernels in charge, as a CPU
-    without AVX-512 does."""
+    without AVX-512 or AVX2 does."""
     from torch.utils import cpp_extension
 
     def fail(*_: object, **__: object) -> None:
         raise RuntimeError("Error building extension 'rollout_fixed_order'")
 
     monkeypatch.setattr(cpp_extension, "load", fail)
-    monkeypatch.setattr(native, "cpu_supported", lambda: True)
+    monkeypatch.setattr(native, "machine_isa", lambda: "avx2")
     native.kernels.cache_clear()
+    native.build.cache_clear()
     try:
         assert native.kernels() is None
-        monkeypatch.setattr(native, "cpu_supported", lambda: False)
+        monkeypatch.setattr(native, "machine_isa", lambda: None)
         native.kernels.cache_clear()
         assert native.kernels() is None
     finally:
         native.kernels.cache_clear()
+        native.build.cache_clear()
 
 
 def _fixed(form: str, w: torch.Tensor, n: int) -> native.Packed | torch.Tensor:
@@ -541,6 +543,39 @@ def test_native_partials_are_each_chunks_product_in_one_order_whatever_the_token
         assert torch.equal(native.partials(x, _fixed(form, w[:fewer], n), n), every[..., :fewer]), fewer
     rounded = (x[:, None, :width] * w[None, :, :width]).sum(-1)  # each product rounded, then torch's sum
     assert not torch.equal(rounded, every[0])  # another order gives other bits: the comparisons can fail
+
+
+@pytest.mark.skipif(
+    native.machine_isa() != "avx512" or native.kernels() is None, reason="needs a CPU that runs both builds"
+)
+def test_the_avx2_build_computes_the_avx512_builds_bits() -> None:
+    """The kernel built for AVX2 (two 8-lane registers per vector) gives every product, packed and dense,
+    and attention (a row that sees no key, scores far enough below the maximum that exp scales by 2^-126)
+    the AVX-512 build's bits, so engines on either kind of CPU agree."""
+    wide, narrow = native.build("avx512"), native.build("avx2")
+    assert wide is not None and narrow is not None and (wide.isa, narrow.isa) == ("avx512", "avx2")
+    gen = torch.Generator().manual_seed(7)
+    for out, k, n in ((576, 1536, 8), (100, 192, 3), (21, 200, 2), (17, 32, 1)):
+        w = torch.randn(out, k, generator=gen)
+        for t in (1, 2, 3, 5, 64):
+            x = torch.randn(t, k, generator=gen)
+            packed_bits = [mod.partials(x, mod.pack(w, n), out) for mod in (wide, narrow)]
+            assert torch.equal(*packed_bits), (out, k, n, t)
+            assert torch.equal(wide.dense(x, w, n), narrow.dense(x, w, n)), (out, k, n, t)
+    for hd, (bsz, seq, heads, kv, keys) in (
+        (64, (3, 1, 9, 3, 251)),
+        (128, (1, 37, 4, 2, 37)),
+        (16, (2, 5, 2, 1, 17)),
+    ):
+        q = torch.randn(bsz, seq, heads, hd, generator=gen)
+        kk, vv = (torch.randn(bsz, kv, keys + 3, hd, generator=gen) for _ in range(2))
+        sees = torch.rand(bsz, seq, keys + 3, generator=gen) > 0.3
+        sees[0, 0] = False  # a row that sees no key: zeros
+        mask = sees.view(torch.uint8)
+        for scale in (0.125, 5.0):
+            got = [mod.attend(q, kk, vv, mask, scale, keys) for mod in (wide, narrow)]
+            assert torch.equal(*got), (hd, scale)
+            assert not got[0][0, 0].any()
 
 
 def test_least_rows_finds_a_kernels_rule_or_says_it_has_none(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,10 +26,14 @@ layout):
   forms it replaces, which pad a decode step to 4 or 16 rows. Over narrow chunks (``small``'s 64 inputs)
   the packed form is faster (``--shapes small``: 1.0-1.9x at 4 to 64 tokens).
 
-AVX-512 only (its float32 FMAs); built with the C++ compiler torch's extensions use (``g++``) and ninja
-(the ``engine`` extra installs it), once per machine, into torch's extension cache (``TORCH_EXTENSIONS_DIR``;
-about 25 s; ``make setup`` builds it). Where either is missing,
-:func:`kernels` is None and the deterministic kernels use MKL's products (their other chunk kernels).
+Built for AVX-512 or for AVX2 (with FMA), whichever the CPU runs (:func:`machine_isa`): one source, a vector
+being 16 lanes in one AVX-512 register or two AVX2 ones, with the same operation on every lane and the
+same pairs in every sum across lanes, so both builds compute the same bits (``test_invariant`` compares
+them on an AVX-512 CPU, which runs both): an engine on an AVX2 CPU and one on an AVX-512 CPU agree. Built
+with the C++ compiler torch's extensions use (``g++``) and ninja (the ``engine`` extra installs it), once
+per machine, into torch's extension cache (``TORCH_EXTENSIONS_DIR``; about 25-45 s; ``make setup`` builds
+it). Where either is missing, or the CPU has neither, :func:`kernels` is None and the deterministic
+kernels use MKL's products (their other chunk kernels).
 """
 
 from __future__ import annotations
@@ -41,27 +45,43 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Literal
 
 import torch
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "fixed_order.cpp"
-FLAGS = ["-O3", "-mavx512f", "-ffp-contract=off"]  # only the FMAs the source spells out
+# per instruction set: only the FMAs the source spells out
+FLAGS = {
+    "avx512": ["-O3", "-mavx512f", "-ffp-contract=off"],
+    "avx2": ["-O3", "-mavx2", "-mfma", "-ffp-contract=off"],
+}
+Isa = Literal["avx512", "avx2"]
 
 
-def cpu_supported() -> bool:
-    """Whether this CPU runs the kernel: AVX-512 (torch's own dispatch level, which checks the OS too)."""
-    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+def machine_isa() -> Isa | None:
+    """The kernel's build this CPU runs, by torch's own dispatch level (which checks the OS too, and whose
+    AVX2 level includes FMA): AVX-512, else AVX2, else none."""
+    level = torch.backends.cpu.get_cpu_capability()
+    if level.startswith("AVX512"):
+        return "avx512"
+    return "avx2" if level == "AVX2" else None
 
 
 @functools.cache
 def kernels() -> ModuleType | None:
-    """The built kernel module (``pack``, ``partials``, ``dense``, ``attend``), built on the first call in a
-    machine's extension cache; None where this CPU lacks AVX-512, no C++ compiler is found or the build
-    fails (logged once)."""
-    if not cpu_supported():
-        return None
+    """The kernel module this CPU runs (``pack``, ``partials``, ``dense``, ``attend``), built on the first
+    call in the machine's extension cache; None where the CPU has neither AVX-512 nor AVX2, no C++ compiler
+    is found or the build fails (logged once)."""
+    isa = machine_isa()
+    return None if isa is None else build(isa)
+
+
+@functools.cache
+def build(isa: Isa) -> ModuleType | None:
+    """The kernel built for ``isa`` (both compute the same bits; a CPU runs the builds its instruction set
+    covers), or None with a warning where it cannot be built."""
     if shutil.which("c++") is None and shutil.which("g++") is None:
         log.warning("deterministic kernels: no C++ compiler, so MKL's chunk products (slower) are used")
         return None
@@ -75,7 +95,7 @@ def kernels() -> ModuleType | None:
     from torch.utils import cpp_extension
 
     try:
-        return cpp_extension.load("rollout_fixed_order", [str(SOURCE)], extra_cflags=FLAGS, verbose=False)
+        return cpp_extension.load(f"rollout_fixed_order_{isa}", [str(SOURCE)], extra_cflags=FLAGS[isa])
     except Exception as err:  # a compiler or linker error: the other kernels still hold the guarantee
         log.warning(
             "deterministic kernels: building %s failed (%s); MKL's chunk products are used", SOURCE, err

@@ -2,18 +2,140 @@
 // rollout_worker.engine.native. Products (`partials`): each chunk's partial product, every output one chain
 // of fused multiply-adds over the chunk's inputs in order, from zero; a vector's 16 lanes are 16 outputs
 // (no sum across lanes), so an output's bits do not depend on the number of tokens, on where a token or an
-// output falls in a tile, or on the other chunks: batch- and TP-invariant by construction. Attention
-// (`attend`): every query row on its own, each of its sums in one fixed order.
+// output falls in a tile, or on the other chunks: batch- and TP-invariant by construction. Products over a
+// dense weight (`dense`): lanes over the inputs, added in one order. Attention (`attend`): every query row
+// on its own, each of its sums in one fixed order.
+//
+// Built for AVX-512 (-mavx512f) or for AVX2 (-mavx2 -mfma): a vector V is 16 float lanes, one AVX-512
+// register or two AVX2 ones, and every operation on it is the same lane by lane on both (fused
+// multiply-adds, one rounding each; every sum across lanes adds the same pairs), so both builds compute
+// the same bits. Only the tiles' shapes differ (AVX2 has 16 registers of 8 lanes, AVX-512 32 of 16), and
+// no output's bits depend on its tile.
 #include <torch/extension.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <vector>
 
-constexpr int64_t LANES = 16, BLOCK = 64;  // outputs per vector, per packed block (4 vectors)
+constexpr int64_t LANES = 16, BLOCK = 64;  // lanes of a V; outputs per packed block (4 vectors)
 
+#if defined(__AVX512F__)
+constexpr const char* ISA = "avx512";
+struct V { __m512 a; };
 // the lanes of the first n (all from 16 on)
 static inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+static inline V vzero() { return {_mm512_setzero_ps()}; }
+static inline V vset1(float x) { return {_mm512_set1_ps(x)}; }
+static inline V vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+static inline V vloadn(const float* p, int64_t n) { return {_mm512_maskz_loadu_ps(tail_mask(n), p)}; }
+static inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v.a); }
+static inline void vstoren(float* p, V v, int64_t n) { _mm512_mask_storeu_ps(p, tail_mask(n), v.a); }
+static inline V vfmadd(V a, V b, V c) { return {_mm512_fmadd_ps(a.a, b.a, c.a)}; }
+static inline V vfnmadd(V a, V b, V c) { return {_mm512_fnmadd_ps(a.a, b.a, c.a)}; }
+static inline V vadd(V a, V b) { return {_mm512_add_ps(a.a, b.a)}; }
+static inline V vsub(V a, V b) { return {_mm512_sub_ps(a.a, b.a)}; }
+static inline V vmul(V a, V b) { return {_mm512_mul_ps(a.a, b.a)}; }
+static inline V vdiv(V a, V b) { return {_mm512_div_ps(a.a, b.a)}; }
+static inline V vmax(V a, V b) { return {_mm512_max_ps(a.a, b.a)}; }
+static inline V vround(V a) { return {_mm512_roundscale_ps(a.a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+// a * 2^n, n integral in [-126, 0] (exact powers of two: one rounding, as a product by 2^n)
+static inline V vscale2(V a, V n) { return {_mm512_scalef_ps(a.a, n.a)}; }
+// the lanes whose bit is set in m, zeros elsewhere
+static inline V vkeep(V a, uint32_t m) { return {_mm512_maskz_mov_ps((__mmask16)m, a.a)}; }
+// 256-bit halves: lanes 0-7 and 8-15
+static inline __m256 vlo(V a) { return _mm512_castps512_ps256(a.a); }
+static inline __m256 vhi(V a) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.a), 1)); }
+// 16 accumulators -> one vector of their 16 sums (sum k in lane k); every accumulator's lanes are added in
+// the same order whatever its position k: (l + l+2) within 4-lane groups, the two pairs, the 128-bit
+// groups 0+1 and 2+3, then those two
+__attribute__((always_inline)) static inline V reduce16(const V* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i].a, v[2 * i + 1].a), _mm512_unpackhi_ps(v[2 * i].a, v[2 * i + 1].a));
+  for (int i = 0; i < 4; ++i) {
+    __m512d s = _mm512_castps_pd(a[2 * i]), t = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(s, t)), _mm512_castpd_ps(_mm512_unpackhi_pd(s, t)));
+  }
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return {_mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                        _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)))};
+}
+// the tiles: packed products TT_P tokens x 1 block (the rest 1 token x OB_R blocks); dense products TT_D x
+// OT_D (the rest, 1 to 3 tokens, with ACC accumulators); attention's keys scored ACC at a time, its
+// values' rows about ACC vectors at a time
+constexpr int TT_P = 4, OB_R = 4, TT_D = 4, OT_D = 4, ACC = 16;
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr const char* ISA = "avx2";
+struct V { __m256 lo, hi; };  // lanes 0-7, 8-15
+// per half: its lanes below n (n clamped to [0, 8])
+static inline __m256i half_mask(int64_t n) {
+  int m = (int)std::max<int64_t>(0, std::min<int64_t>(8, n));
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(m), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+static inline V vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline V vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+static inline V vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline V vloadn(const float* p, int64_t n) {
+  if (n >= 16) return vload(p);
+  return {_mm256_maskload_ps(p, half_mask(n)), _mm256_maskload_ps(p + 8, half_mask(n - 8))};
+}
+static inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
+static inline void vstoren(float* p, V v, int64_t n) {
+  if (n >= 16) return vstore(p, v);
+  _mm256_maskstore_ps(p, half_mask(n), v.lo);
+  _mm256_maskstore_ps(p + 8, half_mask(n - 8), v.hi);
+}
+static inline V vfmadd(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+static inline V vfnmadd(V a, V b, V c) { return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)}; }
+static inline V vadd(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+static inline V vsub(V a, V b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+static inline V vmul(V a, V b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+static inline V vdiv(V a, V b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+static inline V vmax(V a, V b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+static inline V vround(V a) {
+  constexpr int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return {_mm256_round_ps(a.lo, mode), _mm256_round_ps(a.hi, mode)};
+}
+static inline __m256 pow2(__m256 n) {  // 2^n for integral n in [-126, 127], built from its exponent bits
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+static inline V vscale2(V a, V n) { return {_mm256_mul_ps(a.lo, pow2(n.lo)), _mm256_mul_ps(a.hi, pow2(n.hi))}; }
+static inline V vkeep(V a, uint32_t m) {
+  __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  __m256i lo = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)(m & 0xFF)), bits), bits);
+  __m256i hi = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)(m >> 8)), bits), bits);
+  return {_mm256_and_ps(a.lo, _mm256_castsi256_ps(lo)), _mm256_and_ps(a.hi, _mm256_castsi256_ps(hi))};
+}
+static inline __m256 vlo(V a) { return a.lo; }
+static inline __m256 vhi(V a) { return a.hi; }
+// reduce16 of the AVX-512 build, the same pairs added: the in-group steps work within 128-bit groups on
+// either; the groups' sums (0+1, 2+3, then those two) pair the halves' groups with permutes
+__attribute__((always_inline)) static inline V reduce16(const V* v) {
+  V a[8], b[4];
+  for (int i = 0; i < 8; ++i) {
+    const V &x = v[2 * i], &y = v[2 * i + 1];
+    a[i] = {_mm256_add_ps(_mm256_unpacklo_ps(x.lo, y.lo), _mm256_unpackhi_ps(x.lo, y.lo)),
+            _mm256_add_ps(_mm256_unpacklo_ps(x.hi, y.hi), _mm256_unpackhi_ps(x.hi, y.hi))};
+  }
+  auto pd_step = [](__m256 s, __m256 t) {
+    __m256d sd = _mm256_castps_pd(s), td = _mm256_castps_pd(t);
+    return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(sd, td)), _mm256_castpd_ps(_mm256_unpackhi_pd(sd, td)));
+  };
+  for (int i = 0; i < 4; ++i) b[i] = {pd_step(a[2 * i].lo, a[2 * i + 1].lo), pd_step(a[2 * i].hi, a[2 * i + 1].hi)};
+  // a V of groups [g0 g1 | g2 g3] -> [g0+g1 g2+g3] (256 bits)
+  auto groups = [](V x) {
+    return _mm256_add_ps(_mm256_permute2f128_ps(x.lo, x.hi, 0x20), _mm256_permute2f128_ps(x.lo, x.hi, 0x31));
+  };
+  V c[2] = {{groups(b[0]), groups(b[1])}, {groups(b[2]), groups(b[3])}};
+  return {groups(c[0]), groups(c[1])};
+}
+constexpr int TT_P = 2, OB_R = 1, TT_D = 2, OT_D = 2, ACC = 4;
+#else
+#error "fixed_order.cpp needs AVX-512 (-mavx512f) or AVX2 with FMA (-mavx2 -mfma)"
+#endif
 
 // out[t, o] for TT tokens and OB blocks of 64 outputs: each (t, o) one chain of fused multiply-adds over k
 // in order, from zero (a lane per output: no reduction across lanes). Token rows past the edge repeat the
@@ -21,23 +143,23 @@ static inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFF
 template <int TT, int OB>
 static inline void tile(const float* const* xr, const float* const* wb, int64_t K, float* const* outr,
                         int64_t o0, int64_t O, int tt) {
-  __m512 acc[TT][OB * 4];
+  V acc[TT][OB * 4];
   for (int i = 0; i < TT; ++i)
-    for (int j = 0; j < OB * 4; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < OB * 4; ++j) acc[i][j] = vzero();
   for (int64_t k = 0; k < K; ++k) {
-    __m512 wv[OB * 4];
+    V wv[OB * 4];
     for (int b = 0; b < OB; ++b)
-      for (int v = 0; v < 4; ++v) wv[b * 4 + v] = _mm512_loadu_ps(wb[b] + k * BLOCK + v * LANES);
+      for (int v = 0; v < 4; ++v) wv[b * 4 + v] = vload(wb[b] + k * BLOCK + v * LANES);
     for (int i = 0; i < TT; ++i) {
-      __m512 xv = _mm512_set1_ps(xr[i][k]);
-      for (int j = 0; j < OB * 4; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+      V xv = vset1(xr[i][k]);
+      for (int j = 0; j < OB * 4; ++j) acc[i][j] = vfmadd(xv, wv[j], acc[i][j]);
     }
   }
   for (int i = 0; i < tt; ++i)
     for (int j = 0; j < OB * 4; ++j) {
       int64_t o = o0 + j * LANES;
       if (o >= O) break;
-      _mm512_mask_storeu_ps(outr[i] + o, tail_mask(O - o), acc[i][j]);
+      vstoren(outr[i] + o, acc[i][j], O - o);
     }
 }
 
@@ -82,12 +204,12 @@ torch::Tensor partials(torch::Tensor x, torch::Tensor packed, int64_t O) {
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  int64_t full = T / 4 * 4;
+  int64_t full = T / TT_P * TT_P;
   pybind11::gil_scoped_release no_gil;
   for (int64_t c = 0; c < n; ++c) {
     const float* wc = wp + c * blocks * width * BLOCK;
-    tiles<4, 1>(xp + c * width, x.stride(0), wc, width, blocks, op + c * T * O, O, 0, full);
-    tiles<1, 4>(xp + c * width, x.stride(0), wc, width, blocks, op + c * T * O, O, full, T);
+    tiles<TT_P, 1>(xp + c * width, x.stride(0), wc, width, blocks, op + c * T * O, O, 0, full);
+    tiles<1, OB_R>(xp + c * width, x.stride(0), wc, width, blocks, op + c * T * O, O, full, T);
   }
   return out;
 }
@@ -96,47 +218,27 @@ torch::Tensor partials(torch::Tensor x, torch::Tensor packed, int64_t O) {
 
 // exp(x) for x <= 0 (a score less the row's maximum): n = round(x log2 e), r = x - n ln 2 (two steps),
 // a degree-6 polynomial of r, scaled by 2^n; the same instructions for every element, so the same bits.
-static inline __m512 exp_le0(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+static inline V exp_le0(V x) {
+  x = vmax(x, vset1(-87.0f));
+  V n = vround(vmul(x, vset1(1.44269504088896341f)));
+  V r = vfnmadd(n, vset1(0.693359375f), x);
+  r = vfnmadd(n, vset1(-2.12194440e-4f), r);
+  V p = vset1(1.0f / 720);
+  p = vfmadd(p, r, vset1(1.0f / 120));
+  p = vfmadd(p, r, vset1(1.0f / 24));
+  p = vfmadd(p, r, vset1(1.0f / 6));
+  p = vfmadd(p, r, vset1(0.5f));
+  p = vfmadd(p, r, vset1(1.0f));
+  p = vfmadd(p, r, vset1(1.0f));
+  return vscale2(p, n);
 }
 
-static inline float lanes_sum(__m512 v) {  // one fixed order
-  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+static inline float lanes_sum(V v) {  // one fixed order: the halves, their 128-bit halves, then pairs
+  __m256 h = _mm256_add_ps(vlo(v), vhi(v));
   __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
   q = _mm_add_ps(q, _mm_movehl_ps(q, q));
   q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
   return _mm_cvtss_f32(q);
-}
-
-
-// 16 accumulators -> one vector of their 16 sums (sum k in lane k); every accumulator's lanes are added in
-// the same order whatever its position k: (l + l+2) within 4-lane groups, the two pairs, the 128-bit
-// groups 0+1 and 2+3, then those two
-__attribute__((always_inline)) static inline __m512 reduce16(const __m512* v) {
-  __m512 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i)
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    __m512d s = _mm512_castps_pd(a[2 * i]), t = _mm512_castps_pd(a[2 * i + 1]);
-    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(s, t)), _mm512_castpd_ps(_mm512_unpackhi_pd(s, t)));
-  }
-  for (int i = 0; i < 2; ++i)
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 // ---- products over a dense weight [O, K] as it is (no copy): lanes over K ----
@@ -149,31 +251,30 @@ __attribute__((always_inline)) static inline __m512 reduce16(const __m512* v) {
 template <int TT, int OT>
 __attribute__((always_inline)) static inline void dense_tile(const float* const* xr, const float* const* wr, int64_t K, float* const* outr,
                               int tt, int ot, int64_t ahead) {
-  __m512 acc[16];
-  for (int a = 0; a < 16; ++a) acc[a] = _mm512_setzero_ps();
+  V acc[16];
+  for (int a = 0; a < 16; ++a) acc[a] = vzero();
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
-    __m512 wv[OT];
+    V wv[OT];
     for (int j = 0; j < OT; ++j) {
-      wv[j] = _mm512_loadu_ps(wr[j] + k);
+      wv[j] = vload(wr[j] + k);
       _mm_prefetch((const char*)(wr[j] + k + ahead), _MM_HINT_T1);
     }
     for (int i = 0; i < TT; ++i) {
-      __m512 xv = _mm512_loadu_ps(xr[i] + k);
-      for (int j = 0; j < OT; ++j) acc[i * OT + j] = _mm512_fmadd_ps(xv, wv[j], acc[i * OT + j]);
+      V xv = vload(xr[i] + k);
+      for (int j = 0; j < OT; ++j) acc[i * OT + j] = vfmadd(xv, wv[j], acc[i * OT + j]);
     }
   }
   if (k < K) {
-    __mmask16 m = tail_mask(K - k);
-    __m512 wv[OT];
-    for (int j = 0; j < OT; ++j) wv[j] = _mm512_maskz_loadu_ps(m, wr[j] + k);
+    V wv[OT];
+    for (int j = 0; j < OT; ++j) wv[j] = vloadn(wr[j] + k, K - k);
     for (int i = 0; i < TT; ++i) {
-      __m512 xv = _mm512_maskz_loadu_ps(m, xr[i] + k);
-      for (int j = 0; j < OT; ++j) acc[i * OT + j] = _mm512_fmadd_ps(xv, wv[j], acc[i * OT + j]);
+      V xv = vloadn(xr[i] + k, K - k);
+      for (int j = 0; j < OT; ++j) acc[i * OT + j] = vfmadd(xv, wv[j], acc[i * OT + j]);
     }
   }
   alignas(64) float sums[16];
-  _mm512_store_ps(sums, reduce16(acc));
+  vstore(sums, reduce16(acc));
   for (int i = 0; i < tt; ++i)
     for (int j = 0; j < ot; ++j) outr[i][j] = sums[i * OT + j];
 }
@@ -207,7 +308,7 @@ static void dense_tiles(const float* x, int64_t ldx, const float* w, int64_t ldw
 
 // x [T, n * width] (rows of unit stride), w [O, n * width] (rows of unit stride, any row stride) -> [n, T, O]:
 // chunk c's product of x's and w's columns [c * width, (c + 1) * width), each output of each token as
-// dense_tile computes it. Four tokens at a time (4 x 4 outputs); the rest, 1 to 3, in one pass over w.
+// dense_tile computes it. TT_D tokens at a time (TT_D x OT_D outputs); the rest in one pass over w.
 torch::Tensor dense(torch::Tensor x, torch::Tensor w, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.stride(1) == 1 && w.stride(1) == 1, "dense: 2-D, unit strides");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "dense: float32");
@@ -217,13 +318,13 @@ torch::Tensor dense(torch::Tensor x, torch::Tensor w, int64_t n) {
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  int64_t full = T / 4 * 4, ldx = x.stride(0), ldw = w.stride(0);
+  int64_t full = T / TT_D * TT_D, ldx = x.stride(0), ldw = w.stride(0);
   pybind11::gil_scoped_release no_gil;
-  dense_tiles<4, 4>(xp, ldx, wp, ldw, n, width, op, O, 0, full, T);
+  dense_tiles<TT_D, OT_D>(xp, ldx, wp, ldw, n, width, op, O, 0, full, T);
   switch (T - full) {
-    case 1: dense_tiles<1, 16>(xp, ldx, wp, ldw, n, width, op, O, full, T, T); break;
-    case 2: dense_tiles<2, 8>(xp, ldx, wp, ldw, n, width, op, O, full, T, T); break;
-    case 3: dense_tiles<3, 5>(xp, ldx, wp, ldw, n, width, op, O, full, T, T); break;
+    case 1: dense_tiles<1, ACC>(xp, ldx, wp, ldw, n, width, op, O, full, T, T); break;
+    case 2: dense_tiles<2, ACC / 2>(xp, ldx, wp, ldw, n, width, op, O, full, T, T); break;
+    case 3: dense_tiles<3, (ACC + 1) / 3>(xp, ldx, wp, ldw, n, width, op, O, full, T, T); break;
   }
   return out;
 }
@@ -233,44 +334,48 @@ torch::Tensor dense(torch::Tensor x, torch::Tensor w, int64_t n) {
 // at or past L repeat key j0 (computed, not stored).
 static inline void score_keys(const float* q, const float* keys, int64_t ldk, int64_t hd, int64_t j0, int64_t L,
                               float* sc) {
-  __m512 acc[16];
-  const float* kr[16];
-  for (int k = 0; k < 16; ++k) {
-    acc[k] = _mm512_setzero_ps();
-    kr[k] = keys + (j0 + k < L ? j0 + k : j0) * ldk;
+  V acc[16];
+  for (int g = 0; g < 16; g += ACC) {  // each key's chain is its own: a few keys at a time
+    V part[ACC];
+    const float* kr[ACC];
+    for (int k = 0; k < ACC; ++k) {
+      part[k] = vzero();
+      kr[k] = keys + (j0 + g + k < L ? j0 + g + k : j0) * ldk;
+    }
+    for (int64_t d = 0; d < hd; d += 16) {
+      V qv = vload(q + d);
+      for (int k = 0; k < ACC; ++k) part[k] = vfmadd(qv, vload(kr[k] + d), part[k]);
+    }
+    for (int k = 0; k < ACC; ++k) acc[g + k] = part[k];
   }
-  for (int64_t d = 0; d < hd; d += 16) {
-    __m512 qv = _mm512_loadu_ps(q + d);
-    for (int k = 0; k < 16; ++k) acc[k] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kr[k] + d), acc[k]);
-  }
-  _mm512_mask_storeu_ps(sc + j0, tail_mask(L - j0), reduce16(acc));
+  vstoren(sc + j0, reduce16(acc), L - j0);
 }
 
 // out rows = sum over keys j in order of e[r][j] * v[j] (a lane per head dimension), HV vectors of 16
 template <int RT, int HV>
 static inline void value_tile(const float* const* e, const float* vals, int64_t ldv, int64_t L, float* const* out,
                               const float* den) {
-  __m512 acc[RT][HV];
+  V acc[RT][HV];
   for (int i = 0; i < RT; ++i)
-    for (int v = 0; v < HV; ++v) acc[i][v] = _mm512_setzero_ps();
+    for (int v = 0; v < HV; ++v) acc[i][v] = vzero();
   for (int64_t j = 0; j < L; ++j) {
-    __m512 vv[HV];
-    for (int v = 0; v < HV; ++v) vv[v] = _mm512_loadu_ps(vals + j * ldv + 16 * v);
+    V vv[HV];
+    for (int v = 0; v < HV; ++v) vv[v] = vload(vals + j * ldv + 16 * v);
     for (int i = 0; i < RT; ++i) {
-      __m512 ev = _mm512_set1_ps(e[i][j]);
-      for (int v = 0; v < HV; ++v) acc[i][v] = _mm512_fmadd_ps(ev, vv[v], acc[i][v]);
+      V ev = vset1(e[i][j]);
+      for (int v = 0; v < HV; ++v) acc[i][v] = vfmadd(ev, vv[v], acc[i][v]);
     }
   }
   for (int i = 0; i < RT; ++i) {
-    __m512 dv = _mm512_set1_ps(den[i]);
-    for (int v = 0; v < HV; ++v) _mm512_storeu_ps(out[i] + 16 * v, _mm512_div_ps(acc[i][v], dv));
+    V dv = vset1(den[i]);
+    for (int v = 0; v < HV; ++v) vstore(out[i] + 16 * v, vdiv(acc[i][v], dv));
   }
 }
 
 template <int HV>
 static void values_of(float* const* e, const float* vals, int64_t ldv, int64_t L, float* const* out,
                       const float* den, int64_t rows) {
-  constexpr int RT = 16 / HV;
+  constexpr int RT = ACC / HV > 0 ? ACC / HV : 1;
   for (int64_t r0 = 0; r0 < rows; r0 += RT) {
     int rt = (int)std::min<int64_t>(RT, rows - r0);
     const float* er[RT];
@@ -339,15 +444,14 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor vals, to
           float top = -INFINITY;
           for (int64_t j = 0; j < L; ++j)
             if (mr[j]) top = std::max(top, e[j]);
-          __m512 sum = _mm512_setzero_ps();
+          V sum = vzero();
           for (int64_t j0 = 0; j0 < L; j0 += 16) {
-            __mmask16 m = tail_mask(L - j0);
-            __mmask16 seen = 0;
-            for (int k = 0; k < 16 && j0 + k < L; ++k) seen |= (__mmask16)(mr[j0 + k] ? 1u << k : 0);
-            __m512 x = _mm512_maskz_loadu_ps(m, e + j0);
-            __m512 ex = _mm512_maskz_mov_ps(seen, exp_le0(_mm512_sub_ps(x, _mm512_set1_ps(top))));
-            _mm512_mask_storeu_ps(e + j0, m, ex);
-            sum = _mm512_add_ps(sum, ex);
+            uint32_t seen = 0;
+            for (int k = 0; k < 16 && j0 + k < L; ++k) seen |= mr[j0 + k] ? 1u << k : 0;
+            V x = vloadn(e + j0, L - j0);
+            V ex = vkeep(exp_le0(vsub(x, vset1(top))), seen);
+            vstoren(e + j0, ex, L - j0);
+            sum = vadd(sum, ex);
           }
           den[i] = top == -INFINITY ? 1.0f : lanes_sum(sum);  // a row that sees no key: zeros
         }
@@ -363,6 +467,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor vals, to
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("isa") = ISA;
   m.def("pack", &pack);
   m.def("partials", &partials);
   m.def("dense", &dense);
