@@ -11,8 +11,9 @@ q and gate projections (one chunk) and its attention output and MLP down (8 chun
 not pack (the default's product is MKL's ``sgemm``; the fixed-order kernel's dense form); each weight is
 larger than the caches, 2 layers cycled. Each point is the median of ``runs`` runs of the layers' calls per
 kernel, the kernels alternated within a run. Prints a table, writes JSON.
+``--isa avx2`` runs the kernel's AVX2 build where the CPU runs the AVX-512 one (the same bits, other tiles).
 Usage (repository root): .venv/bin/python bench/fixed_order.py [--shapes small|medium] [--tokens 1,4,16,64]
-[--runs 5] [--json OUT]
+[--runs 5] [--isa avx512|avx2] [--json OUT]
 """
 
 from __future__ import annotations
@@ -89,11 +90,15 @@ def main() -> None:
     ap.add_argument("--shapes", choices=sorted(SHAPES), default="small")
     ap.add_argument("--tokens", default="1,4,16,64")
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--isa", choices=["avx512", "avx2"], help="the kernel's build (default: the CPU's)")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.isa:  # every caller reaches the kernel through native.kernels()
+        built = native.build(args.isa)
+        native.kernels = lambda: built  # type: ignore[method-assign]
     if native.kernels() is None:
-        raise SystemExit("the fixed-order kernel does not build here (it needs AVX-512 and a C++ compiler)")
+        raise SystemExit("the fixed-order kernel does not build here (it needs AVX-512 or AVX2 and g++)")
     gen = torch.Generator().manual_seed(0)
     layers, shapes = SHAPES[args.shapes]
     packs = args.shapes == "small"
@@ -122,7 +127,7 @@ def main() -> None:
             print(f"{name:18s} {tokens:6d} {row}  {med['default'] / f:9.2f}x {med['mkl'] / f:6.2f}x")
     if args.json:
         with open(args.json, "w") as fh:
-            meta = {"shapes": args.shapes, "layers": layers, "runs": args.runs}
+            meta = {"shapes": args.shapes, "isa": native.kernels().isa, "layers": layers, "runs": args.runs}
             json.dump({**meta, "points": points}, fh, indent=1)
         print(f"wrote {args.json}")
 

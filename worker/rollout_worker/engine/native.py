@@ -15,16 +15,16 @@ layout):
   (``bench/fixed_order.py``: SmolLM2-135M's and ``small``'s row-parallel weights, read from memory):
   1.2-2.2x faster than the MKL chunk products at 1 to 64 tokens, and against oneDNN's whole product on
   packed weights (the default kernels', not invariant) 1.2-1.4x faster at one token and within 11% either
-  way at 4 to 64; on an AVX-512 AMD EPYC 1.3-4.0x faster than the MKL chunk products, and against
-  oneDNN's 1.7-1.8x faster at one token, 0.90-1.8x at 4 to 64.
+  way at 4 to 64; on an AVX-512 AMD EPYC 1.3-3.7x faster than the MKL chunk products, and against
+  oneDNN's 1.7-1.9x faster at one token, 0.94-1.8x at 4 to 64.
 - **dense** (the weight as it is, where copies do not fit: ``medium`` and larger): a vector's 16 lanes are
   16 of an output's inputs, lane ``l`` one chain over inputs ``l, l + 16, ...`` in order, the lanes then
   added in one fixed order; tiles of 4 tokens x 4 outputs (1 to 3 tokens in one pass), the next rows
   prefetched. Measured with one thread on an AVX-512 AMD EPYC (``bench/fixed_order.py --shapes medium``:
-  ``medium``'s q, gate, attention output and MLP down): 1.3-1.4x faster than MKL's own ``sgemm`` (the
-  default kernels', not invariant) at one token and 1.4-4.0x at 4 to 64; 1.3-5.4x faster than the MKL
+  ``medium``'s q, gate, attention output and MLP down): 1.2-1.3x faster than MKL's own ``sgemm`` (the
+  default kernels', not invariant) at one token and 1.1-3.1x at 4 to 64; 1.1-4.2x faster than the MKL
   forms it replaces, which pad a decode step to 4 or 16 rows. Over narrow chunks (``small``'s 64 inputs)
-  the packed form is faster (``--shapes small``: 1.0-1.9x at 4 to 64 tokens).
+  the packed form is faster (``--shapes small``: up to 2.7x at 4 to 64 tokens).
 
 Built for AVX-512 or for AVX2 (with FMA), whichever the CPU runs (:func:`machine_isa`): one source, a vector
 being 16 lanes in one AVX-512 register or two AVX2 ones, with the same operation on every lane and the
