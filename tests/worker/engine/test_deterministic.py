@@ -1,7 +1,8 @@
 """Lossless in float32 (issue 19, item 1): with ``deterministic`` on, the same requests give identical
 tokens and bit-identical logprobs across every layout of 2 and 4 ranks and every transition (grow, shrink,
-migrate, recompute) on the real model and ``small``, and across batch sizes 1 to 64, arrival orders,
-retraction and prefix sharing on ``tiny``; real gloo ranks. Without it, the same float32 runs differ (the
+migrate, recompute) and across batch sizes (1 to 8 on the real model, 1 to 64 on ``small``) on the real
+model and ``small``, and across batch sizes 1 to 64, arrival orders, retraction and prefix sharing on
+``tiny``; real gloo ranks. Without it, the same float32 runs differ (the
 control: the comparison can fail)."""
 
 from __future__ import annotations
@@ -74,6 +75,24 @@ def test_small_through_both_chains_is_bitwise_equal(small32: Path) -> None:
         res = run_case(small32, case, specs, "float32", deterministic=True)
         assert outputs(res) == ref, case.name
         assert_chain_ran(case, res, {rid: toks for rid, (toks, _) in ref.items()})
+
+
+def test_real_model_batch_sizes_change_nothing(
+    smollm2: Path, chats: list[RequestSpec], real_reference: Outputs
+) -> None:
+    """The real model's 8 chats on one TP=1 replica, one at a time (batch 1) and all in one batch of 8,
+    against the reference's two replicas of 4 (the kernel tests show a row among up to 63 others)."""
+    for max_batch in (1, 8):
+        assert outputs(_run(smollm2, "1x1", chats, max_batch=max_batch)) == real_reference, max_batch
+
+
+def test_small_batch_sizes_change_nothing(small32: Path) -> None:
+    """``small``, 64 requests: one at a time (batch 1), all in one batch of up to 64 (every size on the way
+    down as they finish), and at TP 2 in batches of up to 64."""
+    specs = logprobs(requests(64, 9, 4096))
+    ref = outputs(_run(small32, "1x1", specs, max_batch=1))
+    assert outputs(_run(small32, "1x1", specs, max_batch=64)) == ref
+    assert outputs(_run(small32, "1x2", specs, max_batch=64)) == ref
 
 
 def test_real_model_without_it_differs(
