@@ -103,6 +103,13 @@ def build(isa: Isa) -> ModuleType | None:
         return None
 
 
+def _built() -> ModuleType:
+    """:func:`kernels`' module, for callers that chose the kernel because it is built."""
+    mod = kernels()
+    assert mod is not None, "the fixed-order kernel is not built here"
+    return mod
+
+
 @dataclass(frozen=True, slots=True)
 class Packed:
     """A float32 weight [out, n * width] as the kernel reads it (:func:`pack`): ``blocks`` [n, ceil(out /
@@ -118,8 +125,7 @@ class Packed:
 
 def pack(w: torch.Tensor, n: int = 1) -> Packed:
     """w [out, n * width] (float32) in ``n`` chunks, packed for the kernel (a copy)."""
-    mod = kernels()
-    assert mod is not None
+    mod = _built()
     return Packed(mod.pack(w, n), w.shape[0])
 
 
@@ -127,8 +133,7 @@ def partials(x: torch.Tensor, w: Packed | torch.Tensor, n: int = 1) -> torch.Ten
     """[n, rows, out]: each chunk's product of x [rows, n * width] (rows of unit stride) and ``w``: packed
     (:func:`pack`, its own chunk count), or dense [out, n * width] as it is (rows of unit stride, any row
     stride: lanes over the inputs, see the module's text) in ``n`` chunks."""
-    mod = kernels()
-    assert mod is not None
+    mod = _built()
     if isinstance(w, Packed):
         return mod.partials(x, w.blocks, w.out)
     return mod.dense(x, w, n)
@@ -161,8 +166,7 @@ def attend(
     its weighted values (a lane per head dimension, over the keys in order); keys past ``seen`` are not
     read. A row's result depends on nothing else in the batch, on the keys it does not see, or on their
     number."""
-    mod = kernels()
-    assert mod is not None
+    mod = _built()
     bsz, seq, length = q.shape[0], q.shape[1], keys.shape[2]
     keys, vals = (t if t.stride(-1) == 1 else t.contiguous() for t in (keys, vals))
     rows = mask.expand(bsz, 1, seq, mask.shape[-1])[:, 0].contiguous().view(torch.uint8)  # [B, S, L]
