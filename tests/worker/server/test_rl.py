@@ -26,7 +26,8 @@ GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 def test_server_info_as_sglang_reports_it(ctl: Served) -> None:
     for path in ("/server_info", "/get_server_info"):
         info = ctl.get(path).json()
-        assert info["enable_memory_saver"] is True
+        assert info["enable_memory_saver"] is False  # SGLang's default (slime: --offload-rollout off)
+        assert info["num_gpus"] == 2  # the engine's ranks: slime sizes its weight-update group by them
         assert (info["tp_size"], info["dp_size"], info["pp_size"]) == (1, 2, 1)
         assert isinstance(info["max_total_num_tokens"], int) and info["max_total_num_tokens"] > 0
         assert info["weight_version"] == ctl.get("/get_weight_version").json()["weight_version"]

@@ -32,6 +32,11 @@ class ServerSettings(BaseModel):
         description="update_weights_from_tensor reads SGLang's pickled tensor handles (VeRL's adapter; same "
         "host only) from anyone with the API key: a restricted unpickler, still a trusted surface.",
     )
+    enable_memory_saver: bool = Field(
+        False,
+        description="What /server_info reports as SGLang's enable_memory_saver (slime checks that it equals "
+        "its --offload-rollout). release_memory_occupation and resume_memory_occupation work either way.",
+    )
     served_model_name: str | None = Field(
         None, min_length=1, description="Model name in /v1/models (default: --model)."
     )

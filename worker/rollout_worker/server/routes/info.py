@@ -93,6 +93,7 @@ def _server_info(state: ServerState) -> dict[str, Any]:
         "layout": str(layout),
         "candidate_layouts": [str(x) for x in cfg.candidates],
         "ranks": cfg.world,
+        "num_gpus": cfg.world,  # SGLang's: the engine's devices (slime sizes its weight-update group by it)
         "dtype": cfg.dtype,
         "device": cfg.engine.device,
         "context_length": cfg.engine.context_length,
@@ -102,7 +103,7 @@ def _server_info(state: ServerState) -> dict[str, Any]:
         # SGLang's field: tokens of the KV pool of one scheduler (here: of one replica)
         "max_total_num_tokens": cfg.engine.pool_tokens,
         "max_req_input_len": cfg.engine.context_length - 1,
-        "enable_memory_saver": True,  # release / resume_memory_occupation are supported
+        "enable_memory_saver": s.enable_memory_saver,  # a setting, as SGLang's (release / resume work anyway)
         "memory_tags": list(MEMORY_TAGS),
         "disable_cuda_graph": not graphs,
         "enable_deterministic_inference": cfg.engine.deterministic,  # SGLang's name of the setting
