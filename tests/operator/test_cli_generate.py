@@ -163,7 +163,7 @@ CASES = {
     ),
     "kv-budget-below-a-request": (
         ["--kv-budget-tokens", "10"],
-        "in.jsonl:1: prompt (26 tokens) + max_new_tokens (6) exceeds the KV budget of a replica (10 tokens)",
+        "in.jsonl:1: prompt (26 tokens) + 6 new tokens exceeds the KV budget of a replica (10 tokens)",
     ),
 }
 

@@ -11,6 +11,8 @@ import pytest
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import Sampling
+from rollout_worker.engine.finish import Finish, FinishAbort, FinishStop
+from rollout_worker.engine.replica import Replica
 from rollout_worker.engine.sequence import Sequence
 
 from tests.worker.engine.engine_util import run, tokens
@@ -70,6 +72,51 @@ def test_a_later_request_finds_the_cached_prefix_until_it_is_flushed(tiny64: Pat
     rep.pool.flush_cache()
     rep.add(after_flush)
     assert rep.step().cached == {"s2": 0}
+
+
+def _finished(rep: Replica, spec: RequestSpec) -> Sequence:
+    seq = Sequence(spec=spec)
+    rep.add(seq)
+    while rep.unfinished:
+        rep.step()
+    return seq
+
+
+def test_a_conversation_s_next_turn_finds_the_last_turn_cached(tiny64: Path) -> None:
+    """Issue 35: a finished request leaves every full page it wrote cached, its reply's too (SGLang's radix
+    cache keeps a finished request's tokens), so the next turn (prompt + reply + a new message) computes
+    only what is new: 13 + 10 tokens, all but the last reply token's K/V written, are 5 full pages of 4. A
+    request that failed leaves only its prompt's pages (its K/V may be what failed)."""
+    rep = replica(tiny64, 64, 4)
+    first = _finished(rep, _samples(1)[0])
+    nxt = RequestSpec("next", PROMPT + tuple(first.output) + (7, 8, 9), 2, Sampling(), ignore_eos=True)
+    rep.add(Sequence(spec=nxt))
+    assert rep.step().cached == {"next": 20}
+    while rep.unfinished:
+        rep.step()
+    rep.pool.flush_cache()
+    rep.poison = ("bad", 5)  # its rows' logits turn NaN from its 5th token: it is aborted
+    bad = _finished(rep, RequestSpec("bad", PROMPT, 10, Sampling(temperature=0.9, seed=7), ignore_eos=True))
+    assert isinstance(bad.finish, FinishAbort) and len(bad.output) == 5  # 13 + 4 written: 4 full pages
+    after = RequestSpec("after", PROMPT + tuple(bad.output) + (7,), 2, Sampling(), ignore_eos=True)
+    rep.add(Sequence(spec=after))
+    assert rep.step().cached == {"after": 12}
+
+
+@pytest.mark.parametrize(("finish", "cached"), [(FinishStop("zz"), 16), (FinishAbort("by its client"), 12)])
+def test_a_request_the_driver_ends_leaves_its_pages_cached_unless_aborted(
+    tiny64: Path, finish: Finish, cached: int
+) -> None:
+    """Ended by a stop string the driver matched, a request's pages stay cached as a finished one's (13 + 6
+    tokens, 18 written: 4 full pages); aborted, only its prompt's."""
+    rep = replica(tiny64, 64, 4)
+    seq = Sequence(spec=RequestSpec("r", PROMPT, 10, Sampling(temperature=0.9, seed=5), ignore_eos=True))
+    rep.add(seq)
+    while len(seq.output) < 6:
+        rep.step()
+    assert rep.abort(("r",), finish) == [("r", finish)]
+    rep.add(Sequence(spec=RequestSpec("next", PROMPT + tuple(seq.output) + (7,), 2, Sampling())))
+    assert rep.step().cached == {"next": cached}
 
 
 def test_a_request_that_wants_its_prompt_logprobs_computes_its_whole_prompt(tiny64: Path) -> None:

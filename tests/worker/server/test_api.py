@@ -268,6 +268,15 @@ BAD = [
     ({"text": "a", "input_ids": [1], "sampling_params": {}}, "body", "exactly one of text or input_ids"),
     ({"text": "", "sampling_params": {}}, "text", "empty"),
     ({"input_ids": [], "sampling_params": {}}, "input_ids", "empty"),
+    # issue 35: an error of one prompt of a batch names it
+    ({"input_ids": [[1], [2], []]}, "input_ids.2", "empty"),
+    ({"text": ["a", ""]}, "text.1", "empty"),
+    ({"input_ids": [[1], [2, 99999]]}, "input_ids.1", "out of range"),
+    (
+        {"input_ids": [[1], [1] * 9], "sampling_params": {"max_new_tokens": 2040}},
+        "max_new_tokens",
+        "(prompt 1 of",
+    ),
     ({"input_ids": [1, 99999]}, "input_ids", "out of range"),
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens", ""),
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": 5000}}, "max_new_tokens", "context length"),
@@ -368,6 +377,61 @@ def test_text_a_tokenizer_or_a_path_cannot_take_is_a_400_naming_the_field(
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["field"] == field and text in err["message"], err
+
+
+_CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+_PLAIN = {"model": "m", "prompt": "a", "max_tokens": 1}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field", "text"),
+    [
+        ("/v1/chat/completions", {**_CHAT, "max_tokens": 10**9}, "max_tokens", "exceeds the context length"),
+        ("/v1/chat/completions", {**_CHAT, "max_completion_tokens": 10**9}, "max_completion_tokens", "new"),
+        ("/v1/chat/completions", {**_CHAT, "seed": 2**64}, "seed", "less than"),
+        ("/v1/completions", {**_PLAIN, "seed": 2**64}, "seed", "less than"),
+        ("/v1/completions", {"model": "m", "prompt": ""}, "prompt", "empty"),
+        ("/v1/completions", {"model": "m", "prompt": []}, "prompt", "empty"),
+        ("/v1/completions", {"model": "m", "prompt": ["a", "b", "c", ""]}, "prompt.3", "empty"),
+        ("/v1/completions", {"model": "m", "prompt": [[1], [2], [3], [99999]]}, "prompt.3", "out of range"),
+        (
+            "/v1/completions",
+            {"model": "m", "prompt": [[1], [2], [3], [1] * 9], "max_tokens": 2040},
+            "max_tokens",
+            "(prompt 3 of the batch)",
+        ),
+        ("/v1/completions", {**_PLAIN, "stop_token_ids": [99999]}, "stop_token_ids", "out of range"),
+        ("/v1/chat/completions", {**_CHAT, "input_ids": [1, 99999]}, "input_ids", "out of range"),
+        (
+            "/v1/chat/completions",
+            {**_CHAT, "messages": [{"role": "user", "content": "a"}] * 2 + [{"role": "user", "content": 5}]},
+            "messages.2.content",
+            "string",
+        ),
+        (
+            "/v1/chat/completions",
+            {**_CHAT, "stream": True, "stream_options": {"include_usage": True, "chunk_size": 1}},
+            "stream_options.chunk_size",
+            "Extra inputs",
+        ),
+        (
+            "/v1/completions",
+            {**_PLAIN, "stream": True, "stream_options": {"x": 1}},
+            "stream_options.x",
+            "Extra inputs",
+        ),
+    ],
+)  # fmt: skip
+def test_openai_errors_name_the_field_the_user_sent(
+    server: Served, path: str, body: dict[str, Any], field: str, text: str
+) -> None:
+    """Issue 35: never /generate's name for it (``max_new_tokens``, ``sampling_params.SamplingParams.
+    sampling_seed``, ``text``, ``input_ids``), and the prompt of a batch by its place."""
+    r = server.post(path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["field"] == field and err["message"].startswith(f"{field}: ") and text in err["message"], err
+    assert not any(name in err["message"] for name in ("max_new_tokens", "sampling_")), err
 
 
 def test_malformed_json_and_body_limit(server: Served) -> None:

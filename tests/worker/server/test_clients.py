@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -124,11 +125,16 @@ def test_openai_client(server: Served) -> None:
     assert lp is not None and len(lp.token_logprobs or []) == 3 and len((lp.top_logprobs or [])[0]) == 2
 
 
-def _chat_prompt(model_dir: Path, messages: list[dict[str, str]]) -> str:
-    """The prompt as transformers renders the model's chat template (the reference, not our renderer)."""
+def _tokenizer(model_dir: Path) -> Any:
+    """The model's tokenizer as transformers loads it (the reference, not ours)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _chat_prompt(model_dir: Path, messages: list[dict[str, str]]) -> str:
+    """The prompt as transformers renders the model's chat template (the reference, not our renderer)."""
+    tok = _tokenizer(model_dir)
     return str(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
 
 
@@ -210,6 +216,111 @@ def test_openai_chat_client(server: Served, tiny64: Path) -> None:
     )
 
 
+def _openai(server: Served) -> Any:
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _by_choice(chunks: list[Any], part: Callable[[Any], Any]) -> dict[int, list[Any]]:
+    """``part(choice)`` of each chunk, by the choice's index, in stream order."""
+    out: dict[int, list[Any]] = {}
+    for c in chunks:
+        for ch in c.choices:
+            out.setdefault(ch.index, []).append(part(ch))
+    return out
+
+
+def _clean_stops(text: str) -> list[str]:
+    """Stop strings taken from ``text``, one after the other past its start: of 3 characters (3 byte
+    tokens), 2 and 1; none with U+FFFD (what a partial character decodes to)."""
+    picks, i = [], 3
+    for n in (3, 2, 1):
+        i = next(j for j in range(i, len(text) - n + 1) if "\ufffd" not in text[j : j + n])
+        picks.append(text[i : i + n])
+        i += n
+    return picks
+
+
+def test_openai_streams_end_where_the_stop_string_trims_the_text(server: Served) -> None:
+    """Stop strings of 1 to 3 characters spanning tokens, alone and in a list: the streamed deltas join to
+    the non-streamed text, which ends where the first stop string begins (the stream holds back what may
+    still turn out to begin one), on both routes."""
+    client = _openai(server)
+    plain: dict[str, Any] = {"model": "m", "prompt": "Hello", "max_tokens": 80, "temperature": 0}
+    chat: dict[str, Any] = {"model": "m", "messages": CHAT, "max_tokens": 80, "temperature": 0}
+    routes: list[tuple[Any, dict[str, Any], Callable[[Any], str], Callable[[Any], str]]] = [
+        (client.completions.create, plain, lambda c: c.text, lambda c: c.text),
+        (client.chat.completions.create, chat, lambda c: c.message.content, lambda c: c.delta.content or ""),
+    ]
+    for create, body, text_of, delta_of in routes:
+        free = text_of(create(**body).choices[0])
+        stops = _clean_stops(free)
+        for stop in [*stops, stops[:2]]:
+            (done,) = create(**body, stop=stop).choices
+            first = min(free.index(s) for s in ([stop] if isinstance(stop, str) else stop))
+            assert done.finish_reason == "stop" and text_of(done) == free[:first], (stop, free)
+            streamed = _by_choice(list(create(**body, stop=stop, stream=True)), delta_of)
+            assert {i: "".join(parts) for i, parts in streamed.items()} == {0: free[:first]}, (stop, free)
+
+
+def _ids(choice: Any, name: str) -> Any:
+    """SGLang's (and vLLM's) token id fields, which the openai types do not declare."""
+    return (choice.model_extra or {}).get(name)
+
+
+def test_openai_token_ids_in_and_out(server: Served, tiny64: Path) -> None:
+    """``return_token_ids``: each choice's prompt ids (a stream: in its first chunk only) and generated ids
+    (a stream: each chunk's new ones), the same streamed or not and the ids /generate returns for the same
+    request, with prompts as ids (a batch, 2 samples each) on /v1/completions and as ``input_ids`` on chat
+    (the ids chat rendered, from ``return_prompt_token_ids``); usage has OpenAI's cached prompt tokens."""
+    client = _openai(server)
+    ids = [[5, 6, 7], [8, 9]]
+    body: dict[str, Any] = {"model": "m", "prompt": ids, "max_tokens": 6, "n": 2, "seed": 3}
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    done = client.completions.create(**body, extra_body=extra)
+    sampling = {"max_new_tokens": 6, "n": 2, "sampling_seed": 3, "ignore_eos": True}
+    direct = server.post("/generate", {"input_ids": ids, "sampling_params": sampling}).json()
+    choices = sorted(done.choices, key=lambda c: c.index)
+    assert [_ids(c, "prompt_token_ids") for c in choices] == [ids[0], ids[0], ids[1], ids[1]]
+    assert [_ids(c, "token_ids") for c in choices] == [d["output_ids"] for d in direct]
+    assert done.usage is not None and (done.usage.prompt_tokens, done.usage.completion_tokens) == (5, 24)
+    assert done.usage.prompt_tokens_details is not None
+    assert done.usage.prompt_tokens_details.cached_tokens is not None
+    _streamed_like(list(client.completions.create(**body, extra_body=extra, stream=True)), choices)
+
+    rendered = client.chat.completions.create(
+        model="m", messages=CHAT, max_tokens=1, extra_body={"return_prompt_token_ids": True}
+    ).choices[0]
+    prompt = _ids(rendered, "prompt_token_ids")
+    assert _ids(rendered, "token_ids") is None  # not asked for
+    assert prompt == _tokenizer(tiny64).encode(_chat_prompt(tiny64, CHAT), add_special_tokens=False)
+    chat: dict[str, Any] = {"model": "m", "messages": CHAT, "max_tokens": 8, "temperature": 0}
+    chat_extra = {"input_ids": prompt, **extra}
+    (reply,) = client.chat.completions.create(**chat, extra_body=chat_extra).choices
+    greedy = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    direct = server.post("/generate", {"input_ids": prompt, "sampling_params": greedy}).json()
+    assert (_ids(reply, "prompt_token_ids"), _ids(reply, "token_ids")) == (prompt, direct["output_ids"])
+    assert reply.message.content == direct["text"]
+    chunks = list(client.chat.completions.create(**chat, extra_body=chat_extra, stream=True))
+    _streamed_like(chunks, [reply])
+
+
+def _streamed_like(chunks: list[Any], choices: list[Any]) -> None:
+    """A stream's choices carry what ``choices`` (non-streamed) do: the prompt's ids in its first chunk only,
+    the generated ids and the text in pieces."""
+    prompts = _by_choice(chunks, lambda c: _ids(c, "prompt_token_ids"))
+    assert {i: p[0] for i, p in prompts.items()} == {c.index: _ids(c, "prompt_token_ids") for c in choices}
+    assert all(p[1:] == [None] * (len(p) - 1) for p in prompts.values())
+    ids = _by_choice(chunks, lambda c: _ids(c, "token_ids"))
+    assert {i: [x for part in t for x in part] for i, t in ids.items()} == {
+        c.index: _ids(c, "token_ids") for c in choices
+    }
+    texts = _by_choice(chunks, lambda c: c.text if hasattr(c, "text") else c.delta.content or "")
+    want = {c.index: c.text if hasattr(c, "text") else c.message.content for c in choices}
+    assert {i: "".join(t) for i, t in texts.items()} == want
+
+
 def test_chat_errors_name_the_field(server: Served) -> None:
     import openai
     from openai import OpenAI
@@ -256,3 +367,30 @@ def test_a_model_without_a_chat_template_is_a_clear_400(tiny64: Path, tmp_path: 
         client.chat.completions.create(model="m", messages=CHAT)  # type: ignore[arg-type]
     assert err.value.status_code == 400
     assert "has no chat template" in str(err.value) and err.value.body["field"] == "messages"  # type: ignore[index]
+
+
+def test_a_model_without_a_tokenizer_refuses_stop_strings_and_text(tiny64: Path, tmp_path: Path) -> None:
+    """In process (no ranks: the answer comes before the engine is needed): a prompt of token ids needs no
+    tokenizer, but a stop string, matched in the text, does: refused naming ``stop``, not ignored; a text
+    prompt is refused naming ``prompt``."""
+    import openai
+    from fastapi.testclient import TestClient
+    from openai import OpenAI
+    from rollout_worker.engine.config import EngineConfig
+    from rollout_worker.server.app import create_app
+    from rollout_worker.server.settings import ServerSettings
+
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny64, bare)
+    (bare / "tokenizer.json").unlink()
+    app = create_app(ServerSettings(model=bare), EngineConfig.load(str(bare), 1))
+    client = OpenAI(
+        base_url="http://testserver/v1", api_key="unused", http_client=TestClient(app), max_retries=0
+    )
+    for prompt, stop, field, text in (
+        ([1, 2, 3], "ab", "stop", "tokenizer.json"),
+        ("hi", None, "prompt", "ids"),
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="m", prompt=prompt, stop=stop)
+        assert err.value.body["field"] == field and text in str(err.value), err.value.body  # type: ignore[index]

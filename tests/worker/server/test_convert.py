@@ -84,3 +84,23 @@ def test_output_text_trims_the_match(tiny64: Path) -> None:
         )
     )
     assert out.text == "abcXYde"  # the matched stop token is not in the text
+
+
+def test_a_stream_holds_back_what_may_begin_a_stop_string(tiny64: Path) -> None:
+    """Issue 35: while running, the text a stream may send ends before any end that begins a stop string
+    (the final text trims it); once finished, it is the final text."""
+    codec = TextCodec.load(tiny64)
+    assert codec is not None
+    (job,) = to_jobs(req(input_ids=[1], sampling_params={"stop": ["XYZ", "bc!"]}), codec)
+    out = Output(job, codec)
+    sent = []
+    for tok in codec.encode("abcXYd"):
+        out.add(Update(job.spec.id, tokens=(TokenOut(job.spec.id, tok),)))
+        sent.append(out.stream_text)
+    assert sent == ["a", "a", "a", "abc", "abc", "abcXYd"]  # "b", "bc", "X", "XY" may begin a stop string
+    out.add(Update(job.spec.id, tokens=tuple(TokenOut(job.spec.id, t) for t in codec.encode("XY"))))
+    assert out.stream_text == "abcXYd"
+    out.add(
+        Update(job.spec.id, tokens=(TokenOut(job.spec.id, codec.encode("Z")[0]),), finish=FinishStop("XYZ"))
+    )
+    assert out.stream_text == out.text == "abcXYd"

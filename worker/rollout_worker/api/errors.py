@@ -95,9 +95,10 @@ def field_errors(
     return [(_path(err, skip), _message(err)) for err in exc.errors()[:limit]]
 
 
-def user_error(exc: Invalid, name: Callable[[FieldPath], str]) -> UserError:
-    """The first error of a validation as a UserError, its field named ``name(path)`` (a variable, a flag)."""
-    ((path, message),) = field_errors(exc, 1)
+def user_error(exc: Invalid, name: Callable[[FieldPath], str], skip: Collection[str] = ()) -> UserError:
+    """The first error of a validation as a UserError, its field named ``name(path)`` (a variable, a flag);
+    ``skip`` as :func:`field_errors`."""
+    ((path, message),) = field_errors(exc, 1, skip)
     return UserError(message, name(path) if path else None)
 
 

@@ -10,9 +10,9 @@ with no holder stays cached until the allocator needs it: least recently release
 are released last page first, so its leaves go before its parents), and evicting a page uncaches the
 pages under it, whose keys name it.
 
-Only full pages written by a prefill are cached, and a request never writes into a page it shares: it
-takes at most its prefill's tokens minus one from the cache (the last token is always computed, for its
-logits), so its own writes start in a page of its own.
+Only full pages are cached: a prefill's as it writes them, a finished request's (prompt and output) as it
+ends. A request never writes into a page it shares: it takes at most its prefill's tokens minus one from the
+cache (the last token is always computed, for its logits), so its own writes start in a page of its own.
 """
 
 from __future__ import annotations

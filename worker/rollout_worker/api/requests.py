@@ -56,9 +56,11 @@ def check_length(
     prompt_tokens: int, max_new_tokens: int, context_length: int, kv_budget: int | None, where: str = ""
 ) -> None:
     """Refuse a prompt of ``prompt_tokens`` that may generate ``max_new_tokens`` where it can never fit:
-    beyond the context length, or the KV budget of a replica (``kv_budget``, None: no limit)."""
+    beyond the context length, or the KV budget of a replica (``kv_budget``, None: no limit). The error's
+    field is ``max_new_tokens``; its message does not name it, so that a caller may name it as its user
+    does (``max_tokens``, ``spec.sampling.maxNewTokens``)."""
     pre = f"{where}: " if where else ""
-    what = f"{pre}prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceeds"
+    what = f"{pre}prompt ({prompt_tokens} tokens) + {max_new_tokens} new tokens exceeds"
     if prompt_tokens + max_new_tokens > context_length:
         raise UserError(f"{what} the context length {context_length}", "max_new_tokens")
     if kv_budget is not None and prompt_tokens + max_new_tokens > kv_budget:

@@ -127,7 +127,7 @@ class Replica:
         """Remove the named requests (all when None) wherever they are; returns their finish reasons."""
         gone: list[tuple[str, Finish]] = []
         for seq in [s for s in self.running if rids is None or s.spec.id in rids]:
-            self._release(seq)
+            self._end(seq, finish)
             gone.append((seq.spec.id, finish))
         kept = deque(s for s in self.waiting if not (rids is None or s.spec.id in rids))
         gone += [(s.spec.id, finish) for s in self.waiting if rids is None or s.spec.id in rids]
@@ -421,8 +421,17 @@ class Replica:
 
     def _finish(self, seq: Sequence, finish: Finish, out: StepOutput) -> None:
         seq.finish = finish
-        self._release(seq)
+        self._end(seq, finish)
         out.finished.append((seq.spec.id, finish))
+
+    def _end(self, seq: Sequence, finish: Finish) -> None:
+        """Release a running request that ended (by itself, or by a stop string the driver matched); unless
+        it was aborted, the full pages of every token whose K/V it wrote (its prompt and all but its last
+        output token) stay in the prefix cache, as SGLang's radix cache keeps a finished request's: the
+        next turn of a conversation (this one's tokens and more) finds them."""
+        if not isinstance(finish, FinishAbort):
+            self.pool.cache_prefix(prefill_row(seq), seq.pages)
+        self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
         """Free the request's pages and row; the last running request moves into its row (rows stay

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import re
+from functools import cached_property
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -16,19 +19,13 @@ def byte_level_tokenizer(vocab_size: int) -> Tokenizer:
     if vocab_size < 256 + len(SPECIALS):
         raise UserError(f"vocab_size must be >= {256 + len(SPECIALS)} for the byte-level tokenizer")
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet, key=_byte_of))}
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet, key=_BYTE_OF.__getitem__))}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     extras = [f"<|extra_{i}|>" for i in range(vocab_size - 256 - len(SPECIALS))]
     tok.add_special_tokens([*SPECIALS, *extras])
     return tok
-
-
-def _byte_of(ch: str) -> int:
-    """ByteLevel maps byte b to a printable char; recover b so that token id == byte value."""
-    table = _bytes_to_unicode()
-    return next(b for b, c in table.items() if c == ch)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -42,6 +39,11 @@ def _bytes_to_unicode() -> dict[int, str]:
             cs.append(256 + n)
             n += 1
     return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
+
+
+# ByteLevel maps byte b to a printable character; this recovers b (the byte-level tokenizer's token id)
+_BYTE_OF = {c: b for b, c in _bytes_to_unicode().items()}
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback token (SentencePiece)
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
@@ -71,6 +73,33 @@ class TextCodec:
     def token_text(self, token: int) -> str:
         """One token's own text (special tokens included), as logprob entries show it."""
         return str(self.tok.decode([token], skip_special_tokens=False))
+
+    def token_bytes(self, token: int) -> bytes:
+        """One token's raw bytes (OpenAI's logprob ``bytes``): an added token's text, a byte-level BPE
+        token's own bytes (part of a character, for a token that splits one), a byte-fallback token's
+        (``<0xE4>``) byte, else the UTF-8 of its text. A sequence's tokens' bytes, joined, are the UTF-8
+        of its text (special tokens included)."""
+        added = self._added.get(token)
+        piece = self.tok.id_to_token(token)
+        if added is not None or piece is None:
+            return (added or self.token_text(token)).encode()
+        if "ByteLevel" in self._decoders and all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        if "ByteFallback" in self._decoders and (m := _BYTE_PIECE.fullmatch(piece)):
+            return bytes([int(m[1], 16)])
+        return self.token_text(token).encode()
+
+    @cached_property
+    def _added(self) -> dict[int, str]:
+        """The added tokens' texts (special tokens among them), by id."""
+        return {i: t.content for i, t in self.tok.get_added_tokens_decoder().items()}
+
+    @cached_property
+    def _decoders(self) -> set[str]:
+        """The types of the tokenizer's decoder (of each of its parts, for a sequence of decoders)."""
+        d = json.loads(self.tok.to_str()).get("decoder") or {}
+        parts = d.get("decoders", []) if d.get("type") == "Sequence" else [d]
+        return {str(part.get("type")) for part in parts}
 
 
 class IncrementalText:

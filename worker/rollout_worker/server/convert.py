@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,16 +30,36 @@ class Job:
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     text_in_logprobs: bool = False
+    prompt: int | None = None  # its prompt's index in a batch (None: the request's one prompt)
+
+    def blame(self, exc: UserError) -> UserError:
+        """``exc`` (a check of this job's request) as a batch names it: an error of the prompt itself at the
+        prompt's place (``input_ids.3``), any other one saying which prompt."""
+        if self.prompt is None:
+            return exc
+        if exc.field in _PROMPT_FIELDS:
+            return exc.with_field(f"{exc.field}.{self.prompt}")
+        return type(exc)(f"{exc.message} (prompt {self.prompt} of the batch)", exc.field)
+
+
+_PROMPT_FIELDS = ("text", "input_ids")
 
 
 def to_jobs(req: GenerateRequest, codec: TextCodec | None) -> list[Job]:
-    """One job per prompt x sample; errors name the field (``sampling_params.top_p``, ``text``)."""
+    """One job per prompt x sample; errors name the field (``sampling_params.top_p``, ``text``, the prompt
+    of a batch: ``input_ids.3``)."""
     jobs: list[Job] = []
     prompts = req.prompts()
     base_rids = _rids(req.rid, len(prompts))
     for i, prompt in enumerate(prompts):
         sp = _pick(req, req.sampling_params, i, SamplingParams())
-        ids = _encode(prompt, codec, "text" if req.text is not None else "input_ids")
+        if sp.stop and codec is None:  # matched in the text: never, without a tokenizer
+            raise UserError(
+                "stop strings need the model's tokenizer.json, which it has not", "sampling_params.stop"
+            )
+        index = i if req.is_batch else None
+        name = "text" if req.text is not None else "input_ids"
+        ids = _encode(prompt, codec, name if index is None else f"{name}.{index}")
         rid = base_rids[i]
         for j in range(sp.n):
             sub = rid if sp.n == 1 else f"{rid}-{j}"
@@ -63,9 +84,19 @@ def to_jobs(req: GenerateRequest, codec: TextCodec | None) -> list[Job]:
                     sp.skip_special_tokens,
                     sp.no_stop_trim,
                     req.return_text_in_logprobs,
+                    index,
                 )
             )
     return jobs
+
+
+def check_jobs(check: Callable[[RequestSpec], None], jobs: list[Job]) -> None:
+    """``check`` (the engine's) every job before any is submitted; an error names the prompt of a batch."""
+    for job in jobs:
+        try:
+            check(job.spec)
+        except UserError as exc:
+            raise job.blame(exc) from None
 
 
 def _pick(req: GenerateRequest, value: Any, i: int, default: Any) -> Any:
@@ -85,15 +116,15 @@ def _rids(rid: str | list[str] | None, n: int) -> list[str]:
     return [rid] if n == 1 else [f"{rid}_{i}" for i in range(n)]
 
 
-def _encode(prompt: str | list[int], codec: TextCodec | None, field_name: str) -> list[int]:
+def _encode(prompt: str | list[int], codec: TextCodec | None, where: str) -> list[int]:
     if isinstance(prompt, str):
         if codec is None:
-            raise UserError("this model has no tokenizer.json; send input_ids", "text")
+            raise UserError("this model has no tokenizer.json: send the prompt as token ids", where)
         ids = codec.encode(prompt)
     else:
         ids = prompt
     if not ids:
-        raise UserError("the prompt is empty", field_name)
+        raise UserError("the prompt is empty", where)
     return ids
 
 
@@ -140,6 +171,16 @@ class Output:
             return ""
         self._text.extend(self.ids[len(self._text.ids) :])
         return self._text.text if self.finish is None else self._final_text()
+
+    @property
+    def stream_text(self) -> str:
+        """The text a stream of deltas may send by now: the final text once finished; before, the text less
+        an end that may still turn out to begin a stop string (the final text trims a stop string), so that
+        what a stream sends is always a prefix of the final text."""
+        text = self.text
+        if self.finish is not None or self.job.no_stop_trim:
+            return text
+        return text[: len(text) - _stop_start(text, self.job.stop)]
 
     def _final_text(self) -> str:
         assert self._text is not None and self.finish is not None
@@ -194,3 +235,17 @@ class Output:
 
     def _tok_text(self, tok: int, want: bool) -> str | None:
         return self.codec.token_text(tok) if want and self.codec is not None else None
+
+
+def _stop_start(text: str, stops: tuple[str, ...]) -> int:
+    """The length of the longest end of ``text`` that begins one of ``stops`` (0: none); only where a stop
+    string's first character is are the ends compared."""
+    best = 0
+    for stop in stops:
+        at = text.find(stop[0], max(len(text) - len(stop), 0))
+        while at >= 0 and len(text) - at > best:
+            if stop.startswith(text[at:]):
+                best = len(text) - at
+                break
+            at = text.find(stop[0], at + 1)
+    return best

@@ -18,8 +18,8 @@ from rollout_worker.api.errors import UserError, field_errors
 
 _SOURCES = {"body", "query", "path", "header"}  # where a value came from: the first part of a location
 # tags of union members in a location (``text: str | list[str]``, ``sampling_params: SamplingParams | list``)
-_UNION_TAGS = {"SamplingParams", "str", "bool", "int"}
-_UNION_TAGS |= {f"list[{t}]" for t in _UNION_TAGS} | {"list[list[int]]", "list[any]"}
+UNION_TAGS = {"SamplingParams", "str", "bool", "int"}
+UNION_TAGS |= {f"list[{t}]" for t in UNION_TAGS} | {"list[list[int]]", "list[any]"}
 
 
 class ErrorDetail(BaseModel):
@@ -69,7 +69,7 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str]:
     """(field, message) of a request's first validation error, e.g. ``("triggers.0.layout",
     "triggers.0.layout: '0x2' needs D >= 1 and T >= 1")``; a body that is not JSON is ``("body", "body:
     malformed JSON: ...")``."""
-    errors = field_errors(exc, skip=_UNION_TAGS)
+    errors = field_errors(exc, skip=UNION_TAGS)
     # a value that fits no member of a union fails once per member: the deepest failure is the telling one
     # (``sampling_params.0.top_p``, not "sampling_params: Input should be a valid dictionary")
     head = errors[0][0][:2]

@@ -1,6 +1,12 @@
 """OpenAI-compatible ``POST /v1/chat/completions``: the messages rendered with the model's chat template (as a
 job's chat prompts are, ``api.prompts.ChatTemplate``), then generated as ``/v1/completions`` generates a
-text prompt (stream and not, ``n``, ``logprobs`` / ``top_logprobs``, SGLang's extra sampling fields)."""
+text prompt (stream and not, ``n``, ``logprobs`` / ``top_logprobs``, SGLang's extra sampling fields).
+
+Token in, token out as SGLang's chat API: ``input_ids`` is the prompt as token ids (the messages are not
+rendered then: an agent loop sends each turn's exact prompt, the earlier turns' ids plus the new message's);
+``return_token_ids`` puts ``prompt_token_ids`` and ``token_ids`` in each choice (``return_prompt_token_ids``
+only the prompt's), in a stream as ``/v1/completions`` does.
+"""
 
 from __future__ import annotations
 
@@ -17,10 +23,10 @@ from rollout_worker.api.errors import FieldAt, UserError
 from rollout_worker.api.neutral import strip_neutral
 from rollout_worker.api.sglang import Body
 from rollout_worker.engine.finish import matched_stop
-from rollout_worker.server.convert import Output, to_jobs
+from rollout_worker.server.convert import Job, Output, to_jobs
 from rollout_worker.server.deps import FastJSON, ServerState, server_state
 from rollout_worker.server.routes.generate import STREAMED, run_generation, stream_generation
-from rollout_worker.server.routes.openai import Deltas, OpenAISampling, usage
+from rollout_worker.server.routes.openai import Deltas, OpenAISampling, token_ids, usage
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 # OpenAI's chat keys this engine does not implement (tools, structured output, audio, ...), neutral only
@@ -72,6 +78,8 @@ class ChatRequest(OpenAISampling):
     max_completion_tokens: int | None = Field(None, ge=0)  # OpenAI's newer name: copied to max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    input_ids: list[int] | None = None  # SGLang's: the prompt as token ids (the messages are not rendered)
+    return_prompt_token_ids: bool = False  # SGLang's: each choice's prompt_token_ids
 
     @model_validator(mode="before")
     @classmethod
@@ -92,6 +100,21 @@ class ChatRequest(OpenAISampling):
     def top_n(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def prompt_ids_wanted(self) -> bool:
+        return self.return_token_ids or self.return_prompt_token_ids
+
+    def sources(self) -> dict[str, str]:
+        names = super().sources()
+        if self.max_completion_tokens is not None:  # the name the user wrote (it is copied to max_tokens)
+            names = {k: "max_completion_tokens" if v == "max_tokens" else v for k, v in names.items()}
+        prompt = {"text": "messages", "input_ids": "input_ids"}
+        return names | prompt | {"return_logprob": "logprobs", "top_logprobs_num": "top_logprobs"}
+
+    def prompt(self, state: ServerState) -> str | list[int]:
+        """The prompt: ``input_ids`` as given, else the messages rendered."""
+        return self.input_ids if self.input_ids is not None else render_messages(state, self.messages)
+
 
 def render_messages(state: ServerState, messages: list[ChatMessage]) -> str:
     """The prompt text: ``messages`` through the model's chat template, ready for the assistant's turn."""
@@ -110,8 +133,11 @@ def render_messages(state: ServerState, messages: list[ChatMessage]) -> str:
 
 
 def _token(out: Output, tok: int, lp: float | None) -> dict[str, Any]:
-    text = out.codec.token_text(tok) if out.codec else str(tok)
-    return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+    """One token of chat ``logprobs``: its text, logprob and raw bytes (a token that splits a character has
+    bytes that are not text of their own: the tokens' bytes, joined, are the UTF-8 of the text)."""
+    if out.codec is None:
+        return {"token": str(tok), "logprob": lp, "bytes": list(str(tok).encode())}
+    return {"token": out.codec.token_text(tok), "logprob": lp, "bytes": list(out.codec.token_bytes(tok))}
 
 
 def _logprobs(out: Output, start: int, top_n: int | None) -> dict[str, Any] | None:
@@ -135,26 +161,34 @@ def _finish(out: Output) -> dict[str, Any]:
 @router.post("/chat/completions", summary="OpenAI chat completions (stream and not)", responses=STREAMED)
 async def chat_completions(body: ChatRequest, request: Request) -> Any:
     state = server_state(request)
-    prompt = render_messages(state, body.messages)
-    jobs = to_jobs(body.generate(prompt, body.max_tokens, body.top_n), state.codec)
-    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": body.model}
-    if not body.stream:
+    with body.named_errors():
+        jobs = to_jobs(body.generate(body.prompt(state), body.top_n), state.codec)
+        if body.stream:
+            return await _stream(state, body, jobs)
         outs = await run_generation(state, jobs, request)
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": o.text},
-                "logprobs": _logprobs(o, 0, body.top_n),
-                **_finish(o),
-            }
-            for i, o in enumerate(outs)
-        ]
-        return FastJSON(
-            {**head, "object": "chat.completion", "choices": choices, "usage": usage(outs, body.n)}
-        )
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": o.text},
+            "logprobs": _logprobs(o, 0, body.top_n),
+            **_finish(o),
+            **token_ids(body, o, 0, True),
+        }
+        for i, o in enumerate(outs)
+    ]
+    return FastJSON(
+        {**_head(body), "object": "chat.completion", "choices": choices, "usage": usage(outs, body.n)}
+    )
+
+
+def _head(body: ChatRequest) -> dict[str, Any]:
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": body.model}
+
+
+async def _stream(state: ServerState, body: ChatRequest, jobs: list[Job]) -> StreamingResponse:
     index = {j.spec.id: i for i, j in enumerate(jobs)}
     sent = Deltas()
-    chunk_head = {**head, "object": "chat.completion.chunk"}
+    chunk_head = {**_head(body), "object": "chat.completion.chunk"}
 
     def render(rid: str, out: Output) -> dict[str, Any] | None:
         new = sent.take(rid, out)
@@ -166,6 +200,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Any:
             "delta": {**role, "content": new.text},
             "logprobs": _logprobs(out, new.start, body.top_n),
             **_finish(out),
+            **token_ids(body, out, new.start, new.first),
         }
         return {**chunk_head, "choices": [choice]}
 

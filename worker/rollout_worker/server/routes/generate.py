@@ -12,7 +12,7 @@ from fastapi.responses import StreamingResponse
 
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.sglang import GenerateRequest
-from rollout_worker.server.convert import Job, Output, to_jobs
+from rollout_worker.server.convert import Job, Output, check_jobs, to_jobs
 from rollout_worker.server.deps import FastJSON, ServerState, server_state
 
 router = APIRouter(tags=["sglang"])
@@ -26,8 +26,7 @@ class Generation:
     def __init__(self, state: ServerState, jobs: list[Job]) -> None:
         self.state, self.jobs = state, jobs
         engine = state.ready_engine()
-        for job in jobs:  # all or nothing: validate every job before submitting any
-            engine.check(job.spec)
+        check_jobs(engine.check, jobs)  # all or nothing: validate every job before submitting any
         version = engine.weight_version
         self.outs = {j.spec.id: Output(j, state.codec, version) for j in jobs}
         self.index = {j.spec.id: i for i, j in enumerate(jobs)}
