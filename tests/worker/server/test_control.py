@@ -273,6 +273,39 @@ def test_update_weights_from_disk(ctl: Served, root: Path, tmp_path: Path) -> No
     assert ctl.get("/get_model_info").json()["weight_version"] == "v2"
 
 
+def test_a_disk_load_keeps_the_version_unless_given_and_reads_only_checkpoints_as_they_are(
+    ctl: Served, root: Path
+) -> None:
+    prompts = [[1, 2, 3], [40, 41]]
+    body = {
+        "input_ids": prompts,
+        "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True},
+    }
+
+    def version() -> str:
+        return str(ctl.get("/get_weight_version").json()["weight_version"])
+
+    def outputs() -> list[list[int]]:
+        return [b["output_ids"] for b in ctl.post("/generate", body).json()]
+
+    r = ctl.post("/update_weights_from_disk", {"model_path": str(root / "a"), "weight_version": "step-7"})
+    assert r.status_code == 200 and version() == "step-7", r.text
+    # no weight_version: SGLang keeps the current one (it is not the path); null, auto and safetensors read
+    # the checkpoint as it is
+    for path, fmt in (("b", None), ("a", "auto"), ("b", "safetensors")):
+        r = ctl.post("/update_weights_from_disk", {"model_path": str(root / path), "load_format": fmt})
+        assert r.status_code == 200, r.text
+        assert outputs() == _static(root / path, prompts) and version() == "step-7", (path, fmt)
+    # a format SGLang defines that reads something else, and one it does not define: 400, nothing loaded
+    for fmt, words in (("pt", "PyTorch .bin"), ("dummy", "random weights"), ("bogus", "not one of SGLang's")):
+        r = ctl.post("/update_weights_from_disk", {"model_path": str(root / "a"), "load_format": fmt})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["field"] == "load_format" and words in error["message"] and fmt in error["message"]
+        assert "Supported: null, 'auto', 'safetensors'" in error["message"], r.text
+    assert outputs() == _static(root / "b", prompts) and version() == "step-7"
+
+
 def test_release_and_resume_memory(ctl: Served) -> None:
     body = {
         "input_ids": [5, 5, 5],

@@ -1,5 +1,6 @@
 """What RL frameworks (slime, VeRL) call besides generation, on a real server: ``/server_info`` as SGLang
-reports it, memory release / resume with SGLang's tags, weight versions."""
+reports it, memory release / resume with SGLang's tags, weight versions, weights sent as tensors (VeRL's
+pairs, slime's flattened buckets)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,13 @@ from safetensors.torch import load_file, save
 
 from tests.waiting import wait_until
 from tests.worker.server.served import Served
-from tests.worker.server.sglang_tensors import file_system_sharing, per_rank, serialize
+from tests.worker.server.sglang_tensors import (
+    FlattenedTensorMetadata,
+    file_system_sharing,
+    flattened_buckets,
+    per_rank,
+    serialize,
+)
 from tests.worker.server.test_control import LONG, _idle, _static, _stream
 
 pytestmark = pytest.mark.multiproc
@@ -200,8 +207,79 @@ def _bad_tensor_payloads(ctl: Served, root: Path) -> None:
     for payload, field in bad:
         r = ctl.post("/update_weights_from_tensor", {"serialized_named_tensors": payload})
         assert r.status_code == 400 and r.json()["error"]["field"] == field, (payload, r.text)
-    r = ctl.post(
-        "/update_weights_from_tensor", {**_verl_body({name: b[name]}), "load_format": "flattened_bucket"}
-    )
-    assert r.status_code == 400 and r.json()["error"]["field"] == "load_format", r.text
     assert ctl.get("/health").status_code == 200 and _outputs(ctl) == before
+
+
+def _bucket_body(tensors: dict[str, torch.Tensor], **extra: Any) -> list[dict[str, Any]]:
+    """The bodies slime's colocated path posts for these tensors (TP 2): flattened buckets of the current
+    generation (one), or with ``older=True`` of the older one (one per dtype)."""
+    older = extra.pop("older", False)
+    return [
+        {
+            "serialized_named_tensors": [base64.b64encode(p).decode() for p in payloads],
+            "load_format": "flattened_bucket",
+            **extra,
+        }
+        for payloads in flattened_buckets(tensors, older=older)
+    ]
+
+
+def test_update_weights_from_tensor_in_flattened_buckets(ctl: Served, root: Path) -> None:
+    with file_system_sharing():
+        _flattened_buckets(ctl, root)
+
+
+def _flattened_buckets(ctl: Served, root: Path) -> None:
+    a, b = _tensors(root / "a"), _tensors(root / "b")
+    assert ctl.post("/update_weights_from_disk", {"model_path": str(root / "b")}).status_code == 200
+    from_disk = _outputs(ctl)
+    assert from_disk == _static(root / "b", PROMPTS)
+    assert ctl.post("/update_weights_from_disk", {"model_path": str(root / "a")}).status_code == 200
+    assert _outputs(ctl) != from_disk
+    # the current generation: every tensor in one bucket; outputs equal the disk load of the same checkpoint
+    (body,) = _bucket_body(b, weight_version="b-bucket", flush_cache=False)
+    r = ctl.post("/update_weights_from_tensor", body)
+    assert r.status_code == 200 and r.json()["success"] is True, r.text
+    assert _outputs(ctl) == from_disk
+    assert ctl.get("/get_weight_version").json()["weight_version"] == "b-bucket"
+    # the older generation, back to a in two requests as a sender with two buckets makes them (the version is
+    # kept when none is given)
+    names = sorted(a)
+    for half in (names[: len(names) // 2], names[len(names) // 2 :]):
+        for body in _bucket_body({n: a[n] for n in half}, older=True):
+            assert ctl.post("/update_weights_from_tensor", body).status_code == 200
+    assert _outputs(ctl) == _static(root / "a", PROMPTS)
+    assert ctl.get("/get_weight_version").json()["weight_version"] == "b-bucket"
+    # a bucket naming a tensor the model does not have, one whose offsets run past its tensor: refused whole
+    name = "model.norm.weight"
+    (body,) = _bucket_body({name: b[name], "model.no.such.weight": b[name]})
+    r = ctl.post("/update_weights_from_tensor", body)
+    assert r.status_code == 400 and "model.no.such.weight" in r.json()["error"]["message"], r.text
+    flat = b[name].flatten().view(torch.uint8)
+    meta = FlattenedTensorMetadata(name, b[name].shape, b[name].dtype, 8, 8 + flat.numel(), flat.numel())
+    payload = base64.b64encode(serialize({"flattened_tensor": flat, "metadata": [meta]})).decode()
+    r = ctl.post(
+        "/update_weights_from_tensor",
+        {"serialized_named_tensors": [payload], "load_format": "flattened_bucket"},
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["field"] == "serialized_named_tensors.0.metadata.0.end_idx", r.text
+    assert _outputs(ctl) == _static(root / "a", PROMPTS)
+
+
+def test_tensor_load_formats_the_engine_does_not_read_are_refused(ctl: Served) -> None:
+    """SGLang's ``direct`` and custom loaders (VeRL's delta path names its loader), and a value SGLang does
+    not define: a 400 naming load_format, saying why and what is supported, before anything is read."""
+    before = _outputs(ctl)
+    body = {"serialized_named_tensors": ["not read"]}
+    for fmt, words in (
+        ("direct", "SGLang's own parameters"),
+        ("verl.workers.rollout.sglang_rollout.delta_loader.apply_delta", "custom weight loader"),
+        ("bogus", "not one of SGLang's load formats"),
+    ):
+        r = ctl.post("/update_weights_from_tensor", {**body, "load_format": fmt})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["field"] == "load_format" and words in error["message"], r.text
+        assert fmt in error["message"] and "Supported: null, 'flattened_bucket'" in error["message"], r.text
+    assert _outputs(ctl) == before

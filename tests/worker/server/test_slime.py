@@ -34,6 +34,7 @@ from tests.worker.server.served import Served, start
 pytestmark = pytest.mark.multiproc
 ROOT = Path(__file__).parents[3]
 MAX_NEW = 40  # slime's --rollout-max-response-len
+GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 CANDIDATES = [f"Question {i}" for i in range(64)]
 
 
@@ -90,12 +91,17 @@ def _run_slime(engines: list[Served], root: Path, stop: int, prompts: list[str],
         "args": args,
         "out": str(tmp / "report.json"),
     }
+    return _driver("slime_driver", spec, tmp)
+
+
+def _driver(module: str, spec: dict[str, Any], tmp: Path) -> dict[str, Any]:
+    """Run ``tests.worker.server.<module>`` on ``spec`` (slime in a process of its own); its report."""
     (tmp / "spec.json").write_text(json.dumps(spec))
     log = tmp / "slime.log"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.worker.server.slime_driver", str(tmp / "spec.json")],
+            [sys.executable, "-m", f"tests.worker.server.{module}", str(tmp / "spec.json")],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
@@ -109,7 +115,7 @@ def _run_slime(engines: list[Served], root: Path, stop: int, prompts: list[str],
                 os.killpg(proc.pid, signal.SIGKILL)
     tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
     assert code == 0, f"slime failed (exit {code}):\n{tail}"
-    report: dict[str, Any] = json.loads((tmp / "report.json").read_text())
+    report: dict[str, Any] = json.loads(Path(spec["out"]).read_text())
     return report
 
 
@@ -178,3 +184,53 @@ def test_slime_with_its_defaults_against_2x1_and_1x2_engines(
         assert s["weight_versions"][-1] == "1"
         continued += 0 < len(prefix) < s["response_length"]
     assert continued >= 2, "no partial rollout continued a response that had tokens"
+
+
+# -- slime's colocated weight update: flattened buckets through update_weights_from_tensor -------------------
+
+
+@pytest.fixture(scope="module")
+def colocated(root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """An engine on checkpoint a, float64, 2 ranks, that trusts pickled tensors (slime's colocated trainer is
+    on its host) and loads checkpoints below ``root``; no API key (slime sends none)."""
+    args = ("--ranks", "2", "--dtype", "float64", "--weights-root", str(root), "--trust-pickled-tensors")
+    s = start(root / "a", tmp_path_factory.mktemp("slime-colocated"), *args)
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("older", [False, True], ids=["current-bucket", "older-bucket"])
+def test_slimes_colocated_path_loads_flattened_buckets(
+    colocated: Served, root: Path, tmp_path: Path, older: bool
+) -> None:
+    """slime's own ``_send_to_colocated_engine`` sends checkpoint b in two chunks of flattened buckets
+    (``load_format: "flattened_bucket"``, weight version 1) through its ``SGLangEngine``; the engine's outputs
+    then equal a disk load of b."""
+    prompts = {"input_ids": [[1, 2, 3], [40, 41], [200, 100, 50, 25]], "sampling_params": GREEDY}
+
+    def outputs() -> list[list[int]]:
+        r = colocated.post("/generate", prompts)
+        assert r.status_code == 200, r.text
+        return [o["output_ids"] for o in r.json()]
+
+    def disk(name: str) -> None:
+        assert (
+            colocated.post("/update_weights_from_disk", {"model_path": str(root / name)}).status_code == 200
+        )
+
+    disk("b")
+    from_disk = outputs()
+    disk("a")
+    assert outputs() != from_disk
+    spec = {
+        "engine": colocated.url.removeprefix("http://"),
+        "hf_checkpoint": str(root / "a"),
+        "update": str(root / "b" / "model.safetensors"),
+        "older": older,
+        "out": str(tmp_path / "report.json"),
+    }
+    report = _driver("slime_colocated", spec, tmp_path)
+    # one request per chunk (the older bucket: per dtype, and the checkpoint has one), each a success
+    assert len(report["responses"]) == 2 and all(r["success"] for r in report["responses"]), report
+    assert report["version"] == "1" and report["multi_dtypes"] is not older
+    assert outputs() == from_disk

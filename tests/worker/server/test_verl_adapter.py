@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 
 from tests.waiting import wait_until
 from tests.worker.server.served import alive, descendants
-from tests.worker.server.sglang_tensors import file_system_sharing, per_rank
+from tests.worker.server.sglang_tensors import file_system_sharing, flattened_buckets, per_rank
 from tests.worker.server.test_control import LONG, _static
 
 pytestmark = pytest.mark.multiproc
@@ -272,6 +272,35 @@ def test_update_weights_from_tensor(verl: Verl, root: Path) -> None:
             r = asyncio.run(verl.aio.update_weights_from_tensor(req(serialized_named_tensors=tensors)))
             assert r["success"] is True, r
     assert _outputs(verl) == static_a
+
+
+def test_update_weights_from_tensor_in_a_flattened_bucket(verl: Verl, root: Path) -> None:
+    """The adapter posting ``load_format: "flattened_bucket"``, each entry SGLang's serialized
+    ``{"flattened_tensor", "metadata"}`` (one per TP rank, as SGLang's ``Engine.update_weights_from_tensor``
+    takes them): after it, outputs equal a disk load of the same checkpoint."""
+
+    def disk(name: str) -> None:
+        r = httpx.post(
+            verl.url + "/update_weights_from_disk", json={"model_path": str(root / name)}, timeout=120
+        )
+        assert r.status_code == 200, r.text
+
+    disk("b")
+    from_disk = _outputs(verl)
+    disk("a")
+    assert _outputs(verl) != from_disk
+    req = verl.module.UpdateWeightsFromTensorReqInput
+    with file_system_sharing():
+        (payloads,) = flattened_buckets(_tensors(root / "b"))
+        r = verl.adapter.update_weights_from_tensor(
+            req(serialized_named_tensors=payloads, load_format="flattened_bucket")
+        )
+        assert r["success"] is True, r
+        assert _outputs(verl) == from_disk
+        for payloads in flattened_buckets(_tensors(root / "a"), older=True):  # the older bucket, per dtype
+            bucket = req(serialized_named_tensors=payloads, load_format="flattened_bucket")
+            assert asyncio.run(verl.aio.update_weights_from_tensor(bucket))["success"] is True
+    assert _outputs(verl) == _static(root / "a", PROMPTS)
 
 
 def test_what_sglang_refuses_without_lora_or_a_reward_model(

@@ -35,10 +35,12 @@ def _outputs(s: Served) -> list[dict[str, Any]]:
     return r.json()  # type: ignore[no-any-return]
 
 
-def _trainer(s: Served, checkpoint: Path, version: str) -> list[dict[str, Any]]:
+def _trainer(s: Served, checkpoint: Path, version: str, *bucket: str) -> list[dict[str, Any]]:
     assert s.key is not None
     cmd = [sys.executable, "-m", "tests.worker.server.weight_trainer", s.url, s.key, str(free_port()), "2"]
-    done = subprocess.run([*cmd, str(checkpoint), version], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [*cmd, str(checkpoint), version, *bucket], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stdout + done.stderr + s.tail()
     return [json.loads(line) for line in done.stdout.splitlines()]
 
@@ -80,6 +82,20 @@ def test_a_trainer_broadcasts_new_weights_while_requests_run(ctl: Served, root: 
     assert ctl.get("/health").status_code == 200
 
 
+def test_a_trainer_broadcasts_a_flattened_bucket(ctl: Served, root: Path) -> None:
+    """``load_format: "flattened_bucket"``: one broadcast of every tensor's bytes (SGLang's current bucket);
+    outputs then equal a disk load of the same checkpoint."""
+    assert ctl.post("/update_weights_from_disk", {"model_path": str(root / "a")}).status_code == 200
+    from_disk = [o["output_ids"] for o in _outputs(ctl)]
+    assert ctl.post("/update_weights_from_disk", {"model_path": str(root / "b")}).status_code == 200
+    assert [o["output_ids"] for o in _outputs(ctl)] != from_disk
+    init, update = _trainer(ctl, root / "a" / "model.safetensors", "a-bucket", "flattened_bucket")
+    assert init["success"] is True and update["success"] is True, (init, update)
+    out = _outputs(ctl)
+    assert [o["output_ids"] for o in out] == from_disk and out[0]["meta_info"]["weight_version"] == "a-bucket"
+    assert ctl.post("/destroy_weights_update_group", {"group_name": "trainer_group"}).json()["success"]
+
+
 def test_bad_weight_sync_bodies_name_the_field(ctl: Served) -> None:
     init = {
         "master_address": "127.0.0.1",
@@ -106,6 +122,12 @@ def test_bad_weight_sync_bodies_name_the_field(ctl: Served) -> None:
             "group_name",
         ),
         ("/destroy_weights_update_group", {"group_name": "nope"}, 400, "group_name"),
+        (  # SGLang reads null and flattened_bucket here (it ignores any other value); refused, not ignored
+            "/update_weights_from_distributed",
+            {"names": [name], "dtypes": ["float64"], "shapes": [[1]], "load_format": "direct"},
+            400,
+            "load_format",
+        ),
     ]
     for path, body, status, field in cases:
         r = ctl.post(path, body)

@@ -3,9 +3,11 @@ rank 0 of a gloo group with every engine rank, made as slime makes it (its copy 
 ``init_custom_process_group``: a tcp:// rendezvous it hosts, the store prefixed by the group's name),
 beside HTTP calls to ``/init_weights_update_group`` and ``/update_weights_from_distributed``.
 
-    python -m tests.worker.server.weight_trainer URL KEY PORT ENGINE_RANKS CHECKPOINT_FILE VERSION
+    python -m tests.worker.server.weight_trainer URL KEY PORT ENGINE_RANKS CHECKPOINT_FILE VERSION [BUCKET]
 
-Prints the two responses' JSON bodies, one a line."""
+With BUCKET (``flattened_bucket``), the tensors go in one broadcast of SGLang's current flattened bucket
+(every tensor's bytes back to back), as ``load_format: "flattened_bucket"`` announces them. Prints the two
+responses' JSON bodies, one a line."""
 
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 from torch.distributed import distributed_c10d as c10d
+
+from tests.worker.server.sglang_tensors import FlattenedTensorBucket
 
 GROUP = "trainer_group"
 
@@ -54,7 +58,9 @@ def _init_process_group(init_method: str, world: int, group_name: str) -> dist.P
     return pg
 
 
-def main(url: str, key: str, port: int, engine_ranks: int, checkpoint: str, version: str) -> None:
+def main(
+    url: str, key: str, port: int, engine_ranks: int, checkpoint: str, version: str, bucket: bool = False
+) -> None:
     torch.set_num_threads(1)
     world = 1 + engine_ranks
     init = {
@@ -77,14 +83,19 @@ def main(url: str, key: str, port: int, engine_ranks: int, checkpoint: str, vers
         "shapes": [list(tensors[n].shape) for n in names],
         "group_name": GROUP,
         "weight_version": version,
+        **({"load_format": "flattened_bucket"} if bucket else {}),
     }
     t, out = _in_thread(url, key, "/update_weights_from_distributed", body)
-    for n in names:
-        dist.broadcast(tensors[n].contiguous(), 0, group=pg)
+    if bucket:
+        flat = FlattenedTensorBucket(named_tensors=[(n, tensors[n]) for n in names]).get_flattened_tensor()
+        dist.broadcast(flat, 0, group=pg)
+    else:
+        for n in names:
+            dist.broadcast(tensors[n].contiguous(), 0, group=pg)
     t.join()
     print(json.dumps(out[0].json()), flush=True)
 
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    main(a[0], a[1], int(a[2]), int(a[3]), a[4], a[5])
+    main(a[0], a[1], int(a[2]), int(a[3]), a[4], a[5], a[6:] == ["flattened_bucket"])

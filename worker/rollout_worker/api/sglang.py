@@ -17,6 +17,7 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from rollout_worker.api.errors import FieldAt, FieldPath
+from rollout_worker.api.load_format import DiskFormat, DistributedFormat, TensorFormat
 from rollout_worker.api.neutral import drop_nulls, sglang_neutral, strip_neutral
 from rollout_worker.api.sampling import Sampling
 
@@ -199,7 +200,7 @@ class UpdateWeightsRequest(Body):
     model_config = ConfigDict(extra="ignore")
 
     model_path: str = Field(min_length=1)
-    load_format: str | None = None
+    load_format: DiskFormat = None
     abort_all_requests: bool = False
     weight_version: str | None = None
     flush_cache: bool = True
@@ -218,7 +219,7 @@ class UpdateTensorRequest(Body):
     model_config = ConfigDict(extra="ignore")
 
     serialized_named_tensors: list[str] = Field(min_length=1)
-    load_format: None = Field(None, description="Only the default (full named tensors) is implemented.")
+    load_format: TensorFormat = None
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = None
@@ -239,7 +240,8 @@ class InitWeightsGroupRequest(Body):
 
 
 class DistributedUpdateRequest(Body):
-    """``POST /update_weights_from_distributed``: the trainer broadcasts these full tensors, in order."""
+    """``POST /update_weights_from_distributed``: the trainer broadcasts these full tensors, in order (one
+    broadcast each, or one of them all with ``load_format: "flattened_bucket"``)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -247,7 +249,7 @@ class DistributedUpdateRequest(Body):
     dtypes: list[str] = Field(min_length=1)
     shapes: list[list[int]] = Field(min_length=1)
     group_name: str = Field("weight_update_group", min_length=1)
-    load_format: None = Field(None, description="Only the default (full named tensors) is implemented.")
+    load_format: DistributedFormat = None
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = None

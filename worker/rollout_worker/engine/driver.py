@@ -262,14 +262,16 @@ class Engine:
         self, path: str, version: str | None = None, abort_all: bool = False, timeout_s: float = 600.0
     ) -> int:
         """Load a checkpoint of the same shape between steps, after in-flight requests finish (or are
-        aborted with ``abort_all``); new requests wait meanwhile. Returns how many requests waited."""
+        aborted with ``abort_all``); new requests wait meanwhile. The weights are then called ``version``,
+        or keep the current version's name when none is given (as SGLang's updates do). Returns how many
+        requests waited."""
         make = lambda t: m.LoadWeights(path, t)  # noqa: E731
-        return self._between_steps(make, version or path, abort_all, timeout_s, "model_path")
+        return self._between_steps(make, version, abort_all, timeout_s, "model_path")
 
     def update_weights_from_group(
         self,
         cmd: Callable[[int], m.ReceiveWeights],
-        version: str,
+        version: str | None,
         abort_all: bool = False,
         timeout_s: float = 600.0,
     ) -> int:
@@ -290,7 +292,7 @@ class Engine:
     def _between_steps(
         self,
         make: Callable[[int], m.LoadWeights | m.ReceiveWeights],
-        version: str,
+        version: str | None,
         abort_all: bool,
         timeout_s: float,
         field: str,
@@ -314,7 +316,7 @@ class Engine:
                 if not done.ok:
                     raise UserError(f"weights not updated: {done.message}", field)
                 with self._lock:
-                    self._weight_version = version
+                    self._weight_version = self._weight_version if version is None else version
                 return waited
             finally:
                 with self._lock:

@@ -190,7 +190,9 @@ class RankLoop:
             else:
                 pg = self.weight_groups[cmd.group_name]
                 shapes = [list(s) for s in cmd.shapes]
-                got = weight_sync.receive(pg, list(cmd.names), list(cmd.dtypes), shapes, st.device)
+                got = weight_sync.receive(
+                    pg, list(cmd.names), list(cmd.dtypes), shapes, st.device, cmd.bucket
+                )
                 if st.rank == 0:
                     from safetensors.torch import save_file
 

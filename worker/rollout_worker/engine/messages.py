@@ -95,13 +95,15 @@ class JoinWeightGroup:
 
 @dataclass(frozen=True, slots=True)
 class ReceiveWeights:
-    """Every rank receives the trainer's broadcast; rank 0 writes it to ``file`` (the staged checkpoint
-    ``path`` reads it), then every rank loads ``path`` as for LoadWeights."""
+    """Every rank receives the trainer's broadcast (one per tensor, or one ``bucket`` of them all); rank 0
+    writes it to ``file`` (the staged checkpoint ``path`` reads it), then every rank loads ``path`` as for
+    LoadWeights."""
 
     group_name: str
     names: tuple[str, ...]
     dtypes: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
+    bucket: bool
     path: str
     file: str
     ticket: int

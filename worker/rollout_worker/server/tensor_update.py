@@ -3,11 +3,13 @@
 Two forms of ``serialized_named_tensors`` (a list of base64 strings, one per SGLang TP rank: every entry holds
 the same full tensors, the first is read):
 - safetensors bytes (the safe form, for our own clients): ``safetensors.torch.save(named_tensors)``;
-- SGLang's form (VeRL's ``HttpServerAdapter``): ``MultiprocessingSerializer.serialize``, a torch
-  multiprocessing pickle of ``[(name, tensor | LocalSerializedTensor), ...]`` whose tensors are handles to
-  shared memory on the same host. Unpickling is code execution, so it is read only when the server trusts
-  its key holders (``--trust-pickled-tensors``), and then by an unpickler that admits the globals of tensor
-  rebuilds and plain containers and nothing else.
+- SGLang's form (VeRL's ``HttpServerAdapter``, slime's colocated path):
+  ``MultiprocessingSerializer.serialize``, a torch multiprocessing pickle whose tensors are handles to shared
+  memory on the same host, of ``[(name, tensor | LocalSerializedTensor), ...]`` or, with ``load_format:
+  "flattened_bucket"``, of a flattened bucket (``rollout_worker.server.flattened_bucket``). Unpickling is
+  code execution, so it is read only when the server trusts its key holders (``--trust-pickled-tensors``),
+  and then by an unpickler that admits the globals of tensor rebuilds, torch dtypes, plain containers and
+  SGLang's two wrapper classes (as stand-ins of ours) and nothing else.
 
 The tensors (Hugging Face names, full shapes, checked against the model) are written to a staging checkpoint
 whose index maps them to the new file and every other tensor to where it was; the engine then loads that
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import io
 import json
 import pickle
@@ -30,6 +33,7 @@ from rollout_worker.api.engine_settings import DTYPES
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.engine.checkpoint_index import CheckpointIndex, tensor_shapes
+from rollout_worker.server.flattened_bucket import BucketEntry, unflatten
 
 if TYPE_CHECKING:  # torch is imported when a trainer first sends tensors: the server process runs without it
     import torch
@@ -42,7 +46,6 @@ _REBUILDS = {
 _CONTAINERS = {("builtins", n) for n in ("list", "tuple", "dict", "int", "float", "str", "bool", "bytes")}
 _CONTAINERS |= {("collections", "OrderedDict"), ("copyreg", "__newobj__"), ("copyreg", "_reconstructor")}
 _TORCH = {("torch", "Tensor"), ("torch", "Size"), ("torch.storage", "UntypedStorage")}
-_TORCH |= {("torch", n) for n in ("float64", "float32", "float16", "bfloat16")}
 _FD = {("multiprocessing.resource_sharer", "DupFd"), ("builtins", "object")}
 
 
@@ -52,13 +55,28 @@ class SerializedTensor:
     values: list[bytes]
 
 
+# SGLang's classes, by name in any of its modules (they moved between releases), as our stand-ins
+_SGLANG: dict[str, type] = {"LocalSerializedTensor": SerializedTensor, "FlattenedTensorMetadata": BucketEntry}
+
+
 class _TensorUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if name == "LocalSerializedTensor" and module.startswith("sglang.srt."):
-            return SerializedTensor
-        if (module, name) in _REBUILDS | _CONTAINERS | _TORCH | _FD:
+        if name in _SGLANG and module.startswith("sglang.srt."):
+            return _SGLANG[name]
+        if (module, name) in _REBUILDS | _CONTAINERS | _TORCH | _FD or _is_dtype(module, name):
             return super().find_class(module, name)
         raise UserError(f"the pickle names {module}.{name}, which is not a tensor rebuild", FIELD)
+
+
+def _is_dtype(module: str, name: str) -> bool:
+    return module == "torch" and name in _dtype_names()
+
+
+@functools.cache
+def _dtype_names() -> frozenset[str]:
+    import torch
+
+    return frozenset(n for n, v in vars(torch).items() if isinstance(v, torch.dtype))
 
 
 def _unpickle(data: bytes) -> Any:
@@ -70,8 +88,8 @@ def _unpickle(data: bytes) -> Any:
         raise UserError(f"cannot read the pickled tensors: {type(exc).__name__}: {exc}", FIELD) from None
 
 
-def decode(payloads: list[str], trust_pickle: bool) -> dict[str, torch.Tensor]:
-    """The named tensors of a request (its first entry), in either form."""
+def decode(payloads: list[str], trust_pickle: bool, bucket: bool = False) -> dict[str, torch.Tensor]:
+    """The named tensors of a request (its first entry), in either form; ``bucket``: a flattened bucket."""
     if not payloads:
         raise UserError("no tensors", FIELD)
     try:
@@ -85,7 +103,9 @@ def decode(payloads: list[str], trust_pickle: bool) -> dict[str, torch.Tensor]:
                 "send safetensors bytes instead",
                 FIELD,
             )
-        return _named(_unpickle(raw))
+        return unflatten(_unpickle(raw), f"{FIELD}.0") if bucket else _named(_unpickle(raw))
+    if bucket:
+        raise UserError("a flattened bucket comes pickled (SGLang's MultiprocessingSerializer)", f"{FIELD}.0")
     try:
         from safetensors.torch import load as load_safetensors
 
@@ -97,6 +117,10 @@ def decode(payloads: list[str], trust_pickle: bool) -> dict[str, torch.Tensor]:
 def _named(obj: Any) -> dict[str, torch.Tensor]:
     import torch
 
+    if isinstance(obj, dict) and "flattened_tensor" in obj:
+        raise UserError(
+            "the pickle is a flattened bucket: send load_format 'flattened_bucket'", "load_format"
+        )
     if not isinstance(obj, list | tuple) or not all(isinstance(x, tuple) and len(x) == 2 for x in obj):
         raise UserError("the pickle is not a list of (name, tensor) pairs", FIELD)
     out = {}

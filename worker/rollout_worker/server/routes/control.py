@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from rollout_worker.api.errors import Forbidden, UserError
+from rollout_worker.api.load_format import BUCKET
 from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.api.sglang import (
     MEMORY_TAGS,
@@ -104,20 +105,22 @@ async def update_weights_from_disk(body: UpdateWeightsRequest, request: Request)
     }
 
 
-@router.post("/update_weights_from_tensor", summary="Load named full tensors a trainer sends (VeRL)")
+@router.post("/update_weights_from_tensor", summary="Load named full tensors a trainer sends (VeRL, slime)")
 async def update_weights_from_tensor(body: UpdateTensorRequest, request: Request) -> dict[str, Any]:
     state = server_state(request)
     engine = state.ready_engine()
     model = state.cfg.model
     tensors = await asyncio.to_thread(
-        tensor_update.decode, body.serialized_named_tensors, state.settings.trust_pickled_tensors
+        tensor_update.decode,
+        body.serialized_named_tensors,
+        state.settings.trust_pickled_tensors,
+        body.load_format == BUCKET,
     )
     tensor_update.check(tensors, model)
     async with state.weights_lock:
         staged = await asyncio.to_thread(state.staging.stage, state.served_weights, model, tensors)
-        version = body.weight_version or engine.weight_version  # kept unless given, as in SGLang
         waited = await state.serve_staged(
-            staged, lambda: engine.update_weights(str(staged), version, body.abort_all_requests)
+            staged, lambda: engine.update_weights(str(staged), body.weight_version, body.abort_all_requests)
         )
     return {
         "success": True,

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from rollout_worker.api.errors import Conflict, UserError
+from rollout_worker.api.load_format import BUCKET
 from rollout_worker.api.sglang import (
     DestroyWeightsGroupRequest,
     DistributedUpdateRequest,
@@ -77,18 +78,19 @@ async def update_weights_from_distributed(body: DistributedUpdateRequest, reques
     dtypes = tensor_update.check_announced(body.names, body.dtypes, body.shapes, state.cfg.model)
     async with state.weights_lock:
         staged, file = state.staging.stage_index(state.served_weights, state.cfg.model, body.names)
-        version = body.weight_version or engine.weight_version  # kept unless given, as in SGLang
         cmd = lambda t: m.ReceiveWeights(  # noqa: E731
             body.group_name,
             tuple(body.names),
             tuple(dtypes),
             tuple(tuple(s) for s in body.shapes),
+            body.load_format == BUCKET,
             str(staged),
             str(file),
             t,
         )
         waited = await state.serve_staged(
-            staged, lambda: engine.update_weights_from_group(cmd, version, body.abort_all_requests)
+            staged,
+            lambda: engine.update_weights_from_group(cmd, body.weight_version, body.abort_all_requests),
         )
     return {
         "success": True,
