@@ -76,10 +76,10 @@ def structural(schema: dict[str, Any]) -> dict[str, Any]:
             if len(options) != 1 or len(options) == len(node["anyOf"]):
                 raise ValueError(f"only T | None unions map to a structural schema: {node['anyOf']}")
             rest = {k: v for k, v in node.items() if k != "anyOf"}
-            out = conv({**options[0], **rest})
-            if "enum" in out:  # OpenAPI 3.0.3: nullable widens the type, not the enum
-                out["enum"] = [*out["enum"], None]
-            return {**out, "nullable": True}
+            one = conv({**options[0], **rest})
+            if "enum" in one:  # OpenAPI 3.0.3: nullable widens the type, not the enum
+                one["enum"] = [*one["enum"], None]
+            return {**one, "nullable": True}
         out: dict[str, Any] = {}
         if "const" in node:
             out["enum"] = [node["const"]]
