@@ -124,4 +124,4 @@ def test_the_preset_names_the_job_schema_lists_are_exactly_the_engine_presets() 
     from rollout_worker.api.presets import PRESET_NAMES
     from rollout_worker.engine.presets import GGUF_PRESETS, PRESETS
 
-    assert PRESET_NAMES == (*PRESETS, *GGUF_PRESETS)
+    assert (*PRESETS, *GGUF_PRESETS) == PRESET_NAMES
