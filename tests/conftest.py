@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import resource
 import signal
 import subprocess
 import sys
@@ -49,13 +51,24 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    """`rolloutctl ARGS` in a fresh interpreter, as a user runs it."""
+def run_cli(
+    *args: str, timeout: float = 600, env: dict[str, str] | None = None, memory_bytes: int | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`rolloutctl ARGS` in a fresh interpreter, as a user runs it (``env``: variables added to this
+    process's; ``memory_bytes``: under that address-space limit, as ``ulimit -v``, so that a command that
+    reads without bound fails with MemoryError rather than taking the machine's memory)."""
+
+    def limit() -> None:
+        if memory_bytes is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+
     return subprocess.run(
         [sys.executable, "-m", "rollout_operator.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
+        env={**os.environ, **(env or {})},
+        preexec_fn=limit,
     )
 
 

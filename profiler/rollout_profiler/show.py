@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rollout_worker.api.errors import UserError
+from rollout_worker.api.files import read_text
 from rollout_worker.api.layout import Layout
 
 from rollout_profiler.profile import Profile, StepPoint
@@ -130,11 +131,7 @@ def read_profile_file(path: Path) -> Profile:
     if path.is_dir():
         raise UserError(f"{path} is a folder, not a profile file")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
-        raise UserError(f"profile file not found: {path}") from exc
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read profile file {path}: {exc}") from exc
+        data = json.loads(read_text(path, what="profile file"))
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") from exc
     if not isinstance(data, dict):

@@ -35,6 +35,8 @@ def draft7(node: Any) -> Any:
         out["exclusiveMinimum"] = out.pop("minimum")
     if out.get("exclusiveMaximum") is True:
         out["exclusiveMaximum"] = out.pop("maximum")
+    if node.get("x-kubernetes-list-type") == "set":
+        out["uniqueItems"] = True
     if node.get("x-kubernetes-int-or-string"):
         out["type"] = ["integer", "string"]
     if node.get("nullable") and "type" in out:

@@ -1,5 +1,7 @@
-"""Flags of `make-model`, `generate`, `profile` and the sidecar's variables (in-process): a bad value or an
-output path that cannot be written is refused before any work starts, naming the flag or the variable."""
+"""Flags of `make-model`, `generate`, `serve`, `profile`, `crd`, `run` and the sidecar's variables
+(in-process, but where reading without bound is the bug: a user's process under a memory limit): a bad
+value, an input file that is no such file, or an output path that cannot be written is refused before any
+work starts, naming the flag or the variable."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from rollout_operator.cli.args import as_flags
 from rollout_operator.cli.main import app
 from rollout_worker.api.errors import UserError
 from typer.testing import CliRunner
+
+from tests.conftest import run_cli
 
 UNWRITABLE = {"under-a-file": "{file}/x", "proc": "/proc/rollout-x", "a-directory": "{dir}"}
 
@@ -160,3 +164,50 @@ def test_sidecar_variables(tmp_path: Path, prompts: Path, env: dict[str, str], m
     base = {"TOKEN": "t", "PROMPTS_PATH": str(prompts), "OUTPUT_DIR": str(tmp_path / "out")}
     err = refusal("sidecar", env={f"ROLLOUT_SIDECAR_{k}": v for k, v in {**base, **env}.items()})
     assert err.startswith(message), err
+
+
+def test_make_model_seed_beyond_63_bits(tmp_path: Path) -> None:
+    err = refusal("make-model", "--preset", "tiny", "--out", str(tmp_path / "m"), "--seed", str(2**70))
+    assert err.startswith("--seed: must be 0 .. 2**63-1, got 1180591620717411303424"), err
+    assert not (tmp_path / "m").exists()
+
+
+def test_crd_out_that_cannot_be_written() -> None:
+    err = refusal("crd", "--out", "/proc/rollout-x")
+    assert err.startswith("--out: cannot create files in /proc"), err
+
+
+def test_profile_options_without_a_model_are_refused_not_answered_with_the_help() -> None:
+    err = refusal("profile", "--ranks", "2", "--no-db")
+    assert err.startswith("--model: give --model or --preset to measure a profile"), err
+
+
+def test_serve_cuda_without_a_gpu_before_any_rank_starts(
+    tiny64: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    err = refusal("serve", "--model", str(tiny64), "--port", "0", "--device", "cuda")
+    assert err.startswith("--device: cuda: no CUDA device is visible"), err
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_a_kv_budget_beyond_the_machines_memory(
+    tiny64: Path, tmp_path: Path, prompts: Path, command: str
+) -> None:
+    """A pool the machine cannot hold (petabytes) is refused before any rank starts, at its KV bytes per
+    token (the tiny model in float64: 4 layers x 2 KV heads x 16 x K and V x 8 bytes = 2 KiB)."""
+    more = (
+        ["--port", "0"] if command == "serve" else ["--prompts", str(prompts), "--out", str(tmp_path / "o")]
+    )
+    err = refusal(
+        command, "--model", str(tiny64), "--dtype", "float64", "--kv-budget-tokens", str(10**15), *more
+    )
+    assert err.startswith(
+        "--kv-budget-tokens: a pool of 1000000000000000 tokens does not fit: a TP=1 replica"
+    ), err
+
+
+def test_run_of_an_endless_job_file_is_refused_in_bounded_memory() -> None:
+    got = run_cli("run", "/dev/zero", timeout=120, memory_bytes=4 << 30)
+    assert got.returncode == 2, got.stderr
+    assert got.stderr == "error: /dev/zero is over 64 MiB, the limit of a job file\n"

@@ -123,3 +123,13 @@ def test_bench_planner_small(tmp_path: Path, lengths: Path) -> None:
     assert {a["aim"] for a in d["aims"]} >= {"adaptive within 2% of the count-balanced oracle"}
     code, _, exc = invoke("bench", "planner", "--workload", "deepscaler-1k")
     assert code != 0 and isinstance(exc, UserError) and "deepscaler-1k" in str(exc)
+
+
+def test_simulate_default_policies_follow_the_gpus(lengths: Path) -> None:
+    """Without --policies, 2 GPUs get static:1 and static:2 (the 8-GPU list would ask for static:4)."""
+    code, out, exc = invoke(
+        "simulate", "--profile", str(PROFILE), "--gpus", "2", "--workload", str(lengths), "--prior", "none"
+    )
+    assert code == 0, (out, exc)
+    rows = [line.split()[0] for line in out.splitlines()[2:] if line.strip()]
+    assert rows == ["static:1", "static:2", "adaptive", "oracle", "free-switch", "tail-bound"], out

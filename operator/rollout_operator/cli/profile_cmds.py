@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rollout_worker.api.engine_settings import Dtype
+from rollout_worker.api.errors import UserError
 
 from rollout_operator.cli.db_cmds import DbOption
 
@@ -17,6 +18,12 @@ if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
 profile_app = typer.Typer(help="Profiles of a model on a device: step latency and reconfiguration costs.")
+
+
+def _given(ctx: typer.Context, name: str | None) -> bool:
+    """Whether the user gave option ``name`` (on the command line or in its variable)."""
+    source = ctx.get_parameter_source(name) if name else None
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
 
 
 @profile_app.callback(invoke_without_command=True)
@@ -55,6 +62,11 @@ def profile(
     if ctx.invoked_subcommand is not None:
         return
     if model is None and preset is None:
+        given = [p.opts[0] for p in ctx.command.params if _given(ctx, p.name)]
+        if given:  # options of a measurement, but nothing to measure
+            raise UserError(
+                f"give --model or --preset to measure a profile (got {', '.join(given)})", "--model"
+            )
         typer.echo(ctx.get_help())
         raise typer.Exit(0)
     import shlex
@@ -168,7 +180,6 @@ def export(
 ) -> None:
     """Write a stored profile as a JSON file."""
     from rollout_profiler.store import repo
-    from rollout_worker.api.errors import UserError
 
     with _session(db) as (session, _):
         prof = repo.load_profile(session, profile_id)

@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 from rollout_worker.api.errors import UserError
-from rollout_worker.api.files import check_writable, save
+from rollout_worker.api.files import check_writable, read_text, save
 
 from rollout_operator.cli.args import int_list
 
@@ -32,8 +32,9 @@ def comm_table(path: Path | None) -> tuple[list[tuple[int, float]], str]:
 
     if path is None:
         return H100_ALLREDUCE_US, "published H100 NVLink all-reduce figures (field notes)"
+    text = read_text(path, "--comm-table", "comm table")
     try:
-        rows = json.loads(path.read_text())
+        rows = json.loads(text)
         table = sorted((int(b), float(us)) for b, us in rows)
     except (OSError, ValueError, TypeError) as exc:
         raise UserError(

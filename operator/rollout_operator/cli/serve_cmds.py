@@ -12,6 +12,7 @@ import typer
 from pydantic import ValidationError
 from rollout_worker.api.engine_settings import dotted
 from rollout_worker.api.errors import UserError, user_error
+from rollout_worker.api.files import MAX_SECRET_BYTES, read_text
 from rollout_worker.server.settings import ServerSettings
 
 from rollout_operator.cli.args import bench_group, needs_engine
@@ -70,10 +71,7 @@ def _cost_model(path: Path | None) -> Any:
     from rollout_worker.api.costs import COSTS_ENV, parse_costs
 
     if path is not None:
-        try:
-            text = path.read_text()
-        except OSError as exc:
-            raise UserError(f"cannot read {path}: {exc.strerror}", "--costs") from None
+        text = read_text(path, "--costs", "costs file")
         try:
             return parse_costs(text, str(path))
         except UserError as exc:
@@ -84,10 +82,7 @@ def _cost_model(path: Path | None) -> Any:
 
 def _api_key(path: Path | None) -> str | None:
     if path is not None:
-        try:
-            key = path.read_text().strip()
-        except OSError as exc:
-            raise UserError(f"cannot read {path}: {exc.strerror}", "--api-key-file") from None
+        key = read_text(path, "--api-key-file", "key file", MAX_SECRET_BYTES).strip()
         if not key:
             raise UserError(f"{path} is empty", "--api-key-file")
         return key

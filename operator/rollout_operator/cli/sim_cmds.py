@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,6 +41,25 @@ def flags(names: dict[str, str] = FLAGS) -> Iterator[None]:
         raise exc.renamed(names) from None
 
 
+class Ticker:
+    """Progress of a long simulation on stderr: a line per run every ``every_s`` seconds of wall clock."""
+
+    def __init__(self, requests: int, every_s: float = 5.0) -> None:
+        self.requests, self.every_s = requests, every_s
+        self.start = self.last = time.monotonic()
+
+    def __call__(self, run: str, t_ms: float, unfinished: int) -> None:
+        now = time.monotonic()
+        if now - self.last < self.every_s:
+            return
+        self.last = now
+        typer.echo(
+            f"simulating {run}: {t_ms / 1e3:.0f} s simulated, {self.requests - unfinished} of "
+            f"{self.requests} requests finished ({now - self.start:.0f} s)",
+            err=True,
+        )
+
+
 def register(app: typer.Typer) -> None:
     app.command("simulate")(simulate_cmd)
     bench = bench_group(app)
@@ -56,12 +76,13 @@ def simulate_cmd(
         str, typer.Option(help="A named workload (deepscaler-8k, sparse-tail, ...) or a .jsonl of lengths.")
     ] = ("deepscaler-8k"),
     policies: Annotated[
-        str,
+        str | None,
         typer.Option(
             help="Comma list of static:T, adaptive, oracle (count-balanced), oracle-clairvoyant, "
-            "free-switch, tail-bound."
+            "free-switch, tail-bound (default: static:T for each T that divides --gpus and the profile "
+            "has, adaptive, oracle, free-switch, tail-bound)."
         ),
-    ] = "static:1,static:2,static:4,static:8,adaptive,oracle,free-switch,tail-bound",
+    ] = None,
     seed: Annotated[int, typer.Option(help="Seed of a synthetic workload.")] = 0,
     prior: Annotated[
         str, typer.Option(help="Lengths the adaptive predictor starts from: none | previous | a .jsonl.")
@@ -91,7 +112,7 @@ def simulate_cmd(
     from rollout_profiler.profile import Profile
     from rollout_profiler.sim.config import SimConfig
     from rollout_profiler.sim.report import plot_png, table
-    from rollout_profiler.sim.run import parse_policies, simulate
+    from rollout_profiler.sim.run import default_policies, parse_policies, simulate
     from rollout_profiler.sim.workloads import RECIPES, load
 
     if gpus < 1:
@@ -103,7 +124,7 @@ def simulate_cmd(
     if plot is not None:
         check_writable(plot, "--plot")
     with flags():
-        names = parse_policies(policies, gpus)
+        names = parse_policies(policies, gpus) if policies is not None else []
         cfg_args: dict[str, Any] = dict(
             admission=admission, initial_layout=initial_layout, decide_every_ms=decide_every_ms, memory=memory
         )
@@ -123,9 +144,11 @@ def simulate_cmd(
         with flags({"workload": "--prior"}):
             prev = load(prior)
         pri = Prior.from_samples(prev.lengths, prev.caps)
+    model = LatencyModel(prof)
+    names = names or default_policies(gpus, (lay.tp for lay in model.layouts))
     with flags():
         cfg = SimConfig(gpus, max_batch_per_replica=max_batch or None, prior=pri, **cfg_args)
-        results = simulate(LatencyModel(prof), wl, cfg, names)
+        results = simulate(model, wl, cfg, names, Ticker(len(wl.lengths)))
     if plot is not None:
         title = f"{wl.name} on {gpus} GPUs, {prof.name}, admission {admission}"
         save(plot, plot_png(results, title), "--plot")

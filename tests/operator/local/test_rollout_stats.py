@@ -13,13 +13,15 @@ from rollout_worker.api.sidecar import Sample
 from rollout_worker.sidecar.outputs import SampleWriter
 
 
-def sample(pid: str, i: int, n: int, reward: float | None, capped: bool = False) -> Sample:
+def sample(
+    pid: str, i: int, n: int, reward: float | None, capped: bool = False, text: str = "so #### 7"
+) -> Sample:
     finish = {"type": "length", "length": n} if capped else {"type": "stop", "matched": 2}
     return Sample(
         prompt_id=pid,
         sample=i,
         prompt="q",
-        output_text="x",
+        output_text=text,
         output_ids=[1] * n,
         output_logprobs=[-1.0] * n,
         finish_reason=finish,
@@ -65,14 +67,26 @@ def test_the_numbers_of_a_hand_made_set() -> None:
     ]
 
 
-def test_no_ground_truth_no_reward_line_and_a_sample_twice_is_said() -> None:
+def test_no_ground_truth_no_answers_to_score_and_a_sample_twice_is_said() -> None:
     s = stats_of([sample("a", 0, 5, None), sample("a", 0, 5, None)])
     assert s is not None and s.mean_reward is None and s.pass_at_k is None
     assert s.lines() == [
         "  lengths: p50 5, p90 5, p99 5, max 5 tokens; 0 of 2 samples (0%) at the cap",
+        "  rewards: no answers to score (no prompt carries a ground truth)",
         "  1 samples were written more than once",
     ]
     assert stats_of([]) is None
+
+
+def test_responses_without_an_answer_are_not_scored_as_wrong() -> None:
+    """Ground truths, but no response gives a number (random weights write none): no 0.000 reward and
+    pass@k as if the model had answered wrongly."""
+    s = stats_of([sample(p, i, 9, 0.0, text="\x03k\xff ") for p in "ab" for i in range(2)])
+    assert s is not None and (s.rewarded, s.answered) == (4, 0)
+    assert s.lines()[1:] == [
+        "  rewards: no answers to score (none of the 4 responses to prompts with a ground truth gives a "
+        "number)"
+    ]
 
 
 def test_the_report_reads_the_run_outputs(tmp_path: Path) -> None:

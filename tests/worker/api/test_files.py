@@ -1,5 +1,5 @@
-"""Output paths: checked writable before the work, and a result that cannot be written at the end is saved
-beside it, the message saying where."""
+"""Input files read within a bound, whatever the path names; output paths checked writable before the work,
+and a result that cannot be written at the end is saved beside it, the message saying where."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from rollout_worker.api.errors import UserError
-from rollout_worker.api.files import check_writable, save
+from rollout_worker.api.files import check_writable, read_text, save
 
 
 def test_writable_paths_pass_and_create_nothing(tmp_path: Path) -> None:
@@ -26,6 +26,8 @@ def test_writable_paths_pass_and_create_nothing(tmp_path: Path) -> None:
         ("{dir}", False, "is a directory, not a file"),
         ("/proc/rollout-x/y.json", False, "cannot create files in /proc"),
         ("{dir}/a\0b", False, "is not a usable path"),
+        ("{dangling}", True, "is a symbolic link to {dir}/gone, which does not exist"),
+        ("{dangling}", False, "is a symbolic link to {dir}/gone, which does not exist"),
     ],
 )
 def test_unwritable_paths_are_refused_naming_the_field(
@@ -33,10 +35,12 @@ def test_unwritable_paths_are_refused_naming_the_field(
 ) -> None:
     f = tmp_path / "in.jsonl"
     f.write_text("x")
+    (tmp_path / "link").symlink_to(tmp_path / "gone")  # a volume not mounted, a model not copied yet
+    fill = {"file": f, "dir": tmp_path, "dangling": tmp_path / "link"}
     with pytest.raises(UserError) as exc:
         inputs = [f] if "input" in message else []
-        check_writable(path.format(file=f, dir=tmp_path), "--out", directory=directory, inputs=inputs)
-    assert exc.value.field == "--out" and message in exc.value.message, exc.value
+        check_writable(path.format(**fill), "--out", directory=directory, inputs=inputs)
+    assert exc.value.field == "--out" and message.format(**fill) in exc.value.message, exc.value
 
 
 def test_save_writes_or_saves_beside_and_says_where(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -49,3 +53,13 @@ def test_save_writes_or_saves_beside_and_says_where(tmp_path: Path, monkeypatch:
     saved = [p for p in tmp_path.iterdir() if p.name.startswith("r.json.")]
     assert len(saved) == 1 and saved[0].read_bytes() == b"result"
     assert exc.value.field == "--report" and f"saved it as {saved[0]} instead" in exc.value.message
+
+
+def test_an_input_is_read_no_further_than_its_limit(tmp_path: Path) -> None:
+    (tmp_path / "ok").write_text("a\nb\n")
+    assert read_text(tmp_path / "ok", "--x", "job file", limit=4) == "a\nb\n"
+    (tmp_path / "big").write_text("12345")
+    for path in (tmp_path / "big", "/dev/zero"):  # an endless device is read up to the limit, not forever
+        with pytest.raises(UserError) as exc:
+            read_text(path, "--x", "job file", limit=4)
+        assert str(exc.value) == f"--x: {path} is over 4 bytes, the limit of a job file"

@@ -118,3 +118,10 @@ def test_sharded_index_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     reader = CheckpointReader(out, cfg)
     t = reader.read("lm_head.weight", shard_range("lm_head.weight", cfg, 2, 1), torch.float32)
     assert t.shape == (256, 128)
+
+
+def test_the_preset_names_the_job_schema_lists_are_exactly_the_engine_presets() -> None:
+    from rollout_worker.api.presets import PRESET_NAMES
+    from rollout_worker.engine.presets import GGUF_PRESETS, PRESETS
+
+    assert (*PRESETS, *GGUF_PRESETS) == PRESET_NAMES

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 from rollout_worker.api.layout import Layout
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import Sampling
@@ -56,6 +58,45 @@ def test_eight_samples_of_one_prompt_share_its_pages(tiny64: Path) -> None:
     assert steps[0]["held"] == 8 * 4
     assert shared == alone and all(len(v) == 10 for v in shared.values())
     assert len({tuple(v) for v in shared.values()}) == 8  # the samples differ: sharing kept them apart
+
+
+def _positions(rep: Replica, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The positions (rows x width) of each forward pass ``rep`` runs from now on."""
+    seen: list[int] = []
+    hidden = rep.decoder.hidden
+
+    def counting(tokens: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(tokens.numel())
+        return hidden(tokens, *args, **kwargs)
+
+    monkeypatch.setattr(rep.decoder, "hidden", counting)
+    return seen
+
+
+def test_the_samples_of_long_prompts_are_not_padded_to_the_prompts_width(
+    tiny64: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """4 prompts of 101 tokens x 4 samples, admitted together in prompt order (as a job's sidecar sends
+    them): each prompt's first sample computes its 101 tokens, the 3 others find 25 pages cached and
+    compute 1 token each. In one padded pass every row would compute 101 positions (16 x 101 = 1,616 for
+    416 tokens, what made the first prefill of a job take seconds on a CPU); cut into passes of like
+    widths, nothing is padded. The tokens are those of a run without the prefix cache (float64)."""
+    specs = [s for p in range(4) for s in _samples(4, tuple(range(40 + p, 141 + p)), tag=f"p{p}-")]
+    outputs = {}
+    for cache in (True, False):
+        rep = replica(tiny64, 1024, 4, max_batch=16, prefix_cache=cache)
+        computed = _positions(rep, monkeypatch)
+        seqs = [Sequence(spec=s) for s in specs]
+        for s in seqs:
+            rep.add(s)
+        out = rep.step()
+        assert out.kind == "prefill" and len(out.admitted) == 16
+        if cache:
+            assert out.computed == 4 * 101 + 12 * 1 and computed == [101, 3, 101, 3, 101, 3, 101, 3]
+        while rep.unfinished:
+            rep.step()
+        outputs[cache] = {s.spec.id: s.output for s in seqs}
+    assert outputs[True] == outputs[False]
 
 
 def test_a_later_request_finds_the_cached_prefix_until_it_is_flushed(tiny64: Path) -> None:

@@ -189,7 +189,7 @@ def test_an_unreachable_engine_ends_the_sidecar_with_one_line(tmp_path: Path) ->
         ({E + "TOP_P": "2"}, f"error: {E}TOP_P: Input should be less than or equal to 1"),
         ({E + "PODZ": "2"}, f"error: {E}PODZ: unknown setting"),
         ({E + "PROMPTS_PATH": "/nonexistent/p.jsonl"}, f"error: {E}PROMPTS_PATH: prompts file not found"),
-        ({E + "TOKEN_FILE": "/nonexistent/key"}, f"error: {E}TOKEN_FILE: cannot read"),
+        ({E + "TOKEN_FILE": "/nonexistent/key"}, f"error: {E}TOKEN_FILE: token file not found"),
         ({E + "MODE": "service", E + "ENGINE_URL": "ftp://x"}, f"error: {E}ENGINE_URL: String should match"),
     ],
 )  # fmt: skip

@@ -10,6 +10,8 @@ import pytest
 from rollout_worker.api.errors import UserError
 from rollout_worker.sidecar.settings import SidecarFields, describe, load_settings, settings_env
 
+from tests.conftest import run_cli
+
 
 def test_every_setting_is_documented() -> None:
     rows = describe()
@@ -72,3 +74,44 @@ def test_settings_env_refuses_bad_values_naming_the_field(fields: dict[str, obje
     with pytest.raises(UserError) as exc:
         settings_env(**{**base, **fields})
     assert str(exc.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"TOKEN": ""}, "ROLLOUT_SIDECAR_TOKEN: is empty"),
+        ({"TOKEN": "  "}, "ROLLOUT_SIDECAR_TOKEN: is empty"),
+        ({"TOKEN": "t", "ENGINE_KEY": ""}, "ROLLOUT_SIDECAR_ENGINE_KEY: is empty"),
+    ],
+)
+def test_an_empty_secret_is_refused_naming_its_variable(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], message: str
+) -> None:
+    """An empty token would start a sidecar that refuses every caller (and an empty key one whose calls
+    the engine refuses)."""
+    for var in list(os.environ):
+        if var.startswith("ROLLOUT_SIDECAR_"):
+            monkeypatch.delenv(var)
+    for k, v in {"MODE": "service", **env}.items():
+        monkeypatch.setenv(f"ROLLOUT_SIDECAR_{k}", v)
+    with pytest.raises(UserError) as exc:
+        load_settings()
+    assert str(exc.value).startswith(message), exc.value
+
+
+@pytest.mark.parametrize("variable", ["TOKEN_FILE", "ENGINE_KEY_FILE"])
+def test_an_endless_secret_file_is_refused_in_bounded_memory(variable: str) -> None:
+    env = {
+        "ROLLOUT_SIDECAR_MODE": "service",
+        "ROLLOUT_SIDECAR_TOKEN": "t",
+        f"ROLLOUT_SIDECAR_{variable}": "/dev/zero",
+    }
+    if variable == "TOKEN_FILE":
+        del env["ROLLOUT_SIDECAR_TOKEN"]
+    got = run_cli("sidecar", env=env, timeout=120, memory_bytes=4 << 30)
+    assert got.returncode == 2, got.stderr
+    what = variable.lower().replace("_", " ")
+    assert (
+        got.stderr.splitlines()[-1]
+        == f"error: ROLLOUT_SIDECAR_{variable}: /dev/zero is over 64 KiB, the limit of a {what}"
+    )

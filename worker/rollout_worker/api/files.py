@@ -1,4 +1,5 @@
-"""Input files read with one clear error (:func:`read_text`), and output paths, one rule for every command:
+"""Input files read with one clear error and a bound on their size (:func:`read_text`: a user-given path may
+name ``/dev/zero`` or a multi-gigabyte file by mistake), and output paths, one rule for every command:
 each is checked writable before the work starts (:func:`check_writable`), written atomically
 (:func:`write_atomic`), and when writing still fails at the end (the disk filled, the directory went away),
 the result is saved beside it and the message says where (:func:`save`). Errors name the field or flag the
@@ -15,28 +16,48 @@ from pathlib import Path
 from rollout_worker.api.errors import UserError
 
 PROBE = ".rollout-probe-"
+MAX_INPUT_BYTES = 64 << 20  # a manifest, a profile, a model's config: far more than any real one
+MAX_SECRET_BYTES = 64 << 10  # a token or API key file
+MAX_DATA_BYTES = 1 << 30  # a JSON Lines file of prompts or requests (larger sets: Parquet)
 
 
-def read_text(path: str | Path, field: str | None = None, what: str = "file") -> str:
-    """The text of an input file; a missing, unreadable or non-text file is a UserError naming ``field``."""
+def read_text(
+    path: str | Path, field: str | None = None, what: str = "file", limit: int = MAX_INPUT_BYTES
+) -> str:
+    """The text (UTF-8) of an input file, read no further than ``limit`` bytes; a missing, unreadable,
+    non-text or larger file (``/dev/zero``) is a UserError naming ``field``."""
     try:
-        return Path(path).read_text()
+        with open(path, encoding="utf-8") as f:
+            text = f.read(limit + 1)  # characters: more than ``limit`` of them is more than ``limit`` bytes
     except FileNotFoundError:
         raise UserError(f"{what} not found: {path}", field) from None
     except (OSError, UnicodeDecodeError, ValueError) as exc:  # a directory, under a file, not UTF-8, NUL
-        raise UserError(f"cannot read {path} as text ({_why(exc)})", field) from None
+        raise UserError(f"cannot read {what} {path} as text ({_why(exc)})", field) from None
+    if len(text) > limit:
+        raise UserError(f"{path} is over {_size(limit)}, the limit of a {what}", field)
+    return text
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n >> shift} {unit}"
+    return f"{n} bytes"
 
 
 def check_writable(
     path: str | Path, field: str, *, directory: bool = False, inputs: Iterable[str | Path] = ()
 ) -> None:
     """Refuse ``path`` (a file to write, or with ``directory`` a directory to write into) when it cannot be
-    written: one of ``inputs``, a directory where a file is meant or the reverse, under a regular file, or in
-    a directory where no file can be created (read-only, immutable, ``/proc``). Creates nothing."""
+    written: one of ``inputs``, a directory where a file is meant or the reverse, a link to nothing (an
+    unmounted volume?), under a regular file, or in a directory where no file can be created (read-only,
+    immutable, ``/proc``). Creates nothing."""
     p = Path(path)
     try:
         if "\0" in str(p):
             raise ValueError("embedded null byte")
+        if p.is_symlink() and not p.exists():
+            raise UserError(f"{p} is a symbolic link to {os.readlink(p)}, which does not exist", field)
         for inp in inputs:
             if Path(inp).exists() and p.exists() and p.samefile(inp):
                 raise UserError(f"{p} is the input file; writing it would destroy it", field)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_worker.api.errors import UserError
-from rollout_worker.api.files import read_text
+from rollout_worker.api.files import MAX_DATA_BYTES, read_text
 
 
 def iter_jsonl(path: str | Path, what: str) -> Iterator[tuple[str, int, Any]]:
@@ -16,7 +16,7 @@ def iter_jsonl(path: str | Path, what: str) -> Iterator[tuple[str, int, Any]]:
 
     ``what`` names the input (a field) in the not-found error (e.g. ``prompts``).
     """
-    text = read_text(path, what)
+    text = read_text(path, what, limit=MAX_DATA_BYTES)
     # Lines end at "\n" only (JSON Lines): str.splitlines would also cut at U+2028, U+0085 and other
     # characters a JSON string may hold unescaped. A "\r" before the "\n" is JSON whitespace.
     for n, line in enumerate(text.split("\n"), start=1):

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_worker.api.errors import UserError
+from rollout_worker.api.files import read_text
 from rollout_worker.api.heads import max_kv_heads
 from rollout_worker.api.layout import Layout, candidate_layouts, tp_problem
 
@@ -84,10 +85,10 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not Path(model_dir).is_dir():
             raise UserError(f"{model_dir} is not a directory", "model")
+        if not path.exists():
+            raise UserError(f"no config.json in {model_dir}", "model")
         try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError as exc:
-            raise UserError(f"no config.json in {model_dir}", "model") from exc
+            raw = json.loads(read_text(path, "model", "model config"))
         except json.JSONDecodeError as exc:
             raise UserError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from exc
         return cls.from_dict(raw, where=str(path))

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_worker.api.errors import UserError
+from rollout_worker.api.files import read_text
 from rollout_worker.api.jsonl import iter_jsonl
 
 # The tokenizer config of ``rolloutctl make-model``'s random checkpoints, with a plain chat template (each
@@ -61,7 +62,10 @@ class ChatTemplate:
         path = Path(model_dir) / "tokenizer_config.json"
         if not path.exists():
             return None
-        return cls.of_config(json.loads(path.read_text()))
+        try:
+            return cls.of_config(json.loads(read_text(path, "model", "tokenizer config")))
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
 
     @classmethod
     def of_config(cls, cfg: dict[str, Any]) -> ChatTemplate | None:

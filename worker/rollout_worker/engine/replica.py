@@ -238,13 +238,16 @@ class Replica:
         return StepOutput("idle")
 
     def prefill(self, seqs: list[Sequence], sample_fresh: bool) -> StepOutput:
-        """Append ``seqs`` to the running batch and build their KV cache in one padded forward pass.
+        """Append ``seqs`` to the running batch and build their KV cache in padded forward passes over
+        consecutive rows (:func:`prefill_passes`: one, unless padding would cost more than a pass).
 
         A fresh request (no output yet) is prefilled over its prompt and samples its first token; a
         resumed one is prefilled over prompt + output[:-1] (its cache after ``len(output)`` steps) and
         continues decoding from its last token. Each row computes only the tokens after the prefix it found
-        in the prefix cache, which an earlier row of the same pass may have put there: a layer writes every
-        row's K/V before any row reads, so a row attends to the shared pages as they are written.
+        in the prefix cache, which an earlier row of the same pass, or of an earlier pass, may have put
+        there: a layer writes every row's K/V before any row reads, so a row attends to the shared pages as
+        they are written. (The samples of a prompt, admitted together, compute one token each after the
+        first: padded to the prompt's width they would cost as much as the whole prompt each.)
         """
         slot0, pool = len(self.running), self.pool
         cacheable = [self._cacheable(s) for s in seqs]
@@ -261,29 +264,20 @@ class Replica:
             pool.bind(slot0 + i, s.pages)  # (grows the token table as needed)
             rows.append(row)
         pool.shared.release(pinned)
-        width = max(len(r) - c for r, c in zip(rows, starts, strict=True))  # tokens computed per row
-        keys = max(len(r) for r in rows)
-        dev = self.decoder.embed.device
-        tokens = torch.zeros((len(rows), width), dtype=torch.long)
-        positions = torch.zeros((len(rows), width), dtype=torch.long)
-        write = torch.zeros((len(rows), width), dtype=torch.long, device=dev)  # padding: the null slot 0
-        for i, (r, c) in enumerate(zip(rows, starts, strict=True)):
-            n = len(r) - c
-            tokens[i, :n] = torch.tensor(r[c:])
-            positions[i, :n] = torch.arange(c, len(r))
-            positions[i, n:] = len(r) - 1
-            write[i, :n] = pool.table[slot0 + i, c : len(r)]
-        read = pool.table[slot0 : slot0 + len(rows), :keys]
         self.running.extend(seqs)
-        t0 = time.perf_counter()
-        x = self.decoder.hidden(tokens.to(dev), positions.to(dev), pool, write, read)
-        last = torch.tensor([len(r) - c - 1 for r, c in zip(rows, starts, strict=True)], device=dev)
-        logits = self._poisoned(self.decoder.logits(x[torch.arange(len(rows), device=dev), last]), seqs)
         out = StepOutput("prefill", computed=sum(len(r) for r in rows) - sum(starts), reused=sum(starts))
         fresh = [s for s in seqs if not s.output] if sample_fresh else []
         out.cached = {s.spec.id: c for s, c in zip(seqs, starts, strict=True) if s in fresh}
-        if fresh:
-            out.prompt_logprobs = self._prompt_logprobs(x, seqs, fresh, out)
+        t0 = time.perf_counter()
+        widths = [len(r) - c for r, c in zip(rows, starts, strict=True)]  # tokens computed per row
+        last: list[torch.Tensor] = []  # each row's last hidden state
+        for run in prefill_passes(widths, PASS_TOKENS[pool.device.type]):
+            x = self._forward(rows[run.start : run.stop], starts[run.start : run.stop], slot0 + run.start)
+            at = torch.tensor([widths[i] - 1 for i in run], device=x.device)
+            last.append(x[torch.arange(len(run), device=x.device), at])
+            if fresh:
+                out.prompt_logprobs |= self._prompt_logprobs(x, seqs[run.start : run.stop], fresh, out)
+        logits = self._poisoned(self.decoder.logits(torch.cat(last)), seqs)
         self.prefill_tokens_per_ms = out.computed / max((time.perf_counter() - t0) * 1e3, 1e-3)
         live = [s for s in fresh if s.finish is None]  # (a request whose prompt logprobs failed is aborted)
         only_prefill = [s for s in live if s.spec.max_new_tokens == 0]
@@ -294,6 +288,24 @@ class Replica:
         for seq in only_prefill:
             self._finish(seq, FinishLength(0), out)
         return out
+
+    def _forward(self, rows: list[list[int]], starts: list[int], slot0: int) -> torch.Tensor:
+        """Hidden states [rows, width, hidden] of one padded prefill pass: row ``i`` (the token table's row
+        ``slot0 + i``) computes its tokens from ``starts[i]`` on."""
+        pool, dev = self.pool, self.decoder.embed.device
+        width = max(len(r) - c for r, c in zip(rows, starts, strict=True))
+        keys = max(len(r) for r in rows)
+        tokens = torch.zeros((len(rows), width), dtype=torch.long)
+        positions = torch.zeros((len(rows), width), dtype=torch.long)
+        write = torch.zeros((len(rows), width), dtype=torch.long, device=dev)  # padding: the null slot 0
+        for i, (r, c) in enumerate(zip(rows, starts, strict=True)):
+            n = len(r) - c
+            tokens[i, :n] = torch.tensor(r[c:])
+            positions[i, :n] = torch.arange(c, len(r))
+            positions[i, n:] = len(r) - 1
+            write[i, :n] = pool.table[slot0 + i, c : len(r)]
+        read = pool.table[slot0 : slot0 + len(rows), :keys]
+        return self.decoder.hidden(tokens.to(dev), positions.to(dev), pool, write, read)
 
     def _prompt_logprobs(
         self, x: torch.Tensor, seqs: list[Sequence], fresh: list[Sequence], out: StepOutput
@@ -445,6 +457,28 @@ class Replica:
         else:
             self.pool.clear_row(slot)
         self.running.pop()
+
+
+# What one more forward pass costs, in tokens computed: about the tokens whose products cost as much as
+# reading the weights once (the roofline's ridge: tens on a CPU core, hundreds on a GPU). The same on every
+# rank of a replica (a constant per device), so its ranks cut a prefill into the same passes.
+PASS_TOKENS = {"cpu": 32, "cuda": 256}
+
+
+def prefill_passes(widths: list[int], pass_tokens: int) -> list[range]:
+    """Consecutive runs of prefill rows (``widths``: tokens each computes), each run one padded pass: a row
+    starts a new pass when padding it and the pass so far to one width computes more than a pass costs
+    (``pass_tokens``). Rows keep their order: a row may read the pages a row before it writes."""
+    passes: list[range] = []
+    start, width = 0, 0
+    for i, w in enumerate(widths):
+        rows = i - start
+        if rows and (rows + 1) * max(width, w) > rows * width + w + pass_tokens:
+            passes.append(range(start, i))
+            start, width = i, w
+        else:
+            width = max(width, w)
+    return [*passes, range(start, len(widths))]
 
 
 def prefill_row(seq: Sequence) -> list[int]:

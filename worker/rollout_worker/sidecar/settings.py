@@ -26,6 +26,7 @@ from rollout_worker.api.env_settings import describe as describe_settings
 from rollout_worker.api.env_settings import env_name as env_var
 from rollout_worker.api.env_settings import load
 from rollout_worker.api.errors import FieldAt, UserError, user_error
+from rollout_worker.api.files import MAX_SECRET_BYTES, read_text
 from rollout_worker.api.sidecar import SamplingSettings, Stops, output_file
 
 ENV_PREFIX = "ROLLOUT_SIDECAR_"
@@ -102,6 +103,10 @@ class SidecarFields(BaseModel):
             for name in ("prompts_path", "output_dir"):
                 if getattr(self, name) is None:
                     raise FieldAt((name,), "job mode needs it")
+        for name in ("token", "engine_key"):  # set but empty: every request would be refused, or unsigned
+            secret = getattr(self, name)
+            if secret is not None and not secret.get_secret_value().strip():
+                raise FieldAt((name,), "is empty: give the secret, or leave the variable unset")
         if (self.token is None) == (self.token_file is None):
             raise FieldAt(("token",), "give exactly one of token or token_file (the sidecar's bearer token)")
         if self.engine_key is not None and self.engine_key_file is not None:
@@ -140,13 +145,10 @@ def env_name(field: str) -> str:
 
 def _secret(value: SecretStr | None, path: Path | None, field: str) -> str | None:
     if value is not None:
-        return value.get_secret_value().strip() or None
+        return value.get_secret_value().strip()
     if path is None:
         return None
-    try:
-        text = path.read_text().strip()
-    except OSError as exc:
-        raise UserError(f"cannot read {path}: {exc.strerror}", env_name(field)) from None
+    text = read_text(path, env_name(field), field.replace("_", " "), MAX_SECRET_BYTES).strip()
     if not text:
         raise UserError(f"{path} is empty", env_name(field))
     return text
