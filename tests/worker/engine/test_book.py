@@ -92,6 +92,34 @@ def test_stop_string_finishes_at_the_matching_token() -> None:
     assert late.updates == []
 
 
+def test_a_batch_is_added_whole_or_not_at_all() -> None:
+    """Issue 35: an id in flight or given twice refuses the batch before any of it is added."""
+    book = Book(Layout(1, 1))
+    book.add(spec("a"), (), 0.0)
+    for batch, taken in ([spec("b"), spec("a")], "'a' is already in flight"), ([spec("c"), spec("c")], "'c'"):
+        with pytest.raises(UserError, match=taken):
+            book.add_all([(x, ()) for x in batch], 0.0)
+        assert list(book.reqs) == ["a"] and list(book.queued) == ["a"] and book.prompt_tokens == 3
+    book.add_all([(spec("b"), ()), (spec("c"), ())], 0.0)
+    assert list(book.queued) == ["a", "b", "c"]
+
+
+def test_a_stop_string_finish_holds_its_id_until_the_replica_lets_go() -> None:
+    """Issue 35: after a stop string finished a request, the replica still runs it until it hears of the
+    abort; a request of the same id sent meanwhile would get its late tokens and its abort. It is refused
+    until the replica reports the request finished."""
+    book = Book(Layout(1, 1), decode=lambda ids: "".join(chr(65 + i) for i in ids))
+    book.add(spec("a"), ("B",), 0.0)
+    book.dispatch()
+    assert book.on_step(report(0, [("a", 1)]), 1.0).aborts  # "B": finished here, the rank told
+    with pytest.raises(UserError, match="already in flight"):
+        book.add(spec("a"), (), 1.0)
+    late = book.on_step(report(0, [("a", 2)], [("a", FinishAbort("stopped"))]), 2.0)  # the rank lets go
+    assert late.updates == []
+    book.add(spec("a"), (), 2.0)  # free again, and untouched by the old request
+    assert book.reqs["a"].output == []
+
+
 def test_min_new_tokens_defers_stop_strings() -> None:
     book = Book(Layout(1, 1), decode=lambda ids: "".join(chr(65 + i) for i in ids))
     book.add(spec("a", min_new=3), ("B",), 0.0)

@@ -23,5 +23,6 @@ def test_counts_per_replica_queue_and_kv() -> None:
     assert [(r.running, r.waiting) for r in snap.replicas] == [(2, 1), (1, 1)]
     assert (snap.running, snap.waiting, snap.queued, snap.unfinished) == (3, 3, 1, 6)
     assert (snap.kv_used, snap.kv_allocated) == (6, 32)
+    assert [(r.kv_used, r.kv_allocated) for r in snap.replicas] == [(4, 16), (2, 16)]  # (issue 35)
     assert snap.layout == Layout(2, 1) and snap.paused == "retract" and snap.weight_version == "v2"
     assert snap.status.serving

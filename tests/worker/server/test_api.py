@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from rollout_worker.api.sglang import MAX_REQUESTS_PER_BODY
 
 from tests.waiting import wait_until
 from tests.worker.server.served import Served
@@ -331,6 +332,30 @@ BAD = [
         "not Unicode text",
     ),
     ({"input_ids": [1], "rid": "\udc00"}, "rid", "not Unicode text"),
+    # issue 35: out of SGLang's range (-1: no prompt logprobs), an empty batch, more requests than a body may
+    # ask for (the issue's 16 KB body asked for 128,000), an id given twice in one body
+    ({"input_ids": [1], "top_logprobs_num": -1}, "top_logprobs_num", "greater than or equal to 0"),
+    ({"input_ids": [[1], [2]], "top_logprobs_num": [0, -1]}, "top_logprobs_num.1", "greater than or equal"),
+    ({"input_ids": [1], "logprob_start_len": -(2**70)}, "logprob_start_len", "greater than or equal to -1"),
+    ({"input_ids": [1], "logprob_start_len": -2}, "logprob_start_len", "greater than or equal to -1"),
+    ({"text": []}, "text", "empty batch"),
+    (
+        {"input_ids": [[1, 2]] * 2000, "sampling_params": {"n": 64, "max_new_tokens": 1}},
+        "input_ids",
+        f"2000 prompt(s) x sampling_params.n ask for 128000 requests, more than the {MAX_REQUESTS_PER_BODY}",
+    ),
+    (
+        {"text": ["a"] * 17, "sampling_params": [{"n": 64}] * 17},
+        "text",
+        f"ask for 1088 requests, more than the {MAX_REQUESTS_PER_BODY}",
+    ),
+    ({"input_ids": [[1]] * (MAX_REQUESTS_PER_BODY + 1)}, "input_ids", "several bodies"),
+    ({"input_ids": [[1], [2]], "rid": ["d", "d"]}, "rid", "'d' is given to more than one request"),
+    (
+        {"input_ids": [[1], [2]], "rid": ["e", "e-1"], "sampling_params": [{"n": 2}, {"n": 1}]},
+        "rid",
+        "'e-1' is given to more than one request",
+    ),
 ]
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from annotated_types import Ge, Gt, Le, Lt
 from hypothesis import strategies as st
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
 Strategy = st.SearchStrategy[Any]
 WINDOW = 5  # integers drawn from [low, low + WINDOW], plus the values just outside the bounds
@@ -40,6 +41,9 @@ def body_of(
 
 def of_type(tp: Any, metadata: list[Any], over: dict[str, Strategy], inside: bool = False) -> Strategy:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Annotated:  # a union's member with constraints of its own (``Annotated[int, Field]``)
+        inner = [c for f in args[1:] for c in (f.metadata if isinstance(f, FieldInfo) else [f])]
+        return of_type(args[0], [*metadata, *inner], over, inside)
     if origin in (typing.Union, types.UnionType):
         return st.one_of(*(of_type(a, metadata, over, inside) for a in args))
     if origin is typing.Literal:

@@ -12,7 +12,7 @@ where it is).
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -64,6 +64,11 @@ class Body(BaseModel):
 
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's, also for max_new_tokens: null
+# The requests one /generate body may ask for (prompts x n): each is work for the server before the first
+# token, so a short body must not ask for an unbounded number; a larger batch is sent as several bodies.
+MAX_REQUESTS_PER_BODY = 1024
+StartLen = Annotated[int, Field(ge=-1, description="-1 = no prompt logprobs.")]
+TopCount = Annotated[int, Field(ge=0)]
 
 
 def check_stops(v: str | list[str] | None) -> str | list[str] | None:
@@ -138,8 +143,8 @@ class GenerateRequest(Body):
     sampling_params: SamplingParams | list[SamplingParams] | None = None
     rid: str | list[str] | None = None
     return_logprob: bool | list[bool] = False
-    logprob_start_len: int | list[int] = -1
-    top_logprobs_num: int | list[int] = 0
+    logprob_start_len: StartLen | list[StartLen] = -1
+    top_logprobs_num: TopCount | list[TopCount] = 0
     return_text_in_logprobs: bool = False
     stream: bool = False
 
@@ -152,6 +157,15 @@ class GenerateRequest(Body):
     def _one_input(self) -> GenerateRequest:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of text or input_ids")
+        where = "text" if self.text is not None else "input_ids"
+        if self.text == []:  # (``input_ids: []`` is one empty prompt, refused as such)
+            raise FieldAt((where,), "an empty batch: give at least one prompt")
+        if (count := self.requests) > MAX_REQUESTS_PER_BODY:
+            raise FieldAt(
+                (where,),
+                f"{self.prompt_count} prompt(s) x sampling_params.n ask for {count} requests, more than the "
+                f"{MAX_REQUESTS_PER_BODY} one body may; send the batch as several bodies",
+            )
         return self
 
     @property
@@ -159,6 +173,20 @@ class GenerateRequest(Body):
         if self.text is not None:
             return isinstance(self.text, list)
         return bool(self.input_ids) and isinstance(self.input_ids[0], list)  # type: ignore[index]
+
+    @property
+    def prompt_count(self) -> int:
+        prompts = self.text if self.text is not None else self.input_ids
+        return len(prompts) if self.is_batch and prompts is not None else 1
+
+    @property
+    def requests(self) -> int:
+        """How many requests the body asks for: one per prompt and sample (``n``); a prompt without
+        sampling parameters of its own (a list too short, refused later) counts once."""
+        sp, count = self.sampling_params, self.prompt_count
+        if isinstance(sp, list):
+            return sum(p.n for p in sp[:count]) + max(count - len(sp), 0)
+        return count * (1 if sp is None else sp.n)
 
     def prompts(self) -> list[str | list[int]]:
         if self.text is not None:
@@ -170,7 +198,7 @@ class GenerateRequest(Body):
         """Per-prompt value of a field that may be given once or as a list."""
         if isinstance(value, list):
             if i >= len(value):
-                raise ValueError(f"a list field has {len(value)} item(s) for {len(self.prompts())} prompt(s)")
+                raise ValueError(f"a list field has {len(value)} item(s) for {self.prompt_count} prompt(s)")
             return value[i]
         return default if value is None else value
 

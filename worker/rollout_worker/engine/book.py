@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,14 +93,28 @@ class Book:
         self.prompt_tokens = self.generation_tokens = self.aborted = 0
         self.prefill_tokens = self.reused_tokens = 0  # computed by prefills / taken from the prefix cache
         self._same_prompt: dict[tuple[int, ...], str] = {}  # prompt -> the latest request dispatched with it
+        # requests finished here (a stop string) that a replica still holds until it reports them finished:
+        # their ids are not free yet, or that report would finish a new request of the same id
+        self.leaving: set[str] = set()
 
     # -- admission and dispatch ------------------------------------------------------------------------
     def add(self, spec: RequestSpec, stop: tuple[str, ...], now: float) -> None:
-        if spec.id in self.reqs:
-            raise UserError(f"a request with id {spec.id!r} is already in flight", "rid")
-        self.reqs[spec.id] = Tracked(spec, stop, now)
-        self.queued.append(spec.id)
-        self.prompt_tokens += len(spec.prompt_ids)
+        self.add_all([(spec, stop)], now)
+
+    def add_all(self, jobs: Sequence[tuple[RequestSpec, tuple[str, ...]]], now: float) -> None:
+        """Accept every request (with its stop strings), or none: an id already in flight, or given twice,
+        is refused before anything changes."""
+        seen: set[str] = set()
+        for spec, _ in jobs:
+            if spec.id in self.reqs or spec.id in self.leaving:
+                raise UserError(f"a request with id {spec.id!r} is already in flight", "rid")
+            if spec.id in seen:
+                raise UserError(f"the id {spec.id!r} is given to more than one request of the batch", "rid")
+            seen.add(spec.id)
+        for spec, stop in jobs:
+            self.reqs[spec.id] = Tracked(spec, stop, now)
+            self.queued.append(spec.id)
+            self.prompt_tokens += len(spec.prompt_ids)
 
     def load(self) -> list[int]:
         """Unfinished requests on each replica of the current layout."""
@@ -168,6 +182,7 @@ class Book:
         for tok in r.tokens:
             self._token(tok, now, out)
         for rid, finish in r.finished:
+            self.leaving.discard(rid)
             if rid in self.reqs:
                 out.updates.append(self.finalize(rid, finish, now))
         return out
@@ -189,6 +204,7 @@ class Book:
         if finish is not None and t.replica is not None:
             out.aborts.append((t.replica, tok.rid, finish))
             out.updates.append(self.finalize(tok.rid, finish, now))
+            self.leaving.add(tok.rid)
 
     def _stop_finish(self, t: Tracked) -> Finish | None:
         """A stop string matched; or the output could not be decoded to check (the request's own failure:

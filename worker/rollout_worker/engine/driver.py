@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from rollout_worker.api.costs import Method
@@ -191,23 +191,33 @@ class Engine:
 
     def submit(self, spec: RequestSpec, stop: tuple[str, ...] = ()) -> None:
         """Accept a request (validated against the model and limits); progress goes to the listener."""
-        self.check(spec)
+        self.submit_all([(spec, stop)])
+
+    def submit_all(self, jobs: Sequence[tuple[RequestSpec, tuple[str, ...]]], checked: bool = False) -> None:
+        """Accept every request (with its stop strings) or, when one is refused, none; ``checked``: the
+        caller ran :meth:`check` on each already."""
+        for spec, _ in () if checked else jobs:
+            self.check(spec)
         with self._lock:
             self._life.status.check_serving()
             if self._released:
                 raise Unavailable(f"memory released ({', '.join(sorted(self._released))}); resume it first")
-            self._book.add(spec, stop, self._now())
+            self._book.add_all(jobs, self._now())
             self._dispatch()
 
-    def abort(self, rid: str | None = None, message: str = "aborted by request") -> int:
-        """Abort one request (unknown ids are a no-op) or all (``rid=None``). Partial output is kept."""
+    def abort(self, rid: str | Collection[str] | None = None, message: str = "aborted by request") -> int:
+        """Abort one request, several (unknown ids are a no-op) or all (``rid=None``). Partial output is
+        kept."""
         finish = FinishAbort(message)
         with self._lock:
             book = self._book
-            rids = list(book.reqs) if rid is None else [rid] if rid in book.reqs else []
+            asked = book.reqs if rid is None else [rid] if isinstance(rid, str) else dict.fromkeys(rid)
+            rids = [r for r in asked if r in book.reqs]
             on_ranks = [r for r in rids if book.reqs[r].replica is not None]
             updates = [
-                book.finalize(r, finish, self._now(), in_report=False) for r in rids if r not in on_ranks
+                book.finalize(r, finish, self._now(), in_report=False)
+                for r in rids
+                if book.reqs[r].replica is None
             ]
             if on_ranks:  # to every rank: a switch may be moving the request to another replica right now
                 self._procs.broadcast(m.Abort(tuple(on_ranks), finish))

@@ -14,6 +14,8 @@ from rollout_worker.engine.lifecycle import Status
 class ReplicaLoad:
     running: int = 0
     waiting: int = 0  # on the replica, not running (not admitted yet, or retracted)
+    kv_used: int = 0  # KV tokens its running requests hold (its last report)
+    kv_allocated: int = 0  # KV token slots allocated
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,10 +27,18 @@ class Snapshot:
     unfinished: int  # every request accepted and not finished
     queued: int  # accepted, not yet given to a replica
     replicas: tuple[ReplicaLoad, ...]  # per replica of ``layout``
-    kv_used: int  # KV tokens held by running requests, over every replica
-    kv_allocated: int  # KV token slots allocated, over every replica
     prefill_tokens: int = 0  # tokens prefills computed, since start
     reused_tokens: int = 0  # tokens prefills took from the prefix cache, since start
+
+    @property
+    def kv_used(self) -> int:
+        """KV tokens held by running requests, over every replica."""
+        return sum(r.kv_used for r in self.replicas)
+
+    @property
+    def kv_allocated(self) -> int:
+        """KV token slots allocated, over every replica."""
+        return sum(r.kv_allocated for r in self.replicas)
 
     @property
     def cache_hit_rate(self) -> float:
@@ -58,9 +68,10 @@ def take(book: Book, status: Status, paused: str | None, weight_version: str) ->
         weight_version=weight_version,
         unfinished=book.unfinished,
         queued=len(book.queued),
-        replicas=tuple(ReplicaLoad(r, w) for r, w in zip(running, waiting, strict=True)),
-        kv_used=sum(u for u, _ in book.kv.values()),
-        kv_allocated=sum(c for _, c in book.kv.values()),
+        replicas=tuple(
+            ReplicaLoad(r, w, *book.kv.get(d, (0, 0)))
+            for d, (r, w) in enumerate(zip(running, waiting, strict=True))
+        ),
         prefill_tokens=book.prefill_tokens,
         reused_tokens=book.reused_tokens,
     )

@@ -1,6 +1,10 @@
 """The engine seen from asyncio: submitting never blocks the event loop for more than a lock's worth, the
 slow verbs run in worker threads, and progress arrives through one ``call_soon_threadsafe`` per rank report
-(fanned out to per-request queues on the loop)."""
+(fanned out to per-request queues on the loop).
+
+A request id belongs to one HTTP request from :meth:`AsyncEngine.open` until the engine's last update of it
+(its finish) has been delivered: another request with that id is refused meanwhile, also after its client
+went away and while the abort is on its way, so that no update of an old request reaches a new one."""
 
 from __future__ import annotations
 
@@ -8,17 +12,23 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
+from rollout_worker.api.errors import UserError
 from rollout_worker.engine.book import Update
 from rollout_worker.engine.driver import Engine
 
 T = TypeVar("T")
+# Work for at most this many requests (a body's jobs, their outputs) runs on the event loop: a worker
+# thread's round trip costs more than it; more runs in a worker thread, so that a batch never holds the loop.
+INLINE_REQUESTS = 16
 
 
 class AsyncEngine:
     def __init__(self) -> None:
         self.engine: Engine | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._queues: dict[str, asyncio.Queue[Update]] = {}
+        # request id -> the queue of the HTTP request that holds it; None: its client went away (it is being
+        # aborted, its updates dropped)
+        self._routes: dict[str, asyncio.Queue[Update] | None] = {}
 
     def bind(self, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
         self.engine, self.loop = engine, loop
@@ -29,24 +39,36 @@ class AsyncEngine:
             self.loop.call_soon_threadsafe(self._deliver, updates)
 
     def _deliver(self, updates: list[Update]) -> None:
+        routes = self._routes
         for u in updates:
-            q = self._queues.get(u.rid)
-            if q is not None:
-                q.put_nowait(u)
+            if u.rid in routes:
+                q = routes[u.rid] if u.finish is None else routes.pop(u.rid)  # a finish frees the id
+                if q is not None:
+                    q.put_nowait(u)
 
     def open(self, rids: list[str]) -> asyncio.Queue[Update]:
-        """One queue for the updates of these requests (one HTTP request's worth)."""
+        """One queue for the updates of these requests (one HTTP request's worth). Refused (naming ``rid``)
+        when another request holds one of these ids: nothing changes then."""
+        taken = next((rid for rid in rids if rid in self._routes), None)
+        if taken is not None:
+            raise UserError(f"a request with id {taken!r} is already in flight", "rid")
         q: asyncio.Queue[Update] = asyncio.Queue()
         for rid in rids:
-            self._queues[rid] = q
+            self._routes[rid] = q
         return q
 
-    def close(self, rids: list[str], abort: bool) -> None:
-        """Forget the requests' queue; abort the ones still running (the client went away)."""
-        for rid in rids:
-            self._queues.pop(rid, None)
-            if abort and self.engine is not None:
-                self.engine.abort(rid, "client disconnected")
+    def close(self, q: asyncio.Queue[Update], rids: list[str], abort: bool = True) -> None:
+        """Forget the requests of ``q`` (from :meth:`open`); with ``abort``, abort those of them that have not
+        finished (the client went away), their ids held until the abort's finish arrives. Without, they are
+        freed at once: the engine never accepted them."""
+        left = [rid for rid in rids if self._routes.get(rid) is q]
+        if not abort or self.engine is None:
+            for rid in left:
+                self._routes.pop(rid, None)  # (an id given twice is in ``left`` twice)
+            return
+        for rid in left:
+            self._routes[rid] = None
+        self.engine.abort(left, "client disconnected")
 
     @staticmethod
     async def batches(q: asyncio.Queue[Update], rids: list[str]) -> AsyncIterator[list[Update]]:
@@ -63,3 +85,8 @@ class AsyncEngine:
     async def call(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
         """Run a blocking engine verb in a worker thread."""
         return await asyncio.to_thread(fn, *args, **kw)
+
+    async def work(self, requests: int, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, work in proportion to ``requests``: on the loop when that is little
+        (:data:`INLINE_REQUESTS`), else in a worker thread."""
+        return fn(*args) if requests <= INLINE_REQUESTS else await asyncio.to_thread(fn, *args)

@@ -59,8 +59,11 @@ def to_jobs(req: GenerateRequest, codec: TextCodec | None) -> list[Job]:
             )
         index = i if req.is_batch else None
         name = "text" if req.text is not None else "input_ids"
-        ids = _encode(prompt, codec, name if index is None else f"{name}.{index}")
+        ids = tuple(_encode(prompt, codec, name if index is None else f"{name}.{index}"))
         rid = base_rids[i]
+        want_logprobs = bool(_pick(req, req.return_logprob, i, False))
+        start = int(_pick(req, req.logprob_start_len, i, -1))
+        tops = int(_pick(req, req.top_logprobs_num, i, 0))
         for j in range(sp.n):
             sub = rid if sp.n == 1 else f"{rid}-{j}"
             seed = sp.sampling_seed if sp.sampling_seed is not None else default_seed(sub)
@@ -70,15 +73,15 @@ def to_jobs(req: GenerateRequest, codec: TextCodec | None) -> list[Job]:
                 Job(
                     RequestSpec(
                         id=sub,
-                        prompt_ids=tuple(ids),
+                        prompt_ids=ids,
                         max_new_tokens=sp.max_tokens,
                         sampling=sp.engine(seed),
                         ignore_eos=sp.ignore_eos,
                         stop_token_ids=tuple(sp.stop_token_ids or ()),
                         min_new_tokens=sp.min_new_tokens,
-                        return_logprob=bool(_pick(req, req.return_logprob, i, False)),
-                        logprob_start_len=int(_pick(req, req.logprob_start_len, i, -1)),
-                        top_logprobs_num=int(_pick(req, req.top_logprobs_num, i, 0)),
+                        return_logprob=want_logprobs,
+                        logprob_start_len=start,
+                        top_logprobs_num=tops,
                     ),
                     sp.stops(),
                     sp.skip_special_tokens,

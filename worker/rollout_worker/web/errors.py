@@ -18,7 +18,7 @@ from rollout_worker.api.errors import UserError, field_errors
 
 _SOURCES = {"body", "query", "path", "header"}  # where a value came from: the first part of a location
 # tags of union members in a location (``text: str | list[str]``, ``sampling_params: SamplingParams | list``)
-UNION_TAGS = {"SamplingParams", "str", "bool", "int"}
+UNION_TAGS = {"SamplingParams", "str", "bool", "int", "constrained-int"}
 UNION_TAGS |= {f"list[{t}]" for t in UNION_TAGS} | {"list[list[int]]", "list[any]"}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -10,46 +11,61 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from rollout_worker.api.errors import UserError
 from rollout_worker.api.sglang import GenerateRequest
+from rollout_worker.engine.book import Update
 from rollout_worker.server.convert import Job, Output, check_jobs, to_jobs
 from rollout_worker.server.deps import FastJSON, ServerState, server_state
 
 router = APIRouter(tags=["sglang"])
 # a route's answer is JSON, or server-sent events with ``stream``
 STREAMED: dict[int | str, dict[str, Any]] = {200: {"content": {"text/event-stream": {}}}}
+TURN_S = 0.005  # the longest a request's updates keep the event loop from other requests
 
 
 class Generation:
     """The jobs of one HTTP request, submitted together and followed to the end."""
 
-    def __init__(self, state: ServerState, jobs: list[Job]) -> None:
-        self.state, self.jobs = state, jobs
-        engine = state.ready_engine()
-        check_jobs(engine.check, jobs)  # all or nothing: validate every job before submitting any
-        version = engine.weight_version
+    def __init__(self, state: ServerState, jobs: list[Job], queue: asyncio.Queue[Update]) -> None:
+        self.state, self.jobs, self.queue = state, jobs, queue
+        version = state.ready_engine().weight_version
         self.outs = {j.spec.id: Output(j, state.codec, version) for j in jobs}
         self.index = {j.spec.id: i for i, j in enumerate(jobs)}
-        self.queue: Any = None
-        self.finished = False
 
-    def start(self) -> None:
-        """Submit every job (after validation passed); on a refusal, abort the ones already submitted."""
-        engine = self.state.ready_engine()
-        self.queue = self.state.bridge.open(list(self.outs))
+    @classmethod
+    async def start(cls, state: ServerState, jobs: list[Job]) -> Generation:
+        """Hold the jobs' ids and submit them all, or none: a refusal (an id another request holds, a job
+        the engine refuses) touches no other request and leaves nothing behind. A large batch is prepared
+        and submitted in a worker thread, not on the event loop."""
+        rids = [j.spec.id for j in jobs]
+        queue = state.bridge.open(rids)
+        submitting = asyncio.ensure_future(state.bridge.work(len(jobs), cls._submitted, state, jobs, queue))
         try:
-            for job in self.jobs:
-                engine.submit(job.spec, job.stop)
-                self.state.metrics.submitted(len(job.spec.prompt_ids))
-        except UserError:
-            self.close()
+            gen = await asyncio.shield(submitting)
+        except asyncio.CancelledError:  # it goes on: once it is done, abort what it submitted
+            submitting.add_done_callback(lambda done: state.bridge.close(queue, rids, _accepted(done)))
             raise
+        except BaseException:  # none was accepted
+            state.bridge.close(queue, rids, abort=False)
+            raise
+        state.metrics.submitted(sum(len(j.spec.prompt_ids) for j in jobs))
+        return gen
+
+    @classmethod
+    def _submitted(cls, state: ServerState, jobs: list[Job], queue: asyncio.Queue[Update]) -> Generation:
+        gen = cls(state, jobs, queue)
+        engine = state.ready_engine()
+        check_jobs(engine.check, jobs)  # an error names the prompt of a batch it is about
+        engine.submit_all([(j.spec, j.stop) for j in jobs], checked=True)
+        return gen
 
     def close(self) -> None:
-        self.state.bridge.close(list(self.outs), abort=not self.finished)
+        """Forget the queue; abort the requests that have not finished (the client went away)."""
+        self.state.bridge.close(self.queue, list(self.outs))
 
     async def updates(self) -> AsyncIterator[tuple[str, Output]]:
-        """(rid, output) for every request that changed, once per batch of waiting updates."""
+        """(rid, output) for every request that changed, once per batch of waiting updates. The consumer's
+        work on them (rendering chunks) leaves the event loop to others every :data:`TURN_S` seconds."""
+        turn = time.perf_counter()
         async for batch in self.state.bridge.batches(self.queue, list(self.outs)):
             changed: dict[str, Output] = {}
             for u in batch:
@@ -61,13 +77,18 @@ class Generation:
                     changed[u.rid] = out
             for rid, out in changed.items():
                 yield rid, out
-        self.finished = True
+                if time.perf_counter() - turn > TURN_S:  # (a batch of a thousand requests is long work)
+                    await asyncio.sleep(0)
+                    turn = time.perf_counter()
+
+
+def _accepted(submitted: asyncio.Future[Generation]) -> bool:
+    return not submitted.cancelled() and submitted.exception() is None
 
 
 async def run_generation(state: ServerState, jobs: list[Job], request: Request) -> list[Output]:
     """Run to the end (non-streaming), aborting every job if the client goes away first."""
-    gen = Generation(state, jobs)
-    gen.start()
+    gen = await Generation.start(state, jobs)
 
     async def consume() -> None:
         async for _ in gen.updates():
@@ -109,16 +130,10 @@ async def stream_generation(
 ) -> AsyncIterator[bytes]:
     """Server-sent events: one chunk per new token (SGLang: cumulative), an optional ``final`` chunk, then
     ``data: [DONE]``."""
-    gen = Generation(state, jobs)
+    gen = await Generation.start(state, jobs)  # a refusal is the route's error, before the stream starts
 
     async def events() -> AsyncIterator[bytes]:
         try:
-            try:
-                gen.start()
-            except UserError as exc:  # the response has started: SGLang reports errors in the stream
-                yield sse_event({"error": {"message": str(exc), "field": exc.field}})
-                yield b"data: [DONE]\n\n"
-                return
             async for rid, out in gen.updates():
                 chunk = out.render() if render is None else render(rid, out)
                 if chunk is None:
@@ -141,11 +156,16 @@ async def stream_generation(
 )
 async def generate(body: GenerateRequest, request: Request) -> Any:
     state = server_state(request)
-    jobs = to_jobs(body, state.codec)
+    jobs = await state.bridge.work(body.requests, to_jobs, body, state.codec)
     batch = body.is_batch or len(jobs) > 1
     if body.stream:
         events = await stream_generation(state, jobs, batch)
         return StreamingResponse(events, media_type="text/event-stream")
     outs = await run_generation(state, jobs, request)
+    return await state.bridge.work(len(outs), _answer, outs, batch)
+
+
+def _answer(outs: list[Output], batch: bool) -> FastJSON:
+    """The whole answer, rendered: text and logprobs of every job."""
     rendered = [o.render() for o in outs]
     return FastJSON(rendered if batch else rendered[0])

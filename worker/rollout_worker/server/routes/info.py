@@ -48,12 +48,16 @@ async def health_generate(request: Request) -> JSONResponse:
     q = state.bridge.open([rid])
     try:
         engine.submit(RequestSpec(rid, (0,), 1, Sampling(), ignore_eos=True))
+    except BaseException:
+        state.bridge.close(q, [rid], abort=False)
+        raise
+    try:
         while (await asyncio.wait_for(q.get(), timeout=20.0)).finish is None:
             pass
     except TimeoutError:
         return JSONResponse({"status": "unhealthy", "message": "no token in 20 s"}, status_code=503)
     finally:
-        state.bridge.close([rid], abort=True)
+        state.bridge.close(q, [rid])
     return JSONResponse(body)
 
 
@@ -124,11 +128,11 @@ async def get_server_info(request: Request) -> dict[str, Any]:
     return _server_info(server_state(request))
 
 
-@router.get("/get_load", summary="Per replica: running and waiting requests")
+@router.get("/get_load", summary="Per replica: running and waiting requests, KV tokens held")
 async def get_load(request: Request) -> list[dict[str, Any]]:
     snap = server_state(request).ready_engine().snapshot()
     return [
-        {"dp_rank": d, "num_reqs": r.running, "num_waiting_reqs": r.waiting, "num_tokens": 0}
+        {"dp_rank": d, "num_reqs": r.running, "num_waiting_reqs": r.waiting, "num_tokens": r.kv_used}
         for d, r in enumerate(snap.replicas)
     ]
 
