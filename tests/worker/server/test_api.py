@@ -342,7 +342,8 @@ BAD = [
     (
         {"input_ids": [[1, 2]] * 2000, "sampling_params": {"n": 64, "max_new_tokens": 1}},
         "input_ids",
-        f"2000 prompt(s) x sampling_params.n ask for 128000 requests, more than the {MAX_REQUESTS_PER_BODY}",
+        f"2000 prompt(s) and their samples (n) ask for 128000 requests, more than the "
+        f"{MAX_REQUESTS_PER_BODY}",
     ),
     (
         {"text": ["a"] * 17, "sampling_params": [{"n": 64}] * 17},

@@ -163,8 +163,8 @@ class GenerateRequest(Body):
         if (count := self.requests) > MAX_REQUESTS_PER_BODY:
             raise FieldAt(
                 (where,),
-                f"{self.prompt_count} prompt(s) x sampling_params.n ask for {count} requests, more than the "
-                f"{MAX_REQUESTS_PER_BODY} one body may; send the batch as several bodies",
+                f"{self.prompt_count} prompt(s) and their samples (n) ask for {count} requests, more than "
+                f"the {MAX_REQUESTS_PER_BODY} one body may; send the batch as several bodies",
             )
         return self
 
