@@ -273,6 +273,81 @@ def test_update_weights_from_disk(ctl: Served, root: Path, tmp_path: Path) -> No
     assert ctl.get("/get_model_info").json()["weight_version"] == "v2"
 
 
+def _layout(server: Served) -> str:
+    layout: str = server.get("/v1/state").json()["layout"]
+    return layout
+
+
+def _tokens_and_logprobs(out: dict[str, Any]) -> tuple[list[int], list[float]]:
+    lps = out["meta_info"]["output_token_logprobs"]
+    assert [t for _, t, _ in lps] == out["output_ids"]
+    return out["output_ids"], [lp for lp, _, _ in lps]
+
+
+def _gap(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_a_weight_update_while_paused_goes_ahead(ctl: Served, root: Path, mode: str) -> None:
+    """slime's and VeRL's order, as SGLang serves it: pause, update the weights (SGLang's default
+    ``abort_all_requests: false``), continue. The update answers while the engine is still paused (it does not
+    wait for the paused request), and so does a layout switch; nothing runs until continue. Then the paused
+    request finishes: its tokens before the pause are a's; the rest come from b: recomputed by b from prompt +
+    those tokens (retract: exactly a fresh request's tokens and logprobs), or over the K/V that a computed for
+    those positions (in place: logprobs unlike a fresh request's)."""
+    prompt, n = [7, 8, 9], 300
+    r = ctl.post("/update_weights_from_disk", {"model_path": str(root / "a"), "weight_version": "a"})
+    assert r.status_code == 200, r.text
+    body = {"input_ids": prompt, "sampling_params": {**LONG, "max_new_tokens": n}, "return_logprob": True}
+    on_a, lp_a = _tokens_and_logprobs(ctl.post("/generate", body).json())
+    chunks: list[dict[str, Any]] = []
+    started = threading.Event()
+    rid = f"paused-update-{mode}"
+    t = threading.Thread(target=_stream, args=(ctl, {**body, "rid": rid}, chunks, started))
+    t.start()
+    assert started.wait(30)
+    assert ctl.post("/pause_generation", {"mode": mode}).json()["status"] == "ok"
+    held = wait_until(_stopped(ctl), what=f"the engine to stop stepping after a pause ({mode})")
+    victim = _request(held, rid)
+    assert victim is not None and 0 < victim["generated"] < n, held
+    k = victim["generated"]
+
+    answers: list[httpx.Response] = []
+    version = f"b-{mode}"
+    update = {"model_path": str(root / "b"), "weight_version": version}
+    threading.Thread(
+        target=lambda: answers.append(ctl.post("/update_weights_from_disk", update, timeout=120))
+    ).start()
+    # the update answers with the request still paused (no continue sent): it did not wait for it
+    wait_until(lambda: answers, what="the weight update to answer while paused", timeout=60)
+    assert answers[0].status_code == 200, answers[0].text
+    assert answers[0].json()["num_paused_requests"] == 1
+    other = "1x2" if _layout(ctl) == "2x1" else "2x1"  # migrated: the K/V move as they are
+    r = ctl.post("/v1/reconfigure", {"layout": other, "method": "migrate"}, timeout=120)
+    assert r.status_code == 200 and r.json()["event"]["outcome"] == "committed", r.text
+    after = _state(ctl)
+    assert after["paused"] and after["weight_version"] == version
+    assert (_request(after, rid) or {}).get("generated") == k  # nothing generated while paused
+    assert ctl.post("/continue_generation", {}).json()["status"] == "ok"
+    t.join(120)
+
+    final = chunks[-1]
+    out, lp = _tokens_and_logprobs(final)
+    assert final["meta_info"]["finish_reason"]["type"] == "length" and len(out) == n
+    assert final["meta_info"]["weight_version"] == version
+    assert out[:k] == on_a[:k] and _gap(lp[:k], lp_a[:k]) < 1e-12  # before the pause: a's
+    rest = {**body, "input_ids": prompt + out[:k], "sampling_params": {**LONG, "max_new_tokens": n - k}}
+    again = ctl.post("/generate", rest).json()
+    fresh, lp_fresh = _tokens_and_logprobs(again)  # every K/V b's
+    if mode == "retract":  # re-prefilled by b: the very same tokens, logprobs to float64 rounding
+        assert out[k:] == fresh and _gap(lp[k:], lp_fresh) < 1e-12
+    else:  # b's weights over a's K/V of the first k positions (which never reach the prefix cache)
+        assert again["meta_info"]["cached_tokens"] == 0
+        assert _gap(lp[k:], lp_fresh) > 1e-6 and out[k:] != on_a[k:]
+    assert ctl.post("/v1/reconfigure", {"layout": "2x1"}, timeout=120).status_code == 200
+
+
 def test_release_and_resume_memory(ctl: Served) -> None:
     body = {
         "input_ids": [5, 5, 5],
