@@ -155,20 +155,29 @@ def _stopped(server: Served) -> Any:
     return check
 
 
+def _paused_mid_stream(
+    server: Served, body: dict[str, Any], mode: str
+) -> tuple[threading.Thread, list[dict[str, Any]], dict[str, Any]]:
+    """Stream ``body`` (its ``rid``) and pause once chunks come: the stream's thread, its chunks, and the
+    engine's state once it stopped stepping."""
+    chunks: list[dict[str, Any]] = []
+    started = threading.Event()
+    t = threading.Thread(target=_stream, args=(server, body, chunks, started))
+    t.start()
+    assert started.wait(30)
+    assert server.post("/pause_generation", {"mode": mode}).json()["status"] == "ok"
+    # the ranks take the pause at their next step boundary; then the engine's clock stops. An engine that
+    # did not pause keeps stepping until the request ends, which the callers' checks of the state catch.
+    held = wait_until(_stopped(server), what=f"the engine to stop stepping after a pause ({mode})")
+    return t, chunks, held
+
+
 @pytest.mark.parametrize("mode", ["in_place", "retract", "abort"])
 def test_pause_and_continue(ctl: Served, mode: str) -> None:
     body = {"input_ids": [7, 8, 9], "sampling_params": {**LONG, "max_new_tokens": 300}}
     reference = ctl.post("/generate", body).json()["output_ids"]
-    chunks: list[dict[str, Any]] = []
-    started = threading.Event()
     rid, late_rid = f"paused-{mode}", f"late-{mode}"
-    t = threading.Thread(target=_stream, args=(ctl, {**body, "rid": rid}, chunks, started))
-    t.start()
-    assert started.wait(30)
-    assert ctl.post("/pause_generation", {"mode": mode}).json()["status"] == "ok"
-    # the ranks take the pause at their next step boundary; then the engine's clock stops. An engine that
-    # did not pause keeps stepping until the request ends, which the checks of `held` below catch.
-    held = wait_until(_stopped(ctl), what=f"the engine to stop stepping after a pause ({mode})")
+    t, chunks, held = _paused_mid_stream(ctl, {**body, "rid": rid}, mode)
     victim = _request(held, rid)
     if mode == "abort":
         assert victim is None  # finished (aborted) by the pause
@@ -304,6 +313,114 @@ def test_a_disk_load_keeps_the_version_unless_given_and_reads_only_checkpoints_a
         assert error["field"] == "load_format" and words in error["message"] and fmt in error["message"]
         assert "Supported: null, 'auto', 'safetensors'" in error["message"], r.text
     assert outputs() == _static(root / "b", prompts) and version() == "step-7"
+
+
+def _layout(server: Served) -> str:
+    layout: str = server.get("/v1/state").json()["layout"]
+    return layout
+
+
+def _tokens_and_logprobs(out: dict[str, Any]) -> tuple[list[int], list[float]]:
+    lps = out["meta_info"]["output_token_logprobs"]
+    assert [t for _, t, _ in lps] == out["output_ids"]
+    return out["output_ids"], [lp for lp, _, _ in lps]
+
+
+def _gap(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_a_weight_update_while_paused_goes_ahead(ctl: Served, root: Path, mode: str) -> None:
+    """slime's and VeRL's order, as SGLang serves it: pause, update the weights (SGLang's default
+    ``abort_all_requests: false``), continue. The update answers while the engine is still paused (it does not
+    wait for the paused request), and so does a layout switch; nothing runs until continue. Then the paused
+    request finishes: its tokens before the pause are a's; the rest come from b: recomputed by b from prompt +
+    those tokens (retract: exactly a fresh request's tokens and logprobs), or over the K/V that a computed for
+    those positions (in place: logprobs unlike a fresh request's)."""
+    prompt, n = [7, 8, 9], 300
+    r = ctl.post("/update_weights_from_disk", {"model_path": str(root / "a"), "weight_version": "a"})
+    assert r.status_code == 200, r.text
+    body = {"input_ids": prompt, "sampling_params": {**LONG, "max_new_tokens": n}, "return_logprob": True}
+    on_a, lp_a = _tokens_and_logprobs(ctl.post("/generate", body).json())
+    rid = f"paused-update-{mode}"
+    t, chunks, held = _paused_mid_stream(ctl, {**body, "rid": rid}, mode)
+    victim = _request(held, rid)
+    assert victim is not None and 0 < victim["generated"] < n, held
+    k = victim["generated"]
+
+    answers: list[httpx.Response] = []
+    version = f"b-{mode}"
+    update = {"model_path": str(root / "b"), "weight_version": version}
+    threading.Thread(
+        target=lambda: answers.append(ctl.post("/update_weights_from_disk", update, timeout=120))
+    ).start()
+    # the update answers with the request still paused (no continue sent): it did not wait for it
+    wait_until(lambda: answers, what="the weight update to answer while paused", timeout=60)
+    assert answers[0].status_code == 200, answers[0].text
+    assert answers[0].json()["num_paused_requests"] == 1
+    other = "1x2" if _layout(ctl) == "2x1" else "2x1"  # migrated: the K/V move as they are
+    r = ctl.post("/v1/reconfigure", {"layout": other, "method": "migrate"}, timeout=120)
+    assert r.status_code == 200 and r.json()["event"]["outcome"] == "committed", r.text
+    after = _state(ctl)
+    assert after["paused"] and after["weight_version"] == version
+    assert (_request(after, rid) or {}).get("generated") == k  # nothing generated while paused
+    assert ctl.post("/continue_generation", {}).json()["status"] == "ok"
+    t.join(120)
+
+    final = chunks[-1]
+    out, lp = _tokens_and_logprobs(final)
+    assert final["meta_info"]["finish_reason"]["type"] == "length" and len(out) == n
+    assert final["meta_info"]["weight_version"] == version
+    assert out[:k] == on_a[:k] and _gap(lp[:k], lp_a[:k]) < 1e-12  # before the pause: a's
+    rest = {**body, "input_ids": prompt + out[:k], "sampling_params": {**LONG, "max_new_tokens": n - k}}
+    again = ctl.post("/generate", rest).json()
+    fresh, lp_fresh = _tokens_and_logprobs(again)  # every K/V b's
+    if mode == "retract":  # re-prefilled by b: the very same tokens, logprobs to float64 rounding
+        assert out[k:] == fresh and _gap(lp[k:], lp_fresh) < 1e-12
+    else:  # b's weights over a's K/V of the first k positions (which never reach the prefix cache)
+        assert again["meta_info"]["cached_tokens"] == 0
+        assert _gap(lp[k:], lp_fresh) > 1e-6 and out[k:] != on_a[k:]
+    assert ctl.post("/v1/reconfigure", {"layout": "2x1"}, timeout=120).status_code == 200
+
+
+def test_a_pause_lets_a_waiting_weight_update_go_ahead(ctl: Served, root: Path) -> None:
+    """An update sent while a request runs waits for it, holding new requests back; a pause (in place) then
+    lets it load at once, as if the pause had come first."""
+    chunks: list[dict[str, Any]] = []
+    started = threading.Event()
+    body = {"input_ids": [5, 6], "sampling_params": LONG, "rid": "runs-on"}
+    t = threading.Thread(target=_stream, args=(ctl, body, chunks, started))
+    t.start()
+    assert started.wait(30)
+    answers: list[httpx.Response] = []
+    update = {"model_path": str(root / "a"), "weight_version": "a-after-pause"}
+    threading.Thread(
+        target=lambda: answers.append(ctl.post("/update_weights_from_disk", update, timeout=120))
+    ).start()
+    late: list[httpx.Response] = []
+
+    def until_held() -> None:  # short requests, until one is held back (the update holds new ones)
+        short = {"input_ids": [3, 3], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+        while not late or late[-1].json()["meta_info"]["weight_version"] != "a-after-pause":
+            late.append(ctl.post("/generate", short, timeout=120))
+
+    threading.Thread(target=until_held, daemon=True).start()
+    # the update waits for the running request: a late one is held back in the driver's queue
+    wait_until(lambda: _state(ctl)["queued"], what="a late request held back")
+    assert not answers
+    assert ctl.post("/pause_generation", {"mode": "in_place"}).json()["status"] == "ok"
+    wait_until(lambda: answers, what="the waiting update to answer once paused", timeout=60)
+    assert answers[0].status_code == 200 and answers[0].json()["num_paused_requests"] == 2, answers[0].text
+    assert ctl.post("/continue_generation", {}).json()["status"] == "ok"
+    wait_until(  # the one held back runs after continue, on the new weights
+        lambda: late and late[-1].json()["meta_info"]["weight_version"] == "a-after-pause",
+        what="the late request to finish after continue",
+        timeout=60,
+    )
+    ctl.post("/abort_request", {"rid": "runs-on"})  # (to end it sooner)
+    t.join(60)
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"
 
 
 def test_release_and_resume_memory(ctl: Served) -> None:

@@ -5,6 +5,7 @@ pairs, slime's flattened buckets)."""
 from __future__ import annotations
 
 import base64
+import json
 import os
 import threading
 from pathlib import Path
@@ -65,6 +66,96 @@ def test_memory_release_and_resume_with_sglangs_tags(ctl: Served) -> None:
     assert _gen(ctl, body).json()["output_ids"] == before
     r = ctl.post("/release_memory_occupation", {"tags": ["kv_cache", "gpu"]})
     assert r.status_code == 400 and r.json()["error"]["field"].startswith("tags"), r.text
+
+
+RELEASED = "memory released"  # what a request refused while memory is released is told
+SHORT = {**GREEDY, "max_new_tokens": 2}
+
+
+def _held(s: Served) -> list[dict[str, int]]:
+    """What each rank said it holds (once started, and after each release / resume)."""
+    held: list[dict[str, int]] = s.get("/server_info").json()["memory_held"]
+    return held
+
+
+def _one(c: httpx.Client, prompt: list[int], stream: bool) -> list[int] | str:
+    """The request's output ids, or the error it was refused with (a 503, or an error event in a stream)."""
+    body = {"input_ids": prompt, "sampling_params": SHORT, "stream": stream}
+    if not stream:
+        r = c.post("/generate", json=body)
+        assert r.status_code in (200, 503), r.text
+        return r.json()["output_ids"] if r.status_code == 200 else str(r.json()["error"]["message"])
+    with c.stream("POST", "/generate", json=body) as r:
+        assert r.status_code == 200
+        lines = [x for x in r.iter_lines() if x]
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    last = json.loads(lines[-2][6:])
+    return str(last["error"]["message"]) if "error" in last else list(last["output_ids"])
+
+
+def _racer(s: Served, prompt: list[int], stream: bool, stop: threading.Event, out: list[Any]) -> None:
+    """Send the request again and again until ``stop``; appends (prompt, outcome) for each."""
+    with s.client(120) as c:
+        while not stop.is_set():
+            try:
+                out.append((prompt, _one(c, prompt, stream)))
+            except Exception as exc:  # e.g. the server died: recorded, and the test fails on it
+                out.append((prompt, repr(exc)))
+                return
+
+
+def _until_released(s: Served) -> httpx.Response | None:
+    """One release; None while requests in flight refuse it (400 naming tags)."""
+    r = s.post("/release_memory_occupation", {})
+    if r.status_code == 400 and r.json()["error"]["field"] == "tags":
+        return None
+    return r
+
+
+def test_requests_racing_a_memory_release_and_resume(ctl: Served) -> None:
+    """Requests (streamed and not) sent back to back while memory is released and resumed 20 times: each
+    completes with the tokens it gets alone, or is refused with the documented error (503, or an error
+    event in a stream: memory released); no rank fails (a request that reached a rank after its release
+    crashed it). A release refused while requests are in flight (400 naming tags) is sent again. Right after
+    a release returns, every rank says it holds no weights and no KV; right after a resume, every rank holds
+    its weights again and the KV pools what they held."""
+    prompts = [[9, i, 4] for i in range(1, 5)]
+    alone = {
+        tuple(p): _gen(ctl, {"input_ids": p, "sampling_params": SHORT}).json()["output_ids"] for p in prompts
+    }
+    start = _held(ctl)
+    assert all(h["weights_bytes"] > 0 for h in start), start
+    stop = threading.Event()
+    outcomes: list[tuple[list[int], list[int] | str]] = []
+    racers = [
+        threading.Thread(target=_racer, args=(ctl, p, i % 2 == 0, stop, outcomes))
+        for i, p in enumerate(prompts)
+    ]
+    for t in racers:
+        t.start()
+    try:
+        for _ in range(20):
+            r = wait_until(lambda: _until_released(ctl), what="a release between requests", timeout=120)
+            assert r.status_code == 200, r.text
+            held = _held(ctl)  # as the ranks said before the call returned
+            assert all(h == {"weights_bytes": 0, "kv_cache_bytes": 0} for h in held), held
+            r = ctl.post("/resume_memory_occupation", {})
+            assert r.status_code == 200, r.text
+            held = _held(ctl)
+            assert [h["weights_bytes"] for h in held] == [h["weights_bytes"] for h in start], held
+            assert sum(h["kv_cache_bytes"] for h in held) > 0, held
+    finally:
+        stop.set()
+        for t in racers:
+            t.join(120)
+    refused = [got for _, got in outcomes if isinstance(got, str)]
+    assert all(RELEASED in got for got in refused), {*refused}
+    assert all(got == alone[tuple(p)] for p, got in outcomes if not isinstance(got, str))
+    assert ctl.get("/health").status_code == 200  # no rank failed
+    assert all(
+        _gen(ctl, {"input_ids": p, "sampling_params": SHORT}).json()["output_ids"] == alone[tuple(p)]
+        for p in prompts
+    )
 
 
 def _long_request(s: Served, rid: str) -> tuple[threading.Thread, list[dict[str, Any]]]:

@@ -5,12 +5,15 @@ after the update, and after a switch to 1x2, outputs equal b's static run token 
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import threading
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
+import httpx
 import pytest
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.model_config import ModelConfig
@@ -18,6 +21,7 @@ from rollout_worker.engine.checkpoint_index import tensor_shapes
 from rollout_worker.proc import free_port
 from rollout_worker.server.tensor_update import check_announced
 
+from tests.waiting import wait_until
 from tests.worker.server.served import Served
 from tests.worker.server.test_control import _idle, _static, _stream
 
@@ -94,6 +98,96 @@ def test_a_trainer_broadcasts_a_flattened_bucket(ctl: Served, root: Path) -> Non
     out = _outputs(ctl)
     assert [o["output_ids"] for o in out] == from_disk and out[0]["meta_info"]["weight_version"] == "a-bucket"
     assert ctl.post("/destroy_weights_update_group", {"group_name": "trainer_group"}).json()["success"]
+
+
+class _Impostor:
+    """A TCP listener on loopback that is no trainer: it accepts every connection, then says nothing
+    (``reply`` empty) or sends ``reply`` and nothing more. Closing it closes every connection."""
+
+    def __init__(self, reply: bytes) -> None:
+        self.reply = reply
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.conns: list[socket.socket] = []
+
+    def __enter__(self) -> int:
+        threading.Thread(target=self._accept, daemon=True).start()
+        port: int = self.sock.getsockname()[1]
+        return port
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            self.conns.append(conn)
+            if self.reply:
+                conn.sendall(self.reply)
+
+    def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+def _joining(s: Served, name: str) -> dict[str, Any] | None:
+    """/health's body while it shows the join of ``name`` under way (the engine serving meanwhile)."""
+    r = s.get("/health")
+    assert r.status_code == 200, r.text
+    body: dict[str, Any] = r.json()
+    joins = body.get("joining_weight_update_groups", [])
+    return body if any(j["group_name"] == name for j in joins) else None
+
+
+GARBAGE = b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nnope" + bytes(range(256))
+
+
+def _join_an_impostor(s: Served, reply: bytes, name: str, reference: list[list[int]]) -> None:
+    with _Impostor(reply) as port:
+        body = {
+            "master_address": "127.0.0.1",
+            "master_port": port,
+            "rank_offset": 1,
+            "world_size": 3,
+            "group_name": name,
+            "backend": "gloo",
+            "timeout": 20,
+        }
+        answer: list[httpx.Response] = []
+        t = threading.Thread(
+            target=lambda: answer.append(s.post("/init_weights_update_group", body, timeout=120))
+        )
+        t.start()
+        health = wait_until(lambda: _joining(s, name), what=f"/health to show the join of {name}")
+        assert health["status"] == "ready" and f"127.0.0.1:{port}" in health["message"], health
+        assert [o["output_ids"] for o in _outputs(s)] == reference  # generation goes on ...
+        assert _joining(s, name), "the join ended before generation was checked"  # ... during the join
+        names = {"names": ["model.norm.weight"], "dtypes": ["float64"], "shapes": [[128]], "group_name": name}
+        r = s.post("/update_weights_from_distributed", names)  # not usable while being joined
+        assert r.status_code == 409 and r.json()["error"]["field"] == "group_name", r.text
+        t.join(120)
+        assert answer, f"no answer to the join of {name}"
+        assert answer[0].status_code == 400, answer[0].text
+        error = answer[0].json()["error"]
+        assert error["field"] == "master_address" and f"127.0.0.1:{port}" in error["message"], error
+
+
+def test_a_join_that_meets_no_trainer_stalls_nothing(ctl: Served, root: Path) -> None:
+    """``/init_weights_update_group`` pointed at a listener that is not a trainer (it accepts and says
+    nothing, or answers garbage): the ranks wait for it beside their step loops, so generation goes on and
+    ``/health`` says 200 with the join under way; the join fails within its own ``timeout`` as a 400 naming
+    ``master_address``, and the name is free again. A real trainer then joins and sends its weights."""
+    reference = [o["output_ids"] for o in _outputs(ctl)]
+    for reply, name in ((b"", "impostor-silent"), (GARBAGE, "impostor-garbage")):
+        _join_an_impostor(ctl, reply, name, reference)
+        assert _joining(ctl, name) is None
+        r = ctl.post("/destroy_weights_update_group", {"group_name": name})  # never joined: unknown
+        assert r.status_code == 400 and r.json()["error"]["field"] == "group_name", r.text
+    init, update = _trainer(ctl, root / "b" / "model.safetensors", "b-after-impostors")
+    assert init["success"] is True and update["success"] is True, (init, update)
+    assert [o["output_ids"] for o in _outputs(ctl)] == _static(root / "b", PROMPTS)
+    assert ctl.post("/destroy_weights_update_group", {"group_name": "trainer_group"}).json()["success"]
+    assert ctl.get("/health").status_code == 200
 
 
 def test_bad_weight_sync_bodies_name_the_field(ctl: Served) -> None:

@@ -265,6 +265,12 @@ class InitWeightsGroupRequest(Body):
     world_size: int = Field(ge=2)
     group_name: str = Field("weight_update_group", min_length=1)
     backend: Literal["gloo", "nccl"] = "nccl"
+    timeout: float = Field(
+        300.0,
+        gt=0,
+        le=3600,
+        description="Seconds the ranks wait for the trainer before the join fails (ours; not in SGLang).",
+    )
 
 
 class DistributedUpdateRequest(Body):

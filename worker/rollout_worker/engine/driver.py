@@ -2,10 +2,11 @@
 
 Verbs (thread-safe; the slow ones block their caller, never the reader thread): ``submit`` (generate),
 ``abort``, ``pause`` / ``resume``, ``set_plan``, ``reconfigure``, ``state``, ``update_weights``,
-``release_memory`` / ``resume_memory``, ``shutdown``; ``snapshot`` and ``status`` for readers. Progress
-reaches the caller through ``listener``, called on the driver's reader thread once per rank report with the
-updates of every request it touched. The HTTP server and ``rolloutctl generate`` are both clients of this
-one object.
+``join_weight_group`` / ``leave_weight_group``, ``release_memory`` / ``resume_memory``, ``shutdown``;
+``snapshot``, ``status`` and what the engine is doing (``paused``, ``released``, ``joining``) for readers.
+Progress reaches the caller through ``listener``, called on the driver's reader thread once per rank report
+with the updates of every request it touched. The HTTP server and ``rolloutctl generate`` are both clients
+of this one object.
 
 The driver composes: the requests (:mod:`~rollout_worker.engine.book`), the health
 (:mod:`~rollout_worker.engine.lifecycle`), the replies the ranks owe (:mod:`~rollout_worker.engine.tickets`),
@@ -13,8 +14,9 @@ the plan and the switch in flight (:mod:`~rollout_worker.engine.switching`) and 
 (:mod:`~rollout_worker.engine.launcher`). One lock guards all of them, with one condition on it that wakes
 whoever waits for that state to change (requests finished, a ticket answered, the health moved). A second
 lock lets one global command (a switch, a weight load, a memory release or resume) run at a time: those
-wait for the ranks' replies without holding the first. The reader thread takes the first lock only to
-apply a report, and calls the listener and the observer outside it.
+wait for the ranks' replies without holding the first. A join of a trainer's group takes neither while it
+waits: the ranks join beside their step loops, and generation goes on. The reader thread takes the first
+lock only to apply a report, and calls the listener and the observer outside it.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from rollout_worker.engine.lifecycle import Health, Lifecycle, Status
 from rollout_worker.engine.messages import Faults
 from rollout_worker.engine.switching import Switching
 from rollout_worker.engine.tickets import Reply, Tickets
+from rollout_worker.engine.weight_sync import GroupBook, Joining
 
 log = logging.getLogger(__name__)
 Listener = Callable[[list[Update]], None]
@@ -79,7 +82,9 @@ class Engine:
         self._switching = Switching(self._book, self._tickets, self._procs.broadcast, cfg.candidates)
         self._paused: str | None = None  # the pause mode while paused
         self._hold = False  # new requests wait in the driver (weight update in progress)
-        self._released: frozenset[str] = frozenset()  # memory tags released
+        self._released: frozenset[str] = frozenset()  # memory tags released (or being released)
+        self._held: tuple[m.MemoryHeld | None, ...] = (None,) * cfg.world  # per rank, as it last said
+        self._groups = GroupBook()  # trainers' groups, joined or joining
         self._weight_version = "default"
         self._ready: set[int] = set()  # ranks that loaded their weights
         self._lock = threading.Lock()
@@ -143,6 +148,26 @@ class Engine:
     @property
     def weight_version(self) -> str:
         return self._weight_version
+
+    @property
+    def paused(self) -> str | None:
+        """The pause mode while paused."""
+        return self._paused
+
+    @property
+    def released(self) -> tuple[str, ...]:
+        """The memory tags released (from the moment a release is sent until a resume of them returns)."""
+        return tuple(sorted(self._released))
+
+    @property
+    def joining(self) -> tuple[Joining, ...]:
+        """Joins of trainers' groups under way."""
+        return self._groups.joining
+
+    @property
+    def memory_held(self) -> tuple[m.MemoryHeld | None, ...]:
+        """Per rank, the bytes it held when it last said (once started, and after each release / resume)."""
+        return self._held
 
     @property
     def rank_pids(self) -> list[int | None]:
@@ -236,7 +261,7 @@ class Engine:
             self._procs.broadcast(m.Pause(mode))
             if mode == "abort":  # the ranks abort theirs; the driver, those not on a replica yet
                 updates = [self._book.finalize(r, PAUSE_ABORT, self._now()) for r in list(self._book.queued)]
-                self._changed.notify_all()
+            self._changed.notify_all()  # a weight update waiting for requests in flight goes ahead now
         self.listener(updates)
 
     def resume(self) -> None:
@@ -272,32 +297,84 @@ class Engine:
         self, path: str, version: str | None = None, abort_all: bool = False, timeout_s: float = 600.0
     ) -> int:
         """Load a checkpoint of the same shape between steps, after in-flight requests finish (or are
-        aborted with ``abort_all``); new requests wait meanwhile. The weights are then called ``version``,
-        or keep the current version's name when none is given (as SGLang's updates do). Returns how many
-        requests waited."""
+        aborted with ``abort_all``); new requests wait meanwhile. While paused (as SGLang, the order slime
+        and VeRL use: pause, update, continue) it loads at once: the paused requests keep their place and go
+        on with the new weights after ``resume`` (``in_place``: over the K/V the old weights computed;
+        ``retract``: recomputed). The weights are then called ``version``, or keep the current version's
+        name when none is given (as SGLang's updates do). Returns how many requests waited (queued or
+        paused)."""
         make = lambda t: m.LoadWeights(path, t)  # noqa: E731
         return self._between_steps(make, version, abort_all, timeout_s, "model_path")
 
     def update_weights_from_group(
         self,
+        group_name: str,
         cmd: Callable[[int], m.ReceiveWeights],
         version: str | None,
         abort_all: bool = False,
         timeout_s: float = 600.0,
     ) -> int:
-        """As ``update_weights``, the checkpoint received from a trainer's broadcast (``weight_sync``)."""
+        """As ``update_weights``, the checkpoint received from a trainer's broadcast (``weight_sync``) in
+        the group ``group_name``, which every rank must have joined."""
+        self.check_weight_group(group_name)
         return self._between_steps(cmd, version, abort_all, timeout_s, "names")
 
-    def weight_group(self, cmd: Callable[[int], m.JoinWeightGroup | m.LeaveWeightGroup]) -> None:
-        """Every rank joins (or leaves) a trainer's group, at its next step boundary."""
-        with self._global:
+    def check_weight_group(self, name: str) -> None:
+        """Refuse a trainer's group every rank has not joined: unknown (400) or still joining (409)."""
+        with self._lock:
+            self._groups.check_joined(name)
+
+    def join_weight_group(self, join: Callable[[int], m.JoinWeightGroup]) -> None:
+        """Every rank joins a trainer's group beside its step loop (generation goes on meanwhile). Returns
+        once every rank has joined; after the first rank that could not, or after the join's timeout, every
+        rank leaves the group again and a UserError naming ``master_address`` says why."""
+        with self._lock:
+            self._life.status.check_serving()
+            ticket = self._tickets.open(self.cfg.world)
+            cmd = join(ticket)
+            try:
+                self._groups.begin(cmd, self._now())
+            except UserError:
+                self._tickets.take(ticket)
+                raise
+            self._procs.broadcast(cmd)
+        name, where = cmd.group_name, f"{cmd.master_address}:{cmd.master_port}"
+        try:
+            replies, _ = self._gather(ticket, cmd.timeout_s, lambda rs: any(not d.ok for d in _dones(rs)))
+        except BaseException:
+            self._give_up(name)
+            raise
+        dones = _dones(replies)
+        failed = [d.message for d in dones if not d.ok]
+        if not failed and len(dones) == self.cfg.world:
             with self._lock:
-                self._life.status.check_serving()
-                ticket = self._tickets.open(1)
-                self._procs.broadcast(cmd(ticket))
-            (done,) = _dones(self._await(ticket, None))
-            if not done.ok:
-                raise UserError(f"weight update group not changed: {done.message}", "group_name")
+                self._groups.end(name, joined=True)
+            return
+        self._give_up(name)
+        if failed:
+            why = f"could not join the trainer's rendezvous at {where}: {failed[0]}"
+        else:
+            missing = sorted(set(range(self.cfg.world)) - {d.rank for d in dones})
+            why = (
+                f"no trainer's rendezvous answered at {where} within {cmd.timeout_s:g} s "
+                f"(rank(s) {', '.join(map(str, missing))} still waiting)"
+            )
+        raise UserError(f"weight update group {name!r} not joined: {why}", "master_address")
+
+    def _give_up(self, name: str) -> None:
+        """Every rank leaves ``name`` (a join under way is dropped when it ends); nobody waits for it."""
+        with self._lock:
+            self._groups.end(name, joined=False)
+            if self._life.status.serving:
+                self._procs.broadcast(m.LeaveWeightGroup(name, self._tickets.open(self.cfg.world, False)))
+
+    def leave_weight_group(self, name: str) -> None:
+        """Every rank leaves a trainer's group it joined, at its next step boundary."""
+        with self._global:
+            self.check_weight_group(name)
+            self._on_every_rank(lambda ticket: m.LeaveWeightGroup(name, ticket), None)
+            with self._lock:
+                self._groups.joined.discard(name)
 
     def _between_steps(
         self,
@@ -314,12 +391,13 @@ class Engine:
             try:
                 if abort_all:
                     self.abort(None, "aborted for a weight update")
-                with self._lock:
-                    if not self._changed.wait_for(lambda: self._book.dispatched == 0, timeout_s):
+                with self._lock:  # paused requests keep their place (see update_weights)
+                    idle = lambda: self._book.dispatched == 0 or self._paused is not None  # noqa: E731
+                    if not self._changed.wait_for(idle, timeout_s):
                         raise EngineError(
                             f"requests still in flight after {timeout_s:.0f} s; weights not updated"
                         )
-                    waited = len(self._book.queued)
+                    waited = self._book.unfinished
                     ticket = self._tickets.open(1)
                     self._procs.broadcast(make(ticket))
                 (done,) = _dones(self._await(ticket, None))
@@ -343,9 +421,13 @@ class Engine:
             self._weight_version = version
 
     def release_memory(self, tags: tuple[str, ...]) -> None:
+        """Every rank frees the memory of ``tags``; returns once every rank has (refused while requests are
+        in flight). New requests are refused (503) from the moment the ranks are told until a resume of
+        these tags returns."""
         self._memory(m.ReleaseMemory, tags)
 
     def resume_memory(self, tags: tuple[str, ...]) -> None:
+        """Every rank takes the memory of ``tags`` again; returns once every rank holds it."""
         self._memory(m.ResumeMemory, tags)
 
     def flush_cache(self) -> None:
@@ -357,16 +439,27 @@ class Engine:
         bad = [t for t in tags if t not in MEMORY_TAGS]
         if bad:
             raise UserError(f"unknown tag {bad[0]!r}; choose from {', '.join(MEMORY_TAGS)}", "tags")
-        with self._global:
-            idle = "tags" if kind is m.ReleaseMemory else None
-            self._on_every_rank(lambda ticket: kind(tags, ticket), idle)
-            with self._lock:
-                released = self._released
-                self._released = released | set(tags) if kind is m.ReleaseMemory else released - set(tags)
+        release = kind is m.ReleaseMemory
 
-    def _on_every_rank(self, make: Callable[[int], m.Command], idle_field: str | None) -> None:
+        def sent() -> None:  # new requests are refused from the moment a release goes out
+            if release:
+                self._released |= set(tags)
+
+        with self._global:
+            self._on_every_rank(lambda ticket: kind(tags, ticket), "tags" if release else None, sent)
+            if not release:
+                with self._lock:
+                    self._released -= set(tags)
+
+    def _on_every_rank(
+        self,
+        make: Callable[[int], m.Command],
+        idle_field: str | None,
+        sent: Callable[[], None] = lambda: None,
+    ) -> None:
         """Send every rank the command ``make(ticket)`` and wait until each has done it; with
-        ``idle_field``, refused (naming that field) while requests are in flight. Called holding
+        ``idle_field``, refused (naming that field) while requests are in flight. ``sent`` runs under the
+        same lock as the check and the sending (no request is accepted in between). Called holding
         ``_global``."""
         with self._lock:
             self._life.status.check_serving()
@@ -376,6 +469,7 @@ class Engine:
                 )
             ticket = self._tickets.open(self.cfg.world)
             self._procs.broadcast(make(ticket))
+            sent()
         bad_replies = [d.message for d in _dones(self._await(ticket, 120.0)) if not d.ok]
         if bad_replies:
             raise EngineError("; ".join(bad_replies))
@@ -400,17 +494,31 @@ class Engine:
             self._switching.fire()
 
     # -- waiting for the ranks' replies (called without the lock) -------------------------------------
-    def _await(self, ticket: int, timeout_s: float | None) -> list[Reply]:
-        limit = timeout_s if timeout_s is not None else 4 * self.cfg.engine.collective_timeout_seconds + 60
+    def _gather(
+        self, ticket: int, timeout_s: float, enough: Callable[[list[Reply]], bool] = lambda replies: False
+    ) -> tuple[list[Reply], bool]:
+        """The ticket's replies, and whether it is complete, once it is, once ``enough`` holds for the
+        replies so far, or after ``timeout_s``; EngineError when the engine failed meanwhile."""
         with self._lock:
-            answered = self._changed.wait_for(
-                lambda: self._tickets.complete(ticket) or self._life.status.health is Health.FAILED, limit
+            self._changed.wait_for(
+                lambda: (
+                    self._tickets.complete(ticket)
+                    or enough(self._tickets.replies(ticket))
+                    or self._life.status.health is Health.FAILED
+                ),
+                timeout_s,
             )
+            complete = self._tickets.complete(ticket)
             replies = self._tickets.take(ticket)
             status = self._life.status
         if status.health is Health.FAILED:
             raise EngineError(status.failure or "engine failed")
-        if not answered:
+        return replies, complete
+
+    def _await(self, ticket: int, timeout_s: float | None) -> list[Reply]:
+        limit = timeout_s if timeout_s is not None else 4 * self.cfg.engine.collective_timeout_seconds + 60
+        replies, complete = self._gather(ticket, limit)
+        if not complete:
             raise EngineError(f"no answer from the ranks after {limit:.0f} s")
         return replies
 
@@ -441,6 +549,9 @@ class Engine:
             with self._lock:
                 self._tickets.reply(msg.ticket, msg)
                 self._changed.notify_all()
+        elif isinstance(msg, m.MemoryHeld):
+            with self._lock:
+                self._held = tuple(msg if r == msg.rank else h for r, h in enumerate(self._held))
         elif isinstance(msg, m.Ready):
             with self._lock:
                 self._ready.add(msg.rank)

@@ -51,6 +51,7 @@ class KVPool:
         self.v: list[torch.Tensor] = []
         self.table = torch.zeros((0, 0), dtype=torch.long, device=device)
         self.version = 0  # bumped by every write a GatheredKV does not mirror (see there)
+        self.released_held = 0  # pages of storage held before the last release (see reacquire)
 
     @property
     def tokens(self) -> int:
@@ -172,9 +173,16 @@ class KVPool:
         self.shared.flush()
         if self.shared.held:
             raise RuntimeError(f"cannot release a KV pool with {self.shared.held} page(s) in use")
+        self.released_held = max(self.released_held, self.held)
         self.k, self.v, self.held = [], [], 0
         self.table = torch.zeros((0, 0), dtype=torch.long, device=self.device)
         self.version += 1
+
+    def reacquire(self) -> None:
+        """Allocate again the storage the pool held before its last release (``/resume_memory_occupation``),
+        so the memory is the pool's when the resume returns; it grows on from there as before."""
+        self.grow_storage(self.released_held)
+        self.released_held = 0
 
     # -- migration -------------------------------------------------------------------------------------
     def extract(self, pages: list[int], heads: tuple[int, int]) -> torch.Tensor:

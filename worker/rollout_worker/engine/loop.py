@@ -67,7 +67,7 @@ class RankLoop:
         self.retracted: list[str] = []
         self.step_ms: list[float] = []
         self.faulted = 0  # digest of the requests this replica aborted for their own failures
-        self.weight_groups: dict[str, dist.ProcessGroup] = {}  # groups with trainers, by name
+        self.weight_groups = weight_sync.TrainerGroups(st.rank, outbox.send)  # groups with trainers
 
     @property
     def idle(self) -> bool:
@@ -131,8 +131,13 @@ class RankLoop:
             self.reconfigure(cmd)
         elif isinstance(cmd, m.LoadWeights):
             self.load(cmd)
-        elif isinstance(cmd, m.JoinWeightGroup | m.ReceiveWeights | m.LeaveWeightGroup):
-            self.weight_sync(cmd)
+        elif isinstance(cmd, m.JoinWeightGroup):
+            self.weight_groups.join(cmd)  # beside the step loop: the thread answers the driver
+        elif isinstance(cmd, m.LeaveWeightGroup):
+            self.weight_groups.leave(cmd.group_name)
+            self.outbox.send(m.Done(cmd.ticket, st.rank, True))
+        elif isinstance(cmd, m.ReceiveWeights):
+            self.receive_weights(cmd)
         elif isinstance(cmd, m.ReleaseMemory | m.ResumeMemory):
             self.memory(cmd)
         elif isinstance(cmd, m.FlushCache):
@@ -172,46 +177,30 @@ class RankLoop:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
-    def weight_sync(self, cmd: m.JoinWeightGroup | m.ReceiveWeights | m.LeaveWeightGroup) -> None:
-        """Join the trainer's group, receive its broadcast into a staged checkpoint and load it, or leave."""
+    def receive_weights(self, cmd: m.ReceiveWeights) -> None:
+        """Receive the trainer's broadcast into a staged checkpoint (rank 0 writes it) and load it."""
         st, error = self.st, ""
         try:
-            if isinstance(cmd, m.JoinWeightGroup):
-                spec = weight_sync.GroupSpec(
-                    cmd.master_address, cmd.master_port, cmd.world_size, cmd.group_name, cmd.backend
-                )
-                self.weight_groups[cmd.group_name] = weight_sync.init_custom_process_group(
-                    spec, cmd.rank_offset + st.rank
-                )
-            elif isinstance(cmd, m.LeaveWeightGroup):
-                pg = self.weight_groups.pop(cmd.group_name, None)
-                if pg is not None:
-                    dist.destroy_process_group(pg)
-            else:
-                pg = self.weight_groups[cmd.group_name]
-                shapes = [list(s) for s in cmd.shapes]
-                got = weight_sync.receive(
-                    pg, list(cmd.names), list(cmd.dtypes), shapes, st.device, cmd.bucket
-                )
-                if st.rank == 0:
-                    from safetensors.torch import save_file
+            pg = self.weight_groups[cmd.group_name]
+            shapes = [list(s) for s in cmd.shapes]
+            got = weight_sync.receive(pg, list(cmd.names), list(cmd.dtypes), shapes, st.device, cmd.bucket)
+            if st.rank == 0:
+                from safetensors.torch import save_file
 
-                    save_file({k: v.to("cpu").contiguous() for k, v in got.items()}, cmd.file)
-                del got
+                save_file({k: v.to("cpu").contiguous() for k, v in got.items()}, cmd.file)
+            del got
         except Exception as exc:
             error = f"rank {st.rank}: {type(exc).__name__}: {exc}"
-        ok = self.agree(error)  # rank 0 wrote the file before this meeting
-        if isinstance(cmd, m.ReceiveWeights) and ok:
+        if self.agree(error):  # rank 0 wrote the file before this meeting
             self.load(m.LoadWeights(cmd.path, cmd.ticket))
             return
-        if isinstance(cmd, m.JoinWeightGroup) and not ok:
-            self.weight_groups.pop(cmd.group_name, None)
         if st.rank == 0:
-            self.outbox.send(m.Done(cmd.ticket, st.rank, ok, error or ("" if ok else "another rank failed")))
+            self.outbox.send(m.Done(cmd.ticket, st.rank, False, error or "another rank failed"))
         dist.barrier()
 
     def memory(self, cmd: m.ReleaseMemory | m.ResumeMemory) -> None:
-        """Release or re-acquire weights / KV cache memory (the engine is idle: the driver checked)."""
+        """Release or re-acquire weights / KV cache memory (the engine is idle: the driver checked), then
+        say what this rank holds, before the Done the driver waits for."""
         st = self.st
         try:
             if isinstance(cmd, m.ReleaseMemory):
@@ -220,9 +209,13 @@ class RankLoop:
                 if "weights" in cmd.tags:
                     st.weights = {}
                     st.replica.release_weights()
-            elif "weights" in cmd.tags and not st.weights:
-                st.weights = load_weights(st.cfg, st.weights_path, st.layout, st.rank, st.device)
-                st.replica.decoder = st.decoder(st.weights, st.layout)
+            else:
+                if "weights" in cmd.tags and not st.weights:
+                    st.weights = load_weights(st.cfg, st.weights_path, st.layout, st.rank, st.device)
+                    st.replica.decoder = st.decoder(st.weights, st.layout)
+                if "kv_cache" in cmd.tags:
+                    st.replica.pool.reacquire()
+            self.outbox.send(held(st))
             self.outbox.send(m.Done(cmd.ticket, st.rank, True))
         except Exception as exc:
             self.outbox.send(
@@ -276,6 +269,12 @@ class RankLoop:
             self.report(m.StepReport(self.st.replica_index, self.st.epoch, self.st.step, "idle", 0.0))
 
 
+def held(st: RankState) -> m.MemoryHeld:
+    """What this rank holds now: its shard of the weights and its replica's KV pool, in bytes."""
+    weights = sum(t.numel() * t.element_size() for t in st.weights.values())
+    return m.MemoryHeld(st.rank, weights, st.replica.pool.nbytes)
+
+
 def _chain(digest: int, rid: str) -> int:
     """The digest of the failed requests so far, extended by ``rid`` (63 bits: an int64 on the wire)."""
     h = hashlib.blake2b(f"{digest}:{rid}".encode(), digest_size=8).digest()
@@ -312,6 +311,7 @@ def rank_main(
             outbox.send(m.TaskResult(rank, result))
             return
         outbox.send(m.Ready(rank, os.getpid()))
+        outbox.send(held(st))
         RankLoop(st, inbox, outbox).run()
     except BaseException as exc:
         msg = str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"

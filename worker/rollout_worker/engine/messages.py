@@ -1,11 +1,11 @@
 """Typed messages between the driver (the process that owns the engine) and its rank processes.
 
 Driver -> rank, through each rank's inbox, applied at a step boundary:
-    Submit, Abort, Pause, Resume, ReleaseMemory, ResumeMemory, FlushCache, Shutdown (per replica: every
-    rank of a replica applies the same messages at the same step), and the *global* commands Reconfigure,
-    LoadWeights and the weight-sync ones (Join/LeaveWeightGroup, ReceiveWeights), at which every rank meets.
+    Submit, Abort, Pause, Resume, ReleaseMemory, ResumeMemory, FlushCache, Join/LeaveWeightGroup, Shutdown
+    (per replica: every rank of a replica applies the same messages at the same step), and the *global*
+    commands Reconfigure, LoadWeights and ReceiveWeights, at which every rank meets.
 Rank -> driver, through one shared pipe written under a lock (so messages are ordered causally):
-    Ready, StepReport (replica leaders only), Switched / Done (outcomes of commands), Failed.
+    Ready, StepReport (replica leaders only), Switched / Done (outcomes of commands), MemoryHeld, Failed.
 """
 
 from __future__ import annotations
@@ -82,7 +82,8 @@ class LoadWeights:
 
 @dataclass(frozen=True, slots=True)
 class JoinWeightGroup:
-    """Every rank joins the trainer's group as ``rank_offset + rank`` (``weight_sync``)."""
+    """Every rank joins the trainer's group as ``rank_offset + rank`` (``weight_sync``), beside its step loop,
+    giving up after ``timeout_s``; each rank answers for itself."""
 
     master_address: str
     master_port: int
@@ -90,6 +91,7 @@ class JoinWeightGroup:
     world_size: int
     group_name: str
     backend: str
+    timeout_s: float
     ticket: int
 
 
@@ -152,7 +154,7 @@ Command = (
     | FlushCache
     | Shutdown
 )
-GLOBAL_COMMANDS = (Reconfigure, LoadWeights, JoinWeightGroup, ReceiveWeights, LeaveWeightGroup)
+GLOBAL_COMMANDS = (Reconfigure, LoadWeights, ReceiveWeights)
 
 
 # -- rank -> driver ---------------------------------------------------------------------------------
@@ -224,6 +226,16 @@ class Done:
 
 
 @dataclass(frozen=True, slots=True)
+class MemoryHeld:
+    """The bytes of weights and KV cache a rank holds, as it measured them once started and after each
+    release or resume of memory (sent before that command's Done)."""
+
+    rank: int
+    weights_bytes: int
+    kv_cache_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class TaskResult:
     """The result of a measurement task run on a rank instead of the serving loop."""
 
@@ -238,4 +250,4 @@ class Failed:
     traceback: str
 
 
-Report = Ready | StepReport | Switched | Done | TaskResult | Failed
+Report = Ready | StepReport | Switched | Done | MemoryHeld | TaskResult | Failed

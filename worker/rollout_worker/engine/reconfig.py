@@ -42,8 +42,9 @@ Placed = tuple[str, int, bool]  # (rid, new replica, running)
 
 @dataclass(frozen=True, slots=True)
 class _Snapshot:
-    """What an old replica's leader contributes: its requests (running in slot order, then waiting) and its
-    new-token ratio (the new replicas start from the highest, the most cautious)."""
+    """What an old replica's leader contributes: its requests (running in slot order, then waiting), its
+    new-token ratio (the new replicas start from the highest, the most cautious) and its running requests
+    whose K/V older weights computed (kept out of the new replicas' prefix caches too)."""
 
     running: list[tuple[RequestSpec, list[int]]]
     waiting: list[tuple[RequestSpec, list[int]]]
@@ -51,6 +52,7 @@ class _Snapshot:
     costs: Any  # CostModel of rank 0 decides for everyone
     pages: list[tuple[int, ...]]  # the running requests' page tables (equal pages: shared)
     ratio: float
+    stale_kv: set[str]
 
 
 def _snapshot(st: RankState) -> _Snapshot:
@@ -62,6 +64,7 @@ def _snapshot(st: RankState) -> _Snapshot:
         st.costs,
         [tuple(s.pages) for s in rep.running],
         rep.ratio,
+        set(rep.stale_kv),
     )
 
 
@@ -119,6 +122,8 @@ def reconfigure(
         new_costs = costs
         if choice.method == "migrate":
             event.kv_bytes_moved, event.kv_pages_moved = moved, migrate_pages(transfers)
+            stale = set().union(*(s.stale_kv for s in snaps.values()))
+            rep.stale_kv = {r.spec.id for r in rep.running} & stale
             rep.hold_running_kv({rid: (s.kin, s.pages) for rid, s in shared.items()})
             _migrate(st, st.replica, rep, transfers)
             phases["kv_migrate_ms"] = _lap(t)

@@ -80,6 +80,7 @@ class Replica:
         self.gathered = GatheredKV() if graphs is None and pool.device.type == "cpu" else None
         self._decoder = decoder
         self.running: list[Sequence] = []  # running[i] occupies row i of the pool's token table
+        self.stale_kv: set[str] = set()  # running requests whose K/V older weights computed (see decoder)
         self.waiting: deque[Sequence] = deque()
         self.prefill_tokens_per_ms: float | None = None  # last measured prefill throughput
         self.poison: tuple[str, int] | None = None  # test hook (messages.Faults): (rid, from output token)
@@ -91,9 +92,11 @@ class Replica:
     @decoder.setter
     def decoder(self, decoder: Decoder) -> None:
         """New weights (a weight load): graphs captured over the old ones are dropped, and so is the prefix
-        cache (its K/V were computed with the old ones)."""
+        cache (its K/V were computed with the old ones). Requests running on (paused in place while the
+        weights changed) keep their K/V, which is kept out of the prefix cache from now on."""
         self._decoder = decoder
         self.pool.flush_cache()
+        self.stale_kv |= {s.spec.id for s in self.running}
         if self.graphs is not None:
             self.graphs.clear()
 
@@ -147,6 +150,7 @@ class Replica:
             self.pool.free(seq.pages)
             self.pool.clear_row(row)
         self.running.clear()
+        self.stale_kv.clear()
         if self.gathered is not None:
             self.gathered.clear()
 
@@ -161,7 +165,8 @@ class Replica:
                 seq.pages.extend(by_id[kin[0]].pages[: kin[1]])
                 self.pool.shared.acquire(seq.pages)
             self._reserve(seq, seq.kv_len)
-            self.pool.cache_prefix(prefill_row(seq), seq.pages)
+            if seq.spec.id not in self.stale_kv:
+                self.pool.cache_prefix(prefill_row(seq), seq.pages)
             self.pool.bind(row, seq.pages)
 
     # -- stepping ------------------------------------------------------------------------------------
@@ -451,6 +456,7 @@ class Replica:
         slot = next(i for i, s in enumerate(self.running) if s is seq)
         last = len(self.running) - 1
         self.pool.free(seq.pages)
+        self.stale_kv.discard(seq.spec.id)
         if slot != last:
             self.pool.move_row(last, slot)
             self.running[slot] = self.running[last]

@@ -53,6 +53,11 @@ class Tickets:
         t = self._open.get(number)
         return t is not None and len(t.replies) >= t.expected
 
+    def replies(self, number: int) -> list[Reply]:
+        """The replies so far (the ticket stays open)."""
+        t = self._open.get(number)
+        return [] if t is None else list(t.replies)
+
     def take(self, number: int) -> list[Reply]:
         """Close the ticket; its replies so far (fewer than expected when the waiter gave up)."""
         t = self._open.pop(number, None)

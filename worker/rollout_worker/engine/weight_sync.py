@@ -4,11 +4,17 @@ engine rank (``rank_offset + r``), made beside the engine's groups without touch
 ``init_custom_process_group`` does (a TCPStore at ``master_address:master_port``, prefixed by the group's
 name). The trainer broadcasts full tensors from rank 0 in the announced order, one broadcast each or (SGLang's
 ``flattened_bucket``) one of their bytes back to back; every rank receives them all.
+
+A join waits for the trainer, so each rank joins in a thread of its own (:class:`TrainerGroups`) and keeps
+stepping meanwhile; the driver (:class:`GroupBook`) uses a group only once every rank has joined it, and
+gives a join up after its timeout.
 """
 
 from __future__ import annotations
 
 import math
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -16,7 +22,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from rollout_worker.api.errors import Conflict, UserError
 from rollout_worker.engine.checkpoint import TORCH_DTYPES
+from rollout_worker.engine.messages import Done, JoinWeightGroup
+
+BROADCAST_TIMEOUT_S = 300.0  # a trainer's broadcast of the weights, once the group is made
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,10 +40,12 @@ class GroupSpec:
     backend: str
 
 
-def init_custom_process_group(spec: GroupSpec, rank: int, timeout_s: float = 300.0) -> dist.ProcessGroup:
+def init_custom_process_group(spec: GroupSpec, rank: int, timeout_s: float) -> dist.ProcessGroup:
     """Rank ``rank`` of a new group, made as SGLang's ``init_custom_process_group`` makes it (so a trainer
     using SGLang's or slime's copy of it meets these ranks): a ``tcp://`` rendezvous (rank 0 hosts the
-    store), the store prefixed by the group's name, and a process group that is not the default one."""
+    store), the store prefixed by the group's name, and a process group that is not the default one. The
+    rendezvous gives up after ``timeout_s`` (but torch's store client waits without end on a peer that
+    accepts the connection and never answers: the caller must not wait on this)."""
     timeout = timedelta(seconds=timeout_s)
     init = f"tcp://{spec.master_address}:{spec.master_port}"
     store, rank, world = next(dist.rendezvous(init, rank, spec.world_size, timeout=timeout))
@@ -45,7 +57,7 @@ def init_custom_process_group(spec: GroupSpec, rank: int, timeout_s: float = 300
         dist.Backend(spec.backend),
         dist.PrefixStore(spec.group_name, store),
         group_name=c10d.GroupName(spec.group_name),
-        timeout=timeout,
+        timeout=timedelta(seconds=max(timeout_s, BROADCAST_TIMEOUT_S)),
     )
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world)}
     return pg
@@ -87,3 +99,98 @@ def _receive_bucket(
         out[name] = flat[start : start + size].clone().view(dtype).reshape(shape)  # (a copy: aligned)
         start += size
     return out
+
+
+class TrainerGroups:
+    """One rank's groups with trainers, by name. Each join runs in a thread of its own, which answers the
+    driver itself (``Done``); a join the driver gave up on (``leave`` came first) is dropped when it ends.
+    Thread-safe."""
+
+    def __init__(self, rank: int, send: Callable[[Done], None]) -> None:
+        self.rank, self.send = rank, send
+        self._lock = threading.Lock()
+        self._groups: dict[str, dist.ProcessGroup] = {}
+        self._joining: dict[str, int] = {}  # group name -> the ticket of its join under way
+
+    def join(self, cmd: JoinWeightGroup) -> None:
+        """Start joining (returns at once)."""
+        with self._lock:
+            self._joining[cmd.group_name] = cmd.ticket
+        name = f"join-{cmd.group_name}"
+        threading.Thread(target=self._join, args=(cmd,), name=name, daemon=True).start()
+
+    def _join(self, cmd: JoinWeightGroup) -> None:
+        spec = GroupSpec(cmd.master_address, cmd.master_port, cmd.world_size, cmd.group_name, cmd.backend)
+        try:
+            pg: dist.ProcessGroup | None = init_custom_process_group(
+                spec, cmd.rank_offset + self.rank, cmd.timeout_s
+            )
+            error = ""
+        except Exception as exc:  # torch's messages run on with a C++ backtrace: the first line says it
+            pg, error = None, f"rank {self.rank}: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+        with self._lock:
+            wanted = self._joining.get(cmd.group_name) == cmd.ticket
+            if wanted:
+                del self._joining[cmd.group_name]
+                if pg is not None:
+                    self._groups[cmd.group_name] = pg
+        if pg is not None and not wanted:
+            dist.destroy_process_group(pg)
+        ok = pg is not None and wanted
+        self.send(Done(cmd.ticket, self.rank, ok, error or ("" if ok else "given up")))
+
+    def leave(self, name: str) -> None:
+        """Leave the group (a join under way is given up)."""
+        with self._lock:
+            self._joining.pop(name, None)
+            pg = self._groups.pop(name, None)
+        if pg is not None:
+            dist.destroy_process_group(pg)
+
+    def __getitem__(self, name: str) -> dist.ProcessGroup:
+        with self._lock:
+            return self._groups[name]
+
+
+@dataclass(frozen=True, slots=True)
+class Joining:
+    """A join under way, as ``/health`` shows it."""
+
+    group_name: str
+    master_address: str
+    master_port: int
+    timeout_s: float
+    since: float  # time.monotonic() when it began
+
+
+class GroupBook:
+    """The driver's record of the trainers' groups: each is joining (every rank was asked) or joined (every
+    rank answered that it joined). Not thread-safe by itself: the driver calls it under its lock; readers
+    take :attr:`joining`, an immutable tuple, without it."""
+
+    def __init__(self) -> None:
+        self.joined: set[str] = set()
+        self.joining: tuple[Joining, ...] = ()
+
+    def begin(self, cmd: JoinWeightGroup, now: float) -> None:
+        """Record a join (409 while the name is joined or joining)."""
+        name = cmd.group_name
+        if name in self.joined or any(j.group_name == name for j in self.joining):
+            raise Conflict(f"weight update group {name!r} exists; destroy it first", "group_name")
+        j = Joining(name, cmd.master_address, cmd.master_port, cmd.timeout_s, now)
+        self.joining = (*self.joining, j)
+
+    def end(self, name: str, joined: bool) -> None:
+        """The join of ``name`` ended: joined, or given up."""
+        self.joining = tuple(j for j in self.joining if j.group_name != name)
+        if joined:
+            self.joined.add(name)
+
+    def check_joined(self, name: str) -> None:
+        """Refuse a group that is not joined: unknown (400) or still joining (409)."""
+        if any(j.group_name == name for j in self.joining):
+            raise Conflict(f"weight update group {name!r} is still being joined", "group_name")
+        if name not in self.joined:
+            raise UserError(
+                f"no weight update group {name!r}; call /init_weights_update_group first", "group_name"
+            )

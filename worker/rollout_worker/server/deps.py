@@ -35,7 +35,6 @@ class ServerState:
     staging: Staging = field(default_factory=Staging)  # checkpoints made of tensors a trainer sent
     weights_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one weight update at a time
     chat: ChatTemplate | None = None  # the model's chat template (None: it has none, or it does not parse)
-    weight_groups: set[str] = field(default_factory=set)  # trainers' process groups the ranks joined
     exit_code: int | None = None
     request_exit: Callable[[int], None] = lambda code: None
 

@@ -88,7 +88,11 @@ def _shape(c: ModelConfig) -> tuple[object, ...]:
     return (c.architecture, c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.vocab_size)
 
 
-@router.post("/update_weights_from_disk", summary="Load new weights between steps (below --weights-root)")
+@router.post(
+    "/update_weights_from_disk",
+    summary="Load new weights between steps (below --weights-root); while paused at once, the paused "
+    "requests going on with them after continue",
+)
 async def update_weights_from_disk(body: UpdateWeightsRequest, request: Request) -> dict[str, Any]:
     state = server_state(request)
     path = _checkpoint_in_root(state, body.model_path)
@@ -154,11 +158,15 @@ async def _memory(request: Request, body: MemoryRequest | None, release: bool) -
     return {"success": True, "message": f"{'released' if release else 'resumed'} {', '.join(tags)}"}
 
 
-@router.post("/release_memory_occupation", summary="Free weights and/or KV cache memory")
+@router.post(
+    "/release_memory_occupation",
+    summary="Free weights and/or KV cache memory on every rank (400 while requests are in flight); new "
+    "requests are refused (503) until the resume",
+)
 async def release_memory_occupation(request: Request, body: MemoryRequest | None = None) -> dict[str, Any]:
     return await _memory(request, body, release=True)
 
 
-@router.post("/resume_memory_occupation", summary="Re-acquire released memory")
+@router.post("/resume_memory_occupation", summary="Re-acquire released memory on every rank")
 async def resume_memory_occupation(request: Request, body: MemoryRequest | None = None) -> dict[str, Any]:
     return await _memory(request, body, release=False)

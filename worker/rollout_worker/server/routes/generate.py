@@ -70,7 +70,7 @@ class Generation:
             changed: dict[str, Output] = {}
             for u in batch:
                 out = self.outs[u.rid]
-                if u.tokens and not out.ids:  # the weights it runs on (they change only between requests)
+                if u.tokens:  # the weights of its latest tokens (an update while paused changes them)
                     out.weight_version = self.state.ready_engine().weight_version
                 out.add(u)
                 if u.tokens or u.finish is not None:

@@ -14,6 +14,7 @@ from rollout_worker import __version__
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import Sampling
 from rollout_worker.api.sglang import MEMORY_TAGS
+from rollout_worker.engine.driver import Engine
 from rollout_worker.engine.lifecycle import Status
 from rollout_worker.server.deps import ServerState, server_state
 
@@ -25,10 +26,50 @@ def _health(state: ServerState) -> tuple[int, dict[str, Any]]:
     body: dict[str, Any] = {"status": status.health.value}
     if status.failure:
         body["message"] = status.failure
+    elif state.engine is not None and status.serving:
+        body.update(_doing(state.engine))
     return (200 if status.serving and state.exit_code is None else 503), body
 
 
-@router.get("/health", summary="200 when every rank serves; 503 while starting or failed")
+def _doing(engine: Engine) -> dict[str, Any]:
+    """What a serving engine is doing besides generating: paused, memory released, trainers' groups being
+    joined (each read without a lock: immutable values)."""
+    out: dict[str, Any] = {}
+    said = []
+    if engine.paused is not None:
+        out["paused"] = engine.paused
+        said.append(f"paused ({engine.paused})")
+    if engine.released:
+        out["memory_released"] = list(engine.released)
+        said.append(f"memory released ({', '.join(engine.released)})")
+    now = time.monotonic()
+    joins = [
+        {
+            "group_name": j.group_name,
+            "master_address": j.master_address,
+            "master_port": j.master_port,
+            "waited_s": round(now - j.since, 1),
+            "timeout_s": j.timeout_s,
+        }
+        for j in engine.joining
+    ]
+    if joins:
+        out["joining_weight_update_groups"] = joins
+        said += [
+            f"joining weight update group {j['group_name']!r} at {j['master_address']}:{j['master_port']} "
+            f"({j['waited_s']:g} s of {j['timeout_s']:g} s)"
+            for j in joins
+        ]
+    if said:
+        out["message"] = "serving; " + "; ".join(said)
+    return out
+
+
+@router.get(
+    "/health",
+    summary="200 when every rank serves (the body says what else it does: paused, memory released, joining "
+    "a trainer's group); 503 while starting or failed",
+)
 async def health(request: Request) -> JSONResponse:
     code, body = _health(server_state(request))
     return JSONResponse(body, status_code=code)
@@ -44,6 +85,8 @@ async def health_generate(request: Request) -> JSONResponse:
     snap = engine.snapshot()
     if snap.paused is not None or snap.unfinished:
         return JSONResponse({**body, "message": "serving requests"})  # busy ranks are alive ranks
+    if engine.released:  # alive, and not to generate until /resume_memory_occupation
+        return JSONResponse(body)
     rid = f"health-{uuid.uuid4().hex}"
     q = state.bridge.open([rid])
     try:
@@ -109,6 +152,12 @@ def _server_info(state: ServerState) -> dict[str, Any]:
         "max_req_input_len": cfg.engine.context_length - 1,
         "enable_memory_saver": s.enable_memory_saver,  # a setting, as SGLang's (release / resume work anyway)
         "memory_tags": list(MEMORY_TAGS),
+        "memory_released": list(eng.released) if eng else [],
+        # per rank, the bytes it held once started and after each release / resume (None: not said yet)
+        "memory_held": [
+            None if h is None else {"weights_bytes": h.weights_bytes, "kv_cache_bytes": h.kv_cache_bytes}
+            for h in (eng.memory_held if eng else ())
+        ],
         "disable_cuda_graph": not graphs,
         "enable_deterministic_inference": cfg.engine.deterministic,  # SGLang's name of the setting
         "cuda_graph_max_bs": cfg.engine.max_batch if graphs else None,

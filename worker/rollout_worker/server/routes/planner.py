@@ -34,7 +34,8 @@ async def put_plan(body: Plan, request: Request) -> PlanResponse:
 @router.post(
     "/reconfigure",
     response_model=ReconfigureResponse,
-    summary="Switch layout at the next step boundary (cancels the plan); answers with the event",
+    summary="Switch layout at the next step boundary (cancels the plan), also while paused (the paused "
+    "requests move and stay paused); answers with the event",
 )
 async def post_reconfigure(body: ReconfigureRequest, request: Request) -> ReconfigureResponse:
     state = server_state(request)

@@ -1,6 +1,7 @@
 """Weight sync from a trainer by torch.distributed, as SGLang serves it (slime's default):
 ``/init_weights_update_group`` -> ``/update_weights_from_distributed`` (any number) ->
-``/destroy_weights_update_group``. Every engine rank r joins the trainer's group as ``rank_offset + r``;
+``/destroy_weights_update_group``. Every engine rank r joins the trainer's group as ``rank_offset + r``,
+beside its step loop (generation goes on while the ranks wait for the trainer; ``/health`` shows the join);
 the trainer broadcasts full tensors; the engine stages them as a checkpoint and loads it between steps,
 every rank its slice of the current layout (``rollout_worker.engine.weight_sync``)."""
 
@@ -13,7 +14,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from rollout_worker.api.errors import Conflict, UserError
+from rollout_worker.api.errors import UserError
 from rollout_worker.api.load_format import BUCKET
 from rollout_worker.api.sglang import (
     DestroyWeightsGroupRequest,
@@ -22,19 +23,15 @@ from rollout_worker.api.sglang import (
 )
 from rollout_worker.engine import messages as m
 from rollout_worker.server import tensor_update
-from rollout_worker.server.deps import ServerState, server_state
+from rollout_worker.server.deps import server_state
 
 router = APIRouter(tags=["sglang weight sync"])
 
 
-def _known(state: ServerState, name: str) -> None:
-    if name not in state.weight_groups:
-        raise UserError(
-            f"no weight update group {name!r}; call /init_weights_update_group first", "group_name"
-        )
-
-
-@router.post("/init_weights_update_group", summary="Every rank joins a trainer's process group")
+@router.post(
+    "/init_weights_update_group",
+    summary="Every rank joins a trainer's process group, generation going on meanwhile (timeout: seconds)",
+)
 async def init_weights_update_group(body: InitWeightsGroupRequest, request: Request) -> dict[str, Any]:
     state = server_state(request)
     engine = state.ready_engine()
@@ -47,26 +44,20 @@ async def init_weights_update_group(body: InitWeightsGroupRequest, request: Requ
         )
     if body.backend == "nccl" and state.cfg.engine.device == "cpu":
         raise UserError("nccl needs CUDA and this engine runs on CPU; use gloo", "backend")
-    if body.group_name in state.weight_groups:
-        raise Conflict(f"weight update group {body.group_name!r} exists; destroy it first", "group_name")
-    await _listening(body.master_address, body.master_port)
-    state.weight_groups.add(body.group_name)  # taken now: a second init of the name is refused meanwhile
-    try:
-        await state.bridge.call(
-            engine.weight_group,
-            lambda t: m.JoinWeightGroup(
-                body.master_address,
-                body.master_port,
-                body.rank_offset,
-                body.world_size,
-                body.group_name,
-                body.backend,
-                t,
-            ),
-        )
-    except BaseException:
-        state.weight_groups.discard(body.group_name)
-        raise
+    await _listening(body.master_address, body.master_port, min(JOIN_WAIT_S, body.timeout))
+    await state.bridge.call(
+        engine.join_weight_group,
+        lambda t: m.JoinWeightGroup(
+            body.master_address,
+            body.master_port,
+            body.rank_offset,
+            body.world_size,
+            body.group_name,
+            body.backend,
+            body.timeout,
+            t,
+        ),
+    )
     return {"success": True, "message": f"joined weight update group {body.group_name!r}"}
 
 
@@ -74,7 +65,7 @@ async def init_weights_update_group(body: InitWeightsGroupRequest, request: Requ
 async def update_weights_from_distributed(body: DistributedUpdateRequest, request: Request) -> dict[str, Any]:
     state = server_state(request)
     engine = state.ready_engine()
-    _known(state, body.group_name)
+    engine.check_weight_group(body.group_name)
     dtypes = tensor_update.check_announced(body.names, body.dtypes, body.shapes, state.cfg.model)
     async with state.weights_lock:
         staged, file = state.staging.stage_index(state.served_weights, state.cfg.model, body.names)
@@ -90,7 +81,9 @@ async def update_weights_from_distributed(body: DistributedUpdateRequest, reques
         )
         waited = await state.serve_staged(
             staged,
-            lambda: engine.update_weights_from_group(cmd, body.weight_version, body.abort_all_requests),
+            lambda: engine.update_weights_from_group(
+                body.group_name, cmd, body.weight_version, body.abort_all_requests
+            ),
         )
     return {
         "success": True,
@@ -102,11 +95,11 @@ async def update_weights_from_distributed(body: DistributedUpdateRequest, reques
 JOIN_WAIT_S = 5.0  # how long the trainer's rendezvous may take to listen after its own init call began
 
 
-async def _listening(host: str, port: int) -> None:
+async def _listening(host: str, port: int, wait_s: float) -> None:
     """The trainer's rendezvous must listen at ``host:port`` (it does within moments of the trainer's own
-    init call, which it makes beside this request): else a 400 naming ``master_address``, before any rank
-    waits (up to 300 s) for a trainer that is not there."""
-    deadline = time.monotonic() + JOIN_WAIT_S
+    init call, which it makes beside this request): else a 400 naming ``master_address`` after ``wait_s``,
+    before any rank waits for a trainer that is not there."""
+    deadline = time.monotonic() + wait_s
     while True:
         try:
             _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout=1.0)
@@ -117,7 +110,7 @@ async def _listening(host: str, port: int) -> None:
         except (OSError, TimeoutError) as exc:
             if time.monotonic() >= deadline:
                 raise UserError(
-                    f"nothing listens at {host}:{port} (the trainer's rendezvous) after {JOIN_WAIT_S:.0f} s: "
+                    f"nothing listens at {host}:{port} (the trainer's rendezvous) after {wait_s:g} s: "
                     f"{exc or type(exc).__name__}",
                     "master_address",
                 ) from None
@@ -131,7 +124,5 @@ async def _listening(host: str, port: int) -> None:
 async def destroy_weights_update_group(body: DestroyWeightsGroupRequest, request: Request) -> dict[str, Any]:
     state = server_state(request)
     engine = state.ready_engine()
-    _known(state, body.group_name)
-    await state.bridge.call(engine.weight_group, lambda t: m.LeaveWeightGroup(body.group_name, t))
-    state.weight_groups.discard(body.group_name)
+    await state.bridge.call(engine.leave_weight_group, body.group_name)
     return {"success": True, "message": f"left weight update group {body.group_name!r}"}
