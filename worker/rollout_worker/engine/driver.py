@@ -44,7 +44,7 @@ from rollout_worker.engine.lifecycle import Health, Lifecycle, Status
 from rollout_worker.engine.messages import Faults
 from rollout_worker.engine.switching import Switching
 from rollout_worker.engine.tickets import Reply, Tickets
-from rollout_worker.engine.weight_sync import GroupBook, Joining
+from rollout_worker.engine.weight_groups import GroupBook, Joining
 
 log = logging.getLogger(__name__)
 Listener = Callable[[list[Update]], None]

@@ -445,8 +445,9 @@ class Replica:
         """Release a running request that ended (by itself, or by a stop string the driver matched); unless
         it was aborted, the full pages of every token whose K/V it wrote (its prompt and all but its last
         output token) stay in the prefix cache, as SGLang's radix cache keeps a finished request's: the
-        next turn of a conversation (this one's tokens and more) finds them."""
-        if not isinstance(finish, FinishAbort):
+        next turn of a conversation (this one's tokens and more) finds them; nor when older weights computed
+        its K/V (``stale_kv``: it ran on, paused in place, through a weight load)."""
+        if not isinstance(finish, FinishAbort) and seq.spec.id not in self.stale_kv:
             self.pool.cache_prefix(prefill_row(seq), seq.pages)
         self._release(seq)
 

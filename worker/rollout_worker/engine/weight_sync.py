@@ -6,8 +6,8 @@ name). The trainer broadcasts full tensors from rank 0 in the announced order, o
 ``flattened_bucket``) one of their bytes back to back; every rank receives them all.
 
 A join waits for the trainer, so each rank joins in a thread of its own (:class:`TrainerGroups`) and keeps
-stepping meanwhile; the driver (:class:`GroupBook`) uses a group only once every rank has joined it, and
-gives a join up after its timeout.
+stepping meanwhile; the driver (``rollout_worker.engine.weight_groups.GroupBook``) uses a group only once
+every rank has joined it, and gives a join up after its timeout.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from rollout_worker.api.errors import Conflict, UserError
 from rollout_worker.engine.checkpoint import TORCH_DTYPES
 from rollout_worker.engine.messages import Done, JoinWeightGroup
 
@@ -150,47 +149,3 @@ class TrainerGroups:
     def __getitem__(self, name: str) -> dist.ProcessGroup:
         with self._lock:
             return self._groups[name]
-
-
-@dataclass(frozen=True, slots=True)
-class Joining:
-    """A join under way, as ``/health`` shows it."""
-
-    group_name: str
-    master_address: str
-    master_port: int
-    timeout_s: float
-    since: float  # time.monotonic() when it began
-
-
-class GroupBook:
-    """The driver's record of the trainers' groups: each is joining (every rank was asked) or joined (every
-    rank answered that it joined). Not thread-safe by itself: the driver calls it under its lock; readers
-    take :attr:`joining`, an immutable tuple, without it."""
-
-    def __init__(self) -> None:
-        self.joined: set[str] = set()
-        self.joining: tuple[Joining, ...] = ()
-
-    def begin(self, cmd: JoinWeightGroup, now: float) -> None:
-        """Record a join (409 while the name is joined or joining)."""
-        name = cmd.group_name
-        if name in self.joined or any(j.group_name == name for j in self.joining):
-            raise Conflict(f"weight update group {name!r} exists; destroy it first", "group_name")
-        j = Joining(name, cmd.master_address, cmd.master_port, cmd.timeout_s, now)
-        self.joining = (*self.joining, j)
-
-    def end(self, name: str, joined: bool) -> None:
-        """The join of ``name`` ended: joined, or given up."""
-        self.joining = tuple(j for j in self.joining if j.group_name != name)
-        if joined:
-            self.joined.add(name)
-
-    def check_joined(self, name: str) -> None:
-        """Refuse a group that is not joined: unknown (400) or still joining (409)."""
-        if any(j.group_name == name for j in self.joining):
-            raise Conflict(f"weight update group {name!r} is still being joined", "group_name")
-        if name not in self.joined:
-            raise UserError(
-                f"no weight update group {name!r}; call /init_weights_update_group first", "group_name"
-            )
