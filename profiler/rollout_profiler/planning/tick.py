@@ -46,16 +46,17 @@ class PodMemory:
     capped: list[bool] = field(default_factory=list)
     last_switch: LastSwitch | None = None
     events_seen: int = 0
-    weights: str | None = None  # the engine's weight version at the last tick
+    weights: tuple[str, int] | None = None  # the engine's weight version and loads at the last tick
     new_iteration: bool = False  # the weights changed (the next RL iteration) since the last switch
 
     def absorb(self, state: EngineState) -> None:
         self.lengths += state.finished.lengths
         self.capped += state.finished.capped
         self.since_step = state.step
-        if self.weights is not None and state.weight_version != self.weights:
+        weights = (state.weight_version, state.weight_loads)  # renamed, or loaded under the same name
+        if self.weights is not None and weights != self.weights:
             self.new_iteration = True
-        self.weights = state.weight_version
+        self.weights = weights
 
     def note_events(self, events: list[ReconfigEvent]) -> list[ReconfigEvent]:
         """New switch events since the last call; the last committed one starts the cooldown."""

@@ -74,8 +74,11 @@ def test_a_new_wave_moves_a_consolidated_pod_back_toward_throughput() -> None:
     first = _state([1] * 8, layout=one)
     mem.absorb(first)
     assert tick(first, mem, model, POLICY, None).plan is None  # same weights: no shrink
-    updated = first.model_copy(update={"weight_version": "v2"})
-    mem.absorb(updated)
-    moved = tick(updated, mem, model, POLICY, None)
-    assert moved.inputs["new_wave"] and moved.plan is not None
-    assert moved.plan.triggers[0].layout == Layout(2, 1)
+    for new_weights in ({"weight_version": "v2"}, {"weight_loads": 1}):  # renamed, or loaded: same name
+        mem = PodMemory()
+        mem.absorb(first)
+        updated = first.model_copy(update=new_weights)
+        mem.absorb(updated)
+        moved = tick(updated, mem, model, POLICY, None)
+        assert moved.inputs["new_wave"] and moved.plan is not None, new_weights
+        assert moved.plan.triggers[0].layout == Layout(2, 1)

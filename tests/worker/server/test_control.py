@@ -297,14 +297,20 @@ def test_a_disk_load_keeps_the_version_unless_given_and_reads_only_checkpoints_a
     def outputs() -> list[list[int]]:
         return [b["output_ids"] for b in ctl.post("/generate", body).json()]
 
+    def loads() -> int:  # the planner's sign of new weights, named or not
+        return int(ctl.get("/v1/state").json()["weight_loads"])
+
     r = ctl.post("/update_weights_from_disk", {"model_path": str(root / "a"), "weight_version": "step-7"})
     assert r.status_code == 200 and version() == "step-7", r.text
     # no weight_version: SGLang keeps the current one (it is not the path); null, auto and safetensors read
     # the checkpoint as it is
     for path, fmt in (("b", None), ("a", "auto"), ("b", "safetensors")):
+        before = loads()
         r = ctl.post("/update_weights_from_disk", {"model_path": str(root / path), "load_format": fmt})
         assert r.status_code == 200, r.text
         assert outputs() == _static(root / path, prompts) and version() == "step-7", (path, fmt)
+        assert loads() == before + 1
+    before = loads()
     # a format SGLang defines that reads something else, and one it does not define: 400, nothing loaded
     for fmt, words in (("pt", "PyTorch .bin"), ("dummy", "random weights"), ("bogus", "not one of SGLang's")):
         r = ctl.post("/update_weights_from_disk", {"model_path": str(root / "a"), "load_format": fmt})
@@ -312,7 +318,7 @@ def test_a_disk_load_keeps_the_version_unless_given_and_reads_only_checkpoints_a
         error = r.json()["error"]
         assert error["field"] == "load_format" and words in error["message"] and fmt in error["message"]
         assert "Supported: null, 'auto', 'safetensors'" in error["message"], r.text
-    assert outputs() == _static(root / "b", prompts) and version() == "step-7"
+    assert outputs() == _static(root / "b", prompts) and version() == "step-7" and loads() == before
 
 
 def _layout(server: Served) -> str:

@@ -60,6 +60,12 @@ class EngineState(BaseModel):
     finished: FinishedLengths
     plan: Plan | None = None
     weight_version: str
+    weight_loads: int = Field(
+        0,
+        description="Weight loads since the engine started: each one a new RL iteration's weights, "
+        "whether or not the update named a new weight_version (SGLang's updates keep the version when none "
+        "is given).",
+    )
     reconfigurations: int
 
 

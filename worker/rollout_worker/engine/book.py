@@ -274,7 +274,14 @@ class Book:
 
     # -- the planner's view --------------------------------------------------------------------------
     def snapshot(
-        self, since_step: int, time_s: float, ready: list[bool], paused: bool, switching: bool, version: str
+        self,
+        since_step: int,
+        time_s: float,
+        ready: list[bool],
+        paused: bool,
+        switching: bool,
+        version: str,
+        loads: int = 0,
     ) -> EngineState:
         reps = [ReplicaRequests() for _ in range(self.layout.replicas)]
         queued: list[WaitingRequest] = []
@@ -320,5 +327,6 @@ class Book:
             ),
             plan=self.plan,
             weight_version=version,
+            weight_loads=loads,
             reconfigurations=sum(1 for e in self.events if e.outcome == "committed"),
         )

@@ -86,6 +86,7 @@ class Engine:
         self._held: tuple[m.MemoryHeld | None, ...] = (None,) * cfg.world  # per rank, as it last said
         self._groups = GroupBook()  # trainers' groups, joined or joining
         self._weight_version = "default"
+        self._weight_loads = 0  # weight loads so far (the planner's sign of a new RL iteration)
         self._ready: set[int] = set()  # ranks that loaded their weights
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -188,6 +189,7 @@ class Engine:
                 self._paused is not None,
                 self._switching.in_flight,
                 self._weight_version,
+                self._weight_loads,
             )
 
     def reconfigurations(self) -> list[ReconfigEvent]:
@@ -405,6 +407,7 @@ class Engine:
                     raise UserError(f"weights not updated: {done.message}", field)
                 with self._lock:
                     self._weight_version = self._weight_version if version is None else version
+                    self._weight_loads += 1
                 return waited
             finally:
                 with self._lock:
