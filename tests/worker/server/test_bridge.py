@@ -75,3 +75,18 @@ def test_an_id_is_held_until_its_last_update_is_delivered() -> None:
         assert _drain(q) == []  # nor did the old request's queue get anything after it was closed
 
     asyncio.run(run())
+
+
+def test_closing_finished_requests_asks_nothing_of_the_engine() -> None:
+    """Every HTTP request closes its requests when it ends: once they all finished, that is no abort (the
+    engine's abort takes the lock the reader thread holds while it applies a step report)."""
+
+    async def run() -> None:
+        bridge, engine = _bridge()
+        q = bridge.open(["done-0", "done-1"])
+        bridge.listener([Update(rid, finish=FinishLength(2)) for rid in ("done-0", "done-1")])
+        await asyncio.sleep(0)
+        bridge.close(q, ["done-0", "done-1"])
+        assert engine.asked == []
+
+    asyncio.run(run())

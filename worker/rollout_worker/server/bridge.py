@@ -66,6 +66,8 @@ class AsyncEngine:
             for rid in left:
                 self._routes.pop(rid, None)  # (an id given twice is in ``left`` twice)
             return
+        if not left:  # every one finished: nothing to abort (and no need of the engine's lock)
+            return
         for rid in left:
             self._routes[rid] = None
         self.engine.abort(left, "client disconnected")
