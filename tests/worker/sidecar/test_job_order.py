@@ -1,7 +1,6 @@
-"""The order a job's sidecar sends its samples in (the job's queue as built, no engine): sample by sample
-across the prompts, so that an engine prefills the prompts together and their later samples together
-(one token each on the cached prompt) instead of alternating the two in one padded prefill; and a sample
-already in the output file is not sent again."""
+"""The order a job's sidecar sends its samples in (the job's queue as built, no engine): prompt by prompt, a
+prompt's samples together (a GRPO group, sharing the prompt's pages while they run); and a sample already
+in the output file is not sent again."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from rollout_worker.sidecar.settings import SidecarFields
 from rollout_worker.sidecar.watch import EngineWatch
 
 
-def test_samples_go_out_sample_by_sample_and_written_ones_not_again(tmp_path: Path) -> None:
+def test_samples_go_out_prompt_by_prompt_and_written_ones_not_again(tmp_path: Path) -> None:
     settings = SidecarFields(
         token="t", prompts_path=tmp_path / "p.jsonl", output_dir=tmp_path, samples_per_prompt=3, seed=5
     )
@@ -47,4 +46,4 @@ def test_samples_go_out_sample_by_sample_and_written_ones_not_again(tmp_path: Pa
         order = [(p.id, i) for p, i in job.queue]
     finally:
         job.close()
-    assert order == [("a", 0), ("c", 0), ("a", 1), ("b", 1), ("c", 1), ("a", 2), ("b", 2), ("c", 2)]
+    assert order == [("a", 0), ("a", 1), ("a", 2), ("b", 1), ("b", 2), ("c", 0), ("c", 1), ("c", 2)]

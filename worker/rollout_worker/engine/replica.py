@@ -235,7 +235,7 @@ class Replica:
         """Prefill newly admitted requests if any fit, else decode every running request."""
         admitted = self._admit()
         if admitted:
-            out = self.prefill(admitted, sample_fresh=True)
+            out = self.prefill(prompts_first(admitted), sample_fresh=True)
             out.admitted = [s.spec.id for s in admitted]
             return out
         if self.running:
@@ -252,7 +252,8 @@ class Replica:
         in the prefix cache, which an earlier row of the same pass, or of an earlier pass, may have put
         there: a layer writes every row's K/V before any row reads, so a row attends to the shared pages as
         they are written. (The samples of a prompt, admitted together, compute one token each after the
-        first: padded to the prompt's width they would cost as much as the whole prompt each.)
+        first: padded to the prompt's width they would cost as much as the whole prompt each; see
+        :func:`prompts_first`.)
         """
         slot0, pool = len(self.running), self.pool
         cacheable = [self._cacheable(s) for s in seqs]
@@ -470,6 +471,20 @@ class Replica:
 # reading the weights once (the roofline's ridge: tens on a CPU core, hundreds on a GPU). The same on every
 # rank of a replica (a constant per device), so its ranks cut a prefill into the same passes.
 PASS_TOKENS = {"cpu": 32, "cuda": 256}
+
+
+def prompts_first(seqs: list[Sequence]) -> list[Sequence]:
+    """``seqs`` with the first request of each prompt ahead of the later ones (each kind in its order): the
+    samples of a prompt, which clients send together, then prefill as one pass of whole prompts and one of
+    later samples (each computing one token on its prompt's cached pages, :func:`prefill_passes`), not as
+    alternating wide and narrow rows. Every later sample still comes after the first of its prompt, whose
+    pages it reads."""
+    seen: set[tuple[int, ...]] = set()
+    first, later = [], []
+    for s in seqs:
+        (later if s.spec.prompt_ids in seen else first).append(s)
+        seen.add(s.spec.prompt_ids)
+    return first + later
 
 
 def prefill_passes(widths: list[int], pass_tokens: int) -> list[range]:

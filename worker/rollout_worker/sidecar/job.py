@@ -1,10 +1,9 @@
 """Job mode: the pod's shard of the prompts (``prompts[pod_index::pods]``), ``samples_per_prompt`` each, sent
 over the engine's ``/generate`` with at most ``max_in_flight`` at once, every finished sample written once.
 
-Samples go out sample by sample: the first sample of every prompt, then the second of every prompt, and so
-on. An engine that admits them together prefills the prompts in one pass, and the later samples, which find
-their prompt's pages cached and compute one token each, in another; sent prompt by prompt, the two kinds
-alternate and each run of them needs a pass of its own.
+Samples go out prompt by prompt, a prompt's samples together (a GRPO group): they share the prompt's KV
+pages on one replica while they run (the engine prefills the prompts of an admission ahead of their later
+samples).
 
 Each sample is one request with a stable id (``rid``) and its own seed (:func:`sample_seed`), so a sample
 sent again (after an abort, an engine restart or a sidecar restart) draws the same tokens. What is in the
@@ -83,10 +82,10 @@ class Job:
         self.sampling = settings.sampling
         self.total = len(prompts) * settings.samples_per_prompt
         self._check_file(prompts)
-        self.queue: deque[Item] = deque(  # sample by sample: see the module's docstring
+        self.queue: deque[Item] = deque(  # prompt by prompt: see the module's docstring
             (p, i)
-            for i in range(settings.samples_per_prompt)
             for p in prompts
+            for i in range(settings.samples_per_prompt)
             if (p.id, i) not in writer.done
         )
         self.unsent: dict[str, int] = {}  # prompt id -> samples neither written nor in flight
