@@ -185,7 +185,7 @@ def test_profile_options_without_a_model_are_refused_not_answered_with_the_help(
 def test_serve_cuda_without_a_gpu_before_any_rank_starts(
     tiny64: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU, also on a machine that has one
     err = refusal("serve", "--model", str(tiny64), "--port", "0", "--device", "cuda")
     assert err.startswith("--device: cuda: no CUDA device is visible"), err
 

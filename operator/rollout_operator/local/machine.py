@@ -14,6 +14,7 @@ from rollout_profiler.profile import KVCapacity, ModelShape
 from rollout_worker.api.engine_settings import DTYPE_BYTES, EngineSettings
 from rollout_worker.api.errors import UserError
 from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.machine import gpu_memory, machine_memory
 
 GIB = 1 << 30
 
@@ -22,13 +23,10 @@ def check_machine(
     model: ModelConfig, dtype: str, engine: EngineSettings, ranks: int, tp_sizes: Iterable[int]
 ) -> None:
     """Refuse an engine of ``ranks`` ranks that this machine cannot run (see the module's docstring)."""
-    if engine.device == "cuda":
-        from rollout_worker.engine.state import require_cuda
-
-        require_cuda()
+    gpus = gpu_memory() if engine.device == "cuda" else []  # (a UserError naming device without one)
     if engine.kv_budget_tokens is None:
         return
-    per_rank, where = rank_memory(engine.device, ranks)
+    per_rank, where = rank_memory(gpus, ranks)
     elem = DTYPE_BYTES[dtype]
     capacity = KVCapacity.from_memory(
         ModelShape.of("engine", model),
@@ -49,16 +47,12 @@ def check_machine(
             )
 
 
-def rank_memory(device: str, ranks: int) -> tuple[float, str]:
-    """Bytes of memory one rank may use, and where they come from (in words)."""
-    if device == "cuda":
-        import torch
-
-        n = torch.cuda.device_count()
-        per_gpu = min(torch.cuda.get_device_properties(i).total_memory for i in range(n))
-        sharing = -(-ranks // n)
+def rank_memory(gpus: list[int], ranks: int) -> tuple[float, str]:
+    """Bytes of memory one rank may use, on ``gpus`` (each device's memory; none: the CPU), and where they
+    come from (in words)."""
+    if gpus:
+        per_gpu = min(gpus)
+        sharing = -(-ranks // len(gpus))
         return per_gpu / sharing, f"{sharing} rank(s) on each GPU of {per_gpu / GIB:.1f} GiB"
-    from rollout_worker.engine.packed import machine_memory
-
     total = machine_memory()
     return total / ranks, f"{ranks} rank(s) sharing this machine's {total / GIB:.1f} GiB"

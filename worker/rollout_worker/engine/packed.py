@@ -19,17 +19,15 @@ dtype) and other dtypes keep ``F.linear``.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from rollout_worker.api.engine_settings import DTYPE_BYTES, PackedWeights
 from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.machine import machine_memory
 
 ROWS_HINT = 16  # the batch the reorder is tuned for (any row count runs on the packed weight)
-CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # v2, v1
 
 
 @functools.cache
@@ -48,20 +46,6 @@ def wanted(setting: PackedWeights, model: ModelConfig, ranks: int, memory: int |
         return setting == "on"
     need = 2 * DTYPE_BYTES["float32"] * model.weight_elements * ranks
     return need <= (machine_memory() if memory is None else memory) // 2
-
-
-@functools.cache
-def machine_memory() -> int:
-    """Bytes of memory the engine may use: the machine's, or its container's (cgroup) limit when lower."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for path in CGROUP_LIMITS:
-        try:
-            text = Path(path).read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit():
-            total = min(total, int(text))
-    return total
 
 
 def packs(w: torch.Tensor) -> bool:

@@ -480,7 +480,8 @@ def prompts_first(seqs: list[Sequence]) -> list[Sequence]:
     alternating wide and narrow rows. Every later sample still comes after the first of its prompt, whose
     pages it reads."""
     seen: set[tuple[int, ...]] = set()
-    first, later = [], []
+    first: list[Sequence] = []
+    later: list[Sequence] = []
     for s in seqs:
         (later if s.spec.prompt_ids in seen else first).append(s)
         seen.add(s.spec.prompt_ids)
