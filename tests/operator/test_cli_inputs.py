@@ -6,6 +6,8 @@ work starts, naming the flag or the variable."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -211,3 +213,18 @@ def test_run_of_an_endless_job_file_is_refused_in_bounded_memory() -> None:
     got = run_cli("run", "/dev/zero", timeout=120, memory_bytes=4 << 30)
     assert got.returncode == 2, got.stderr
     assert got.stderr == "error: /dev/zero is over 64 MiB, the limit of a job file\n"
+
+
+def test_the_machine_check_imports_no_torch(tiny64: Path) -> None:
+    """The check runs in the process that then drives the ranks, which never imports torch."""
+    code = (
+        "import sys\n"
+        "from rollout_operator.local.machine import check_machine\n"
+        "from rollout_worker.api.engine_settings import EngineSettings\n"
+        "from rollout_worker.api.model_config import ModelConfig\n"
+        f"model = ModelConfig.load({str(tiny64)!r})\n"
+        "check_machine(model, 'float64', EngineSettings(kv_budget_tokens=64), 2, [1, 2])\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0 and got.stdout.strip() == "[]", got.stderr[-2000:] or got.stdout[:300]
