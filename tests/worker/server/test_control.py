@@ -4,6 +4,7 @@ flush, weight updates from disk (and the weights root), memory release."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from pathlib import Path
 from typing import Any
@@ -118,12 +119,35 @@ def test_abort_all(ctl: Served) -> None:
 
 
 def _metric(server: Served, name: str) -> float:
-    line = next(x for x in server.get("/metrics").text.splitlines() if x.startswith(name + "{"))
-    return float(line.rsplit(" ", 1)[1])
+    """A counter's value (0 before its first count: Prometheus shows a labelled counter from then on)."""
+    lines = [x for x in server.get("/metrics").text.splitlines() if x.startswith(name + "{")]
+    return sum(float(x.rsplit(" ", 1)[1]) for x in lines)
 
 
 def _aborted(server: Served) -> float:
     return _metric(server, "sglang:num_aborted_requests_total")
+
+
+def test_a_client_gone_before_its_stream_began_frees_the_slot(ctl: Served) -> None:
+    """A streamed request whose client closed the connection right after sending it: the server submits
+    it, and the response sees the client gone before its first event; the requests are aborted then too
+    (nothing else would: the events never started), not run to their last token."""
+    for route, body in (
+        ("/generate", {"input_ids": [4, 6], "sampling_params": LONG, "stream": True}),
+        (
+            "/v1/completions",
+            {"model": "m", "prompt": [4, 7], "max_tokens": 1500, "ignore_eos": True, "stream": True},
+        ),
+    ):
+        before = _aborted(ctl)
+        raw = json.dumps(body).encode()
+        host, port = ctl.url.removeprefix("http://").split(":")
+        head = f"POST {route} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        auth = f"Authorization: Bearer {ctl.key}\r\n" if ctl.key else ""
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(f"{head}{auth}Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+        wait_until(lambda b=before: _aborted(ctl) == b + 1, what=f"the {route} stream's request aborted")
+        wait_until(lambda: _idle(ctl), what="the slot to be free again", timeout=10)
 
 
 def test_client_disconnect_frees_the_slot(ctl: Served) -> None:

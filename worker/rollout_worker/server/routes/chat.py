@@ -207,5 +207,4 @@ async def _stream(state: ServerState, body: ChatRequest, jobs: list[Job]) -> Str
     def final(outs: list[Output]) -> dict[str, Any] | None:
         return {**chunk_head, "choices": [], "usage": usage(outs, body.n)} if body.usage_wanted else None
 
-    events = await stream_generation(state, jobs, False, render, final)
-    return StreamingResponse(events, media_type="text/event-stream")
+    return await stream_generation(state, jobs, False, render, final)

@@ -121,34 +121,47 @@ def sse_event(obj: Any) -> bytes:
     return b"data: " + data + b"\n\n"
 
 
+class EngineStream(StreamingResponse):
+    """Server-sent events of requests the engine runs, closed (aborted unless finished) however the response
+    ends: its events all sent, the client gone mid-stream, or gone before the first event (then the events
+    never started, and nothing else would abort the requests)."""
+
+    def __init__(self, events: AsyncIterator[bytes], gen: Generation) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self.gen = gen
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.gen.close()
+
+
 async def stream_generation(
     state: ServerState,
     jobs: list[Job],
     batch: bool,
     render: Callable[[str, Output], dict[str, Any] | None] | None = None,
     final: Callable[[list[Output]], dict[str, Any] | None] | None = None,
-) -> AsyncIterator[bytes]:
+) -> EngineStream:
     """Server-sent events: one chunk per new token (SGLang: cumulative), an optional ``final`` chunk, then
     ``data: [DONE]``."""
     gen = await Generation.start(state, jobs)  # a refusal is the route's error, before the stream starts
 
     async def events() -> AsyncIterator[bytes]:
-        try:
-            async for rid, out in gen.updates():
-                chunk = out.render() if render is None else render(rid, out)
-                if chunk is None:
-                    continue
-                if batch:
-                    chunk["index"] = gen.index[rid]
-                yield sse_event(chunk)
-            last = final(list(gen.outs.values())) if final is not None else None
-            if last is not None:
-                yield sse_event(last)
-            yield b"data: [DONE]\n\n"
-        finally:  # also when the client disconnects: the generator is closed, the requests aborted
-            gen.close()
+        async for rid, out in gen.updates():
+            chunk = out.render() if render is None else render(rid, out)
+            if chunk is None:
+                continue
+            if batch:
+                chunk["index"] = gen.index[rid]
+            yield sse_event(chunk)
+        last = final(list(gen.outs.values())) if final is not None else None
+        if last is not None:
+            yield sse_event(last)
+        yield b"data: [DONE]\n\n"
 
-    return events()
+    return EngineStream(events(), gen)  # (it closes the generation, the client gone or not)
 
 
 @router.api_route(
@@ -159,8 +172,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     jobs = await state.bridge.work(body.requests, to_jobs, body, state.codec)
     batch = body.is_batch or len(jobs) > 1
     if body.stream:
-        events = await stream_generation(state, jobs, batch)
-        return StreamingResponse(events, media_type="text/event-stream")
+        return await stream_generation(state, jobs, batch)
     outs = await run_generation(state, jobs, request)
     return await state.bridge.work(len(outs), _answer, outs, batch)
 

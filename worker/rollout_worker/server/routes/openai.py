@@ -326,5 +326,4 @@ async def _stream(state: ServerState, body: CompletionRequest, jobs: list[Job]) 
             return None
         return {**head, "choices": [], "usage": usage(outs, body.n)}
 
-    events = await stream_generation(state, jobs, False, render, final)
-    return StreamingResponse(events, media_type="text/event-stream")
+    return await stream_generation(state, jobs, False, render, final)
