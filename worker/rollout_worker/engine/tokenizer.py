@@ -44,6 +44,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 # ByteLevel maps byte b to a printable character; this recovers b (the byte-level tokenizer's token id)
 _BYTE_OF = {c: b for b, c in _bytes_to_unicode().items()}
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback token (SentencePiece)
+_WORD_MARKER = "\u2581"  # SentencePiece's mark of a word's start (▁), a space in the text
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
@@ -77,8 +78,10 @@ class TextCodec:
     def token_bytes(self, token: int) -> bytes:
         """One token's raw bytes (OpenAI's logprob ``bytes``): an added token's text, a byte-level BPE
         token's own bytes (part of a character, for a token that splits one), a byte-fallback token's
-        (``<0xE4>``) byte, else the UTF-8 of its text. A sequence's tokens' bytes, joined, are the UTF-8
-        of its text (special tokens included)."""
+        (``<0xE4>``) byte, a SentencePiece piece's text with its word marker as the space it stands for
+        (``▁Hello``: `` Hello``), else the UTF-8 of its text. For a byte-level tokenizer a sequence's tokens'
+        bytes, joined, are the UTF-8 of its text (special tokens included); a SentencePiece decoder also
+        strips the text's first space."""
         added = self._added.get(token)
         piece = self.tok.id_to_token(token)
         if added is not None or piece is None:
@@ -87,6 +90,8 @@ class TextCodec:
             return bytes(_BYTE_OF[c] for c in piece)
         if "ByteFallback" in self._decoders and (m := _BYTE_PIECE.fullmatch(piece)):
             return bytes([int(m[1], 16)])
+        if self._decoders & {"Metaspace", "Replace"}:  # SentencePiece's word marker: a space
+            return piece.replace(_WORD_MARKER, " ").encode()
         return self.token_text(token).encode()
 
     @cached_property
@@ -97,7 +102,8 @@ class TextCodec:
     @cached_property
     def _decoders(self) -> set[str]:
         """The types of the tokenizer's decoder (of each of its parts, for a sequence of decoders)."""
-        d = json.loads(self.tok.to_str()).get("decoder") or {}
+        decoder = self.tok.decoder  # (its own JSON: the tokenizer's whole would hold the vocabulary)
+        d = json.loads(decoder.__getstate__()) if decoder is not None else {}
         parts = d.get("decoders", []) if d.get("type") == "Sequence" else [d]
         return {str(part.get("type")) for part in parts}
 
