@@ -87,10 +87,10 @@ def prepare(loaded: LoadedJob, opts: RunOptions, echo: Echo, model_bytes: Bytes 
     policy = opts.policy or spec.parallelism.policy
     prompts = load_job_prompts(loaded)
     model_cfg = check_model(loaded)
-    check_engine(loaded, model_cfg)
-    check_prompts_fit(loaded, prompts, model_cfg)
     dims = ModelDims(model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.vocab_size)
     candidates = checked(loaded, candidates_of(spec, dims))
+    check_engine(loaded, model_cfg, candidates)
+    check_prompts_fit(loaded, prompts, model_cfg)
     shape = ModelShape.of(Path(spec.model.path).name, model_cfg).shape_hash
     profile = checked(loaded, find_profile(spec, None, shape_hash=shape))  # a file: checked before set-up
     out = Path(opts.output or spec.output.path)

@@ -68,8 +68,9 @@ def check_model(loaded: LoadedJob) -> ModelConfig:
     return ModelConfig.from_dict(_preset(loaded, preset_config), where="preset")
 
 
-def check_engine(loaded: LoadedJob, model: ModelConfig) -> None:
-    """``spec.engine`` against the model and this machine (the ranks would find it only once started)."""
+def check_engine(loaded: LoadedJob, model: ModelConfig, layouts: list[Layout]) -> None:
+    """``spec.engine`` against the model and this machine, at every candidate layout (the ranks would find
+    it only once started)."""
     spec = loaded.job.spec
     eng = spec.engine
     if eng.context_length > model.max_position_embeddings:
@@ -77,10 +78,8 @@ def check_engine(loaded: LoadedJob, model: ModelConfig) -> None:
             ("spec", "engine", "contextLength"),
             f"{eng.context_length} exceeds max_position_embeddings={model.max_position_embeddings}",
         )
-    g = spec.gpus_per_pod
-    layouts = spec.candidate_layouts() or model.candidate_layouts(g)
     try:
-        check_machine(model, spec.model.dtype, eng, g, (lay.tp for lay in layouts))
+        check_machine(model, spec.model.dtype, eng, spec.gpus_per_pod, (lay.tp for lay in layouts))
     except UserError as exc:
         name = to_camel(exc.field or "device")
         raise loaded.error(("spec", "engine", name), exc.message) from None
