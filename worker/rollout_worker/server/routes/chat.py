@@ -162,10 +162,16 @@ def _finish(out: Output) -> dict[str, Any]:
 async def chat_completions(body: ChatRequest, request: Request) -> Any:
     state = server_state(request)
     with body.named_errors():
-        jobs = to_jobs(body.generate(body.prompt(state), body.top_n), state.codec)
+        req = body.generate(body.prompt(state), body.top_n)
+        jobs = await state.bridge.work(req.requests, to_jobs, req, state.codec)
         if body.stream:
             return await _stream(state, body, jobs)
         outs = await run_generation(state, jobs, request)
+    return await state.bridge.work(len(outs), _answer, body, outs)
+
+
+def _answer(body: ChatRequest, outs: list[Output]) -> FastJSON:
+    """The whole answer, rendered: message, logprobs and token ids of every choice."""
     choices = [
         {
             "index": i,

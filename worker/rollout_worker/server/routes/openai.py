@@ -290,14 +290,19 @@ class Deltas:
 async def completions(body: CompletionRequest, request: Request) -> Any:
     state = server_state(request)
     with body.named_errors():
-        jobs = to_jobs(body.generate(body.prompt, body.logprobs), state.codec)
+        req = body.generate(body.prompt, body.logprobs)
+        jobs = await state.bridge.work(req.requests, to_jobs, req, state.codec)
         if body.stream:
             return await _stream(state, body, jobs)
         outs = await run_generation(state, jobs, request)
-    head = _head(body)
+    return await state.bridge.work(len(outs), _answer, body, outs)
+
+
+def _answer(body: CompletionRequest, outs: list[Output]) -> FastJSON:
+    """The whole answer, rendered: text, logprobs and token ids of every choice."""
     want = body.logprobs is not None
     choices = [_choice(i, o, o.text, 0, want) | token_ids(body, o, 0, True) for i, o in enumerate(outs)]
-    return FastJSON({**head, "choices": choices, "usage": usage(outs, body.n)})
+    return FastJSON({**_head(body), "choices": choices, "usage": usage(outs, body.n)})
 
 
 def _head(body: CompletionRequest) -> dict[str, Any]:
