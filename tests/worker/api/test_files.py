@@ -63,3 +63,8 @@ def test_an_input_is_read_no_further_than_its_limit(tmp_path: Path) -> None:
         with pytest.raises(UserError) as exc:
             read_text(path, "--x", "job file", limit=4)
         assert str(exc.value) == f"--x: {path} is over 4 bytes, the limit of a job file"
+    (tmp_path / "wide").write_text("你好")  # 2 characters, 6 bytes: the limit counts bytes
+    with pytest.raises(UserError, match="is over 4 bytes"):
+        read_text(tmp_path / "wide", "--x", "job file", limit=4)
+    (tmp_path / "crlf").write_bytes(b"a\r\nb\r")  # lines read as text mode reads them
+    assert read_text(tmp_path / "crlf", "--x", "job file") == "a\nb\n"

@@ -27,15 +27,16 @@ def read_text(
     """The text (UTF-8) of an input file, read no further than ``limit`` bytes; a missing, unreadable,
     non-text or larger file (``/dev/zero``) is a UserError naming ``field``."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read(limit + 1)  # characters: more than ``limit`` of them is more than ``limit`` bytes
+        with open(path, "rb") as f:
+            raw = f.read(limit + 1)
+        if len(raw) > limit:
+            raise UserError(f"{path} is over {_size(limit)}, the limit of a {what}", field)
+        text = raw.decode("utf-8")
     except FileNotFoundError:
         raise UserError(f"{what} not found: {path}", field) from None
     except (OSError, UnicodeDecodeError, ValueError) as exc:  # a directory, under a file, not UTF-8, NUL
         raise UserError(f"cannot read {what} {path} as text ({_why(exc)})", field) from None
-    if len(text) > limit:
-        raise UserError(f"{path} is over {_size(limit)}, the limit of a {what}", field)
-    return text
+    return text.replace("\r\n", "\n").replace("\r", "\n")  # (as text mode reads lines)
 
 
 def _size(n: int) -> str:
