@@ -318,8 +318,7 @@ class Engine:
     ) -> int:
         """As ``update_weights``, the checkpoint received from a trainer's broadcast (``weight_sync``) in
         the group ``group_name``, which every rank must have joined."""
-        self.check_weight_group(group_name)
-        return self._between_steps(cmd, version, abort_all, timeout_s, "names")
+        return self._between_steps(cmd, version, abort_all, timeout_s, "names", group_name)
 
     def check_weight_group(self, name: str) -> None:
         """Refuse a trainer's group every rank has not joined: unknown (400) or still joining (409)."""
@@ -376,7 +375,7 @@ class Engine:
             self.check_weight_group(name)
             self._on_every_rank(lambda ticket: m.LeaveWeightGroup(name, ticket), None)
             with self._lock:
-                self._groups.joined.discard(name)
+                self._groups.forget(name)
 
     def _between_steps(
         self,
@@ -385,10 +384,15 @@ class Engine:
         abort_all: bool,
         timeout_s: float,
         field: str,
+        group: str | None = None,
     ) -> int:
+        """Run a weight load (``make``) between steps; ``group``: the trainer's group it receives from,
+        checked joined under the global lock (no leave between the check and the receive)."""
         with self._global:
             with self._lock:
                 self._life.status.check_serving()
+                if group is not None:
+                    self._groups.check_joined(group)
                 self._hold = True
             try:
                 if abort_all:

@@ -44,6 +44,10 @@ class GroupBook:
         if joined:
             self.joined.add(name)
 
+    def forget(self, name: str) -> None:
+        """Every rank left ``name``."""
+        self.joined.discard(name)
+
     def check_joined(self, name: str) -> None:
         """Refuse a group that is not joined: unknown (400) or still joining (409)."""
         if any(j.group_name == name for j in self.joining):
