@@ -237,8 +237,9 @@ class Admission:
             self._start(req, queue[:k])
 
     def _prefill_ms(self, req: Requests, new: np.ndarray) -> float:
-        """``paged``: one prefill step of ``new`` (the engine prefills each round of admissions in one
-        forward): its tokens at the prefill rate, and never less than a decode step of as many rows."""
+        """``paged``: one prefill step of ``new`` (the engine prefills each round of admissions in one step,
+        in forward passes of like widths): its tokens at the prefill rate, and never less than a decode step
+        of as many rows."""
         kv = req.prompt[new] + np.maximum(req.gen[new] - 1, 0)  # what a (re-)prefill computes: Req.kv_len
         ms = float(kv.sum()) / max(self.prefill_per_ms, 1e-12)
         if self.step_ms is not None:
