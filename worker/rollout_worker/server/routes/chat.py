@@ -23,10 +23,10 @@ from rollout_worker.api.errors import FieldAt, UserError
 from rollout_worker.api.neutral import strip_neutral
 from rollout_worker.api.sglang import Body
 from rollout_worker.engine.finish import matched_stop
-from rollout_worker.server.convert import Job, Output, to_jobs
-from rollout_worker.server.deps import FastJSON, ServerState, server_state
-from rollout_worker.server.routes.generate import STREAMED, run_generation, stream_generation
-from rollout_worker.server.routes.openai import Deltas, OpenAISampling, token_ids, usage
+from rollout_worker.server.convert import Job, Output
+from rollout_worker.server.deps import FastJSON, ServerState
+from rollout_worker.server.routes.generate import STREAMED, stream_generation
+from rollout_worker.server.routes.openai import Deltas, OpenAISampling, respond, token_ids, usage
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 # OpenAI's chat keys this engine does not implement (tools, structured output, audio, ...), neutral only
@@ -160,14 +160,7 @@ def _finish(out: Output) -> dict[str, Any]:
 
 @router.post("/chat/completions", summary="OpenAI chat completions (stream and not)", responses=STREAMED)
 async def chat_completions(body: ChatRequest, request: Request) -> Any:
-    state = server_state(request)
-    with body.named_errors():
-        req = body.generate(body.prompt(state), body.top_n)
-        jobs = await state.bridge.work(req.requests, to_jobs, req, state.codec)
-        if body.stream:
-            return await _stream(state, body, jobs)
-        outs = await run_generation(state, jobs, request)
-    return await state.bridge.work(len(outs), _answer, body, outs)
+    return await respond(request, body, body.prompt, body.top_n, _stream, _answer)
 
 
 def _answer(body: ChatRequest, outs: list[Output]) -> FastJSON:

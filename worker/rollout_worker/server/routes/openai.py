@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -286,16 +286,33 @@ class Deltas:
         return new
 
 
-@router.post("/completions", summary="OpenAI completions (stream and not)", responses=STREAMED)
-async def completions(body: CompletionRequest, request: Request) -> Any:
+B = TypeVar("B", bound=OpenAISampling)
+
+
+async def respond(
+    request: Request,
+    body: B,
+    prompt: Callable[[ServerState], Any],
+    top_n: int | None,
+    stream: Callable[[ServerState, B, list[Job]], Awaitable[Any]],
+    answer: Callable[[B, list[Output]], FastJSON],
+) -> Any:
+    """An OpenAI route's answer: ``prompt`` (of the server's state) generated as /generate generates it,
+    streamed (``stream``) or answered whole (``answer``); errors name the field of ``body`` the user wrote.
+    A large batch's jobs are built and its answer rendered in a worker thread (``bridge.work``)."""
     state = server_state(request)
     with body.named_errors():
-        req = body.generate(body.prompt, body.logprobs)
+        req = body.generate(prompt(state), top_n)
         jobs = await state.bridge.work(req.requests, to_jobs, req, state.codec)
         if body.stream:
-            return await _stream(state, body, jobs)
+            return await stream(state, body, jobs)
         outs = await run_generation(state, jobs, request)
-    return await state.bridge.work(len(outs), _answer, body, outs)
+    return await state.bridge.work(len(outs), answer, body, outs)
+
+
+@router.post("/completions", summary="OpenAI completions (stream and not)", responses=STREAMED)
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    return await respond(request, body, lambda _: body.prompt, body.logprobs, _stream, _answer)
 
 
 def _answer(body: CompletionRequest, outs: list[Output]) -> FastJSON:
