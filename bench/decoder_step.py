@@ -20,13 +20,13 @@ import statistics
 import time
 
 import torch
-from rollout_worker.api.model_config import ModelConfig
-from rollout_worker.engine.invariant import RowChunks
-from rollout_worker.engine.kvcache import GatheredKV, KVPool
-from rollout_worker.engine.model import Decoder
-from rollout_worker.engine.parallel import SINGLE
-from rollout_worker.engine.presets import preset_config
-from rollout_worker.engine.weights import random_shard
+from rollout_worker.config.model_config import ModelConfig
+from rollout_worker.engine.kernels.invariant import RowChunks
+from rollout_worker.engine.model.kvcache import GatheredKV, KVPool
+from rollout_worker.engine.model.model import Decoder
+from rollout_worker.engine.model.parallel import SINGLE
+from rollout_worker.engine.model.presets import preset_config
+from rollout_worker.engine.model.weights import random_shard
 from torch.profiler import ProfilerActivity, profile
 
 WARMUP = 3

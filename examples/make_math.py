@@ -9,7 +9,7 @@ step ...") sends a 135M model into long detours.
   ground_truth}, `extra_info` {split, index, answer, question}.
 
 `rolloutctl run` renders `prompt` with the model's chat template, passes every other field through to each
-sample and gives each sample its reward (rollout_worker.api.reward: 1 when the number after `####`, else the
+sample and gives each sample its reward (rollout_worker.data.reward: 1 when the number after `####`, else the
 last number of the response, equals the ground truth). Run: python examples/make_math.py"""
 
 import json

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 from rollout_profiler.store.testing import PostgresUnavailable, fresh_database, skip_postgres_requested
-from rollout_worker.engine.checkpoint import make_model, write_random_checkpoint
-from rollout_worker.engine.presets import PRESETS
+from rollout_worker.engine.model.checkpoint import make_model, write_random_checkpoint
+from rollout_worker.engine.model.presets import PRESETS
 
 torch.set_num_threads(1)
 

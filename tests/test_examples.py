@@ -14,8 +14,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from rollout_operator.api.manifest import load_job
-from rollout_worker.api.prompts import RANDOM_MODEL_TOKENIZER_CONFIG, ChatTemplate
-from rollout_worker.api.reward import reward_of, score
+from rollout_worker.data.prompts import RANDOM_MODEL_TOKENIZER_CONFIG, ChatTemplate
+from rollout_worker.data.reward import reward_of, score
 
 ROOT = Path(__file__).parents[1]
 JOBS = sorted((ROOT / "examples").glob("*.yaml"))

@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rollout_worker.api.layout import Layout
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import Sampling
-from rollout_worker.engine.batch import run_batch
 from rollout_worker.engine.config import EngineConfig
-from rollout_worker.engine.launcher import run_task
-from rollout_worker.engine.measure import measure_prefill
+from rollout_worker.engine.driver.batch import run_batch
+from rollout_worker.engine.driver.launcher import run_task
+from rollout_worker.engine.rank.measure import measure_prefill
+from rollout_worker.scheduling.layout import Layout
 
 from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.profile import KVCapacity, Profile

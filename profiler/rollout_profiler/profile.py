@@ -48,12 +48,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from rollout_worker.api.costs import KV_METHODS, CostModel
-from rollout_worker.api.engine_settings import DTYPE_BYTES, DTYPES
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.files import read_text, write_atomic
-from rollout_worker.api.heads import max_kv_heads
-from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.config.engine_settings import DTYPE_BYTES, DTYPES
+from rollout_worker.config.model_config import ModelConfig
+from rollout_worker.data.files import read_text, write_atomic
+from rollout_worker.errors import UserError
+from rollout_worker.scheduling.costs import KV_METHODS, CostModel
+from rollout_worker.scheduling.heads import max_kv_heads
 
 SCHEMA = "elastic-rollout/profile/v1"
 PROFILE_METHODS = ("measured", "shard-equivalent", "modelled")  # how a profile was made

@@ -8,9 +8,9 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.files import read_text
-from rollout_worker.api.layout import Layout
+from rollout_worker.data.files import read_text
+from rollout_worker.errors import UserError
+from rollout_worker.scheduling.layout import Layout
 
 from rollout_profiler.profile import Profile, StepPoint
 

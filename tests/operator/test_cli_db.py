@@ -14,7 +14,7 @@ from rollout_profiler.store import engine as db_engine
 from rollout_profiler.store.testing import (
     sample_profile,
 )
-from rollout_worker.api.errors import UserError
+from rollout_worker.errors import UserError
 from sqlalchemy.engine import make_url
 
 LAYOUTS = ((4, 1), (2, 2), (1, 4))

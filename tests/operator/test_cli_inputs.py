@@ -14,7 +14,7 @@ import pytest
 import torch
 from rollout_operator.cli.args import as_flags
 from rollout_operator.cli.main import app
-from rollout_worker.api.errors import UserError
+from rollout_worker.errors import UserError
 from typer.testing import CliRunner
 
 from tests.conftest import run_cli
@@ -220,8 +220,8 @@ def test_the_machine_check_imports_no_torch(tiny64: Path) -> None:
     code = (
         "import sys\n"
         "from rollout_operator.local.machine import check_machine\n"
-        "from rollout_worker.api.engine_settings import EngineSettings\n"
-        "from rollout_worker.api.model_config import ModelConfig\n"
+        "from rollout_worker.config.engine_settings import EngineSettings\n"
+        "from rollout_worker.config.model_config import ModelConfig\n"
         f"model = ModelConfig.load({str(tiny64)!r})\n"
         "check_machine(model, 'float64', EngineSettings(kv_budget_tokens=64), 2, [1, 2])\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from rollout_operator.cli.main import app
 from rollout_profiler.sim import bench as bench_planner
-from rollout_worker.api.errors import UserError
+from rollout_worker.errors import UserError
 from typer.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parents[2]

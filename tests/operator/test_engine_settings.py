@@ -18,8 +18,8 @@ import yaml
 from rollout_operator.api.manifest import parse_job
 from rollout_operator.cli.main import app
 from rollout_operator.control.podspec import engine_args
-from rollout_worker.api.engine_settings import DEFAULTS, EngineSettings
-from rollout_worker.api.layout import Layout
+from rollout_worker.config.engine_settings import DEFAULTS, EngineSettings
+from rollout_worker.scheduling.layout import Layout
 from typer.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -139,8 +139,8 @@ def test_max_prefill_tokens_reaches_the_replicas(tiny64: Path) -> None:
     """The setting no surface could set before: the ranks' admission limit is the configured one."""
     import torch
     from rollout_worker.engine.config import EngineConfig
-    from rollout_worker.engine.state import make_replica
-    from rollout_worker.engine.weights import random_shard
+    from rollout_worker.engine.model.weights import random_shard
+    from rollout_worker.engine.rank.state import make_replica
 
     cfg = EngineConfig.load(str(tiny64), 1, max_prefill_tokens=300)
     assert cfg.engine.max_prefill_tokens == 300

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from rollout_operator.api.manifest import parse_job
 from rollout_operator.cli.args import as_flags
 from rollout_operator.cli.main import app
-from rollout_worker.api.errors import UserError
+from rollout_worker.errors import UserError
 from typer.testing import CliRunner
 
 from tests.operator.local.jobs import job_doc
@@ -167,7 +167,7 @@ def world(tmp_path: Path, tiny64: Path, monkeypatch: pytest.MonkeyPatch) -> dict
     import rollout_operator.local.app as local_app
     import rollout_profiler.profiling.measure as measure
     import rollout_profiler.sim.run as sim_run
-    import rollout_worker.engine.batch as batch
+    import rollout_worker.engine.driver.batch as batch
     import rollout_worker.server.run as server_run
 
     def reached(*args: Any, **kwargs: Any) -> Any:

@@ -10,7 +10,7 @@ from rollout_profiler.profile import KVCapacity, Profile
 from rollout_profiler.profiling.modelled import LLAMA_31_8B
 from rollout_profiler.show import render_table
 from rollout_profiler.store.testing import sample_profile
-from rollout_worker.api.errors import UserError
+from rollout_worker.errors import UserError
 
 
 def test_kv_capacity_from_memory_by_hand() -> None:

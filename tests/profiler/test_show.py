@@ -17,7 +17,7 @@ from rollout_profiler.show import (
     write_plot,
 )
 from rollout_profiler.store.testing import sample_profile
-from rollout_worker.api.errors import UserError
+from rollout_worker.errors import UserError
 
 LAYOUTS = ((4, 1), (2, 2), (1, 4))
 

@@ -135,7 +135,7 @@ def test_rendezvous_ports_are_free_and_outside_the_kernels_ephemeral_range() -> 
     ids=["unresolvable-host", "foreign-host", "taken-port"],
 )
 def test_listen_names_the_host_or_the_port_it_cannot_listen_on(host: str, field: str, why: str) -> None:
-    from rollout_worker.api.errors import UserError
+    from rollout_worker.errors import UserError
     from rollout_worker.proc import listen
 
     with socket.create_server(("127.0.0.1", 0)) as taken:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rollout_worker.api.errors import UserError
+from rollout_worker.errors import UserError
 
 CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # v2, v1
 _GPUS = (  # what the child prints: each device's total memory

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import httpx
 
-from rollout_worker.api.errors import EngineError, UserError
+from rollout_worker.errors import EngineError, UserError
 
 _PR_SET_PDEATHSIG = 1
 

@@ -38,11 +38,11 @@ from pydantic import (
     model_validator,
 )
 from pydantic.alias_generators import to_camel
-from rollout_worker.api.engine_settings import Dtype, EngineSettings
-from rollout_worker.api.errors import FieldAt
-from rollout_worker.api.layout import MAX_RANKS, Layout, coerce_layout
-from rollout_worker.api.presets import PresetName
 from rollout_worker.api.sidecar import SamplingSettings
+from rollout_worker.config.engine_settings import Dtype, EngineSettings
+from rollout_worker.config.presets import PresetName
+from rollout_worker.errors import FieldAt
+from rollout_worker.scheduling.layout import MAX_RANKS, Layout, coerce_layout
 
 API_VERSION = "elasticrollout.dev/v1alpha1"
 KIND = "RolloutJob"
@@ -103,7 +103,7 @@ class ModelSpec(_Spec):
 
 
 class EngineSpec(EngineSettings):
-    """``spec.engine``: the engine's settings (``rollout_worker.api.engine_settings``, their one home),
+    """``spec.engine``: the engine's settings (``rollout_worker.config.engine_settings``, their one home),
     named in camelCase; the CRD's schema of this section is generated from that model."""
 
     model_config = _Spec.model_config

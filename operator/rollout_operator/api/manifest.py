@@ -8,8 +8,8 @@ from pathlib import Path
 
 import yaml
 from pydantic import ValidationError
-from rollout_worker.api.errors import FieldPath, UserError, field_errors
-from rollout_worker.api.files import read_text
+from rollout_worker.data.files import read_text
+from rollout_worker.errors import FieldPath, UserError, field_errors
 
 from rollout_operator.api.job import RolloutJob
 

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import typer
-from rollout_worker.api.engine_settings import FIELDS, flag_of
-from rollout_worker.api.errors import UserError
+from rollout_worker.config.engine_settings import FIELDS, flag_of
+from rollout_worker.errors import UserError
 from rollout_worker.server.settings import ServerSettings
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -17,7 +17,7 @@ def crd_cmd(
     out: Annotated[Path | None, typer.Option(help="Write it here (default: standard output).")] = None,
 ) -> None:
     """Print the RolloutJob CRD (apiextensions.k8s.io/v1) as YAML."""
-    from rollout_worker.api.files import check_writable, save
+    from rollout_worker.data.files import check_writable, save
 
     from rollout_operator.api.crd_yaml import crd_yaml
 

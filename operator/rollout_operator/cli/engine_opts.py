@@ -1,5 +1,5 @@
 """Options of `rolloutctl serve` and `rolloutctl generate` derived from settings models: a field added to
-``EngineSettings`` (:mod:`rollout_worker.api.engine_settings`) or to the server's ``ServerSettings`` is a
+``EngineSettings`` (:mod:`rollout_worker.config.engine_settings`) or to the server's ``ServerSettings`` is a
 flag (and, for serve, a ``ROLLOUT_SERVE_<NAME>`` variable) here with no further code.
 
 :func:`with_model_options` adds one typer option per field of a model to a command and hands the command
@@ -19,7 +19,7 @@ from typing import Annotated, Any, TypeVar, cast
 import typer
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
-from rollout_worker.api.engine_settings import (
+from rollout_worker.config.engine_settings import (
     DTYPES,
     Dtype,
     EngineSettings,

@@ -14,7 +14,7 @@ import tempfile
 import traceback
 
 import typer
-from rollout_worker.api.errors import EngineError, UserError
+from rollout_worker.errors import EngineError, UserError
 
 from rollout_operator.cli.args import ENGINE_EXTRA, as_flags
 

@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.files import check_writable
+from rollout_worker.data.files import check_writable
+from rollout_worker.errors import UserError
 
 from rollout_operator.cli.args import bench_group, needs_engine
 
@@ -95,7 +95,8 @@ def bench_memory_cmd(
     )
     if slab_tree is not None and not (slab_tree / "rollout_worker" / "engine" / "driver.py").is_file():
         raise UserError(
-            f"{slab_tree} has no rollout_worker/engine/driver.py (give a worker/ folder)", "--slab-tree"
+            f"{slab_tree} has no rollout_worker/engine/driver.py (give a worker/ folder)",
+            "--slab-tree",
         )
     if json_out is not None:
         check_writable(json_out, "--json")

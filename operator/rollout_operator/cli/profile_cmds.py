@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rollout_worker.api.engine_settings import Dtype
-from rollout_worker.api.errors import UserError
+from rollout_worker.config.engine_settings import Dtype
+from rollout_worker.errors import UserError
 
 from rollout_operator.cli.db_cmds import DbOption
 

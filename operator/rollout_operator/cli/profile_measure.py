@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.files import check_writable, read_text, save
+from rollout_worker.data.files import check_writable, read_text, save
+from rollout_worker.errors import UserError
 
 from rollout_operator.cli.args import int_list
 
@@ -47,8 +47,8 @@ def comm_table(path: Path | None) -> tuple[list[tuple[int, float]], str]:
 
 def check_options(opts: dict[str, Any]) -> None:
     """Every flag that can be wrong, before a model is made or a rank starts."""
-    from rollout_worker.api.engine_settings import DEVICES
-    from rollout_worker.api.layout import MAX_RANKS
+    from rollout_worker.config.engine_settings import DEVICES
+    from rollout_worker.scheduling.layout import MAX_RANKS
 
     for flag in ("ranks", "steps", "gpus"):
         if opts[flag] < 1:
@@ -58,7 +58,7 @@ def check_options(opts: dict[str, Any]) -> None:
     if opts["device"] not in DEVICES:
         raise UserError(f"must be one of {', '.join(DEVICES)}, got {opts['device']!r}", "--device")
     if opts["device"] == "cuda":
-        from rollout_worker.engine.state import require_cuda
+        from rollout_worker.engine.rank.state import require_cuda
 
         require_cuda("--device")
     if opts["out"] is not None:
@@ -82,7 +82,7 @@ def check_database(db: str | None) -> None:
 
 def run_profile(opts: dict[str, Any]) -> None:
     from rollout_profiler.profiling.measure import profile_measured, profile_shard_equivalent
-    from rollout_worker.api.layout import Layout, parse_candidates
+    from rollout_worker.scheduling.layout import Layout, parse_candidates
 
     check_options(opts)
     model_dir, name = resolve_model(opts["model"], opts["preset"], opts["work"])
@@ -105,7 +105,7 @@ def run_profile(opts: dict[str, Any]) -> None:
             typer.echo,
         )
     else:
-        from rollout_worker.api.model_config import ModelConfig
+        from rollout_worker.config.model_config import ModelConfig
 
         mc = ModelConfig.load(model_dir)
         layouts = (

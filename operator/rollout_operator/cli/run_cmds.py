@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.files import check_writable, save
+from rollout_worker.data.files import check_writable, save
+from rollout_worker.errors import UserError
 
 from rollout_operator.cli.args import bench_group, needs_engine
 

@@ -10,9 +10,9 @@ from typing import Annotated, Any
 
 import typer
 from pydantic import ValidationError
-from rollout_worker.api.engine_settings import dotted
-from rollout_worker.api.errors import UserError, user_error
-from rollout_worker.api.files import MAX_SECRET_BYTES, read_text
+from rollout_worker.config.engine_settings import dotted
+from rollout_worker.data.files import MAX_SECRET_BYTES, read_text
+from rollout_worker.errors import UserError, user_error
 from rollout_worker.server.settings import ServerSettings
 
 from rollout_operator.cli.args import bench_group, needs_engine
@@ -68,7 +68,7 @@ def serve_cmd(
 def _cost_model(path: Path | None) -> Any:
     """The switch-cost model from ``--costs`` (a file), else from ``$ROLLOUT_COSTS_JSON`` (how a pod's
     engine gets it, locally and on a cluster), else None."""
-    from rollout_worker.api.costs import COSTS_ENV, parse_costs
+    from rollout_worker.scheduling.costs import COSTS_ENV, parse_costs
 
     if path is not None:
         text = read_text(path, "--costs", "costs file")

@@ -28,7 +28,7 @@ def sidecar_cmd(
         for name, default, doc in describe():
             typer.echo(f"{name:40} {default or '-':24} {doc}")
         return
-    from rollout_worker.api.errors import UserError
+    from rollout_worker.errors import UserError
     from rollout_worker.sidecar.run import run
     from rollout_worker.sidecar.settings import SidecarFields, env_name
 

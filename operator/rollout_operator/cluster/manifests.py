@@ -12,8 +12,8 @@ import base64
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rollout_worker.api.costs import CostModel
-from rollout_worker.api.layout import Layout
+from rollout_worker.scheduling.costs import CostModel
+from rollout_worker.scheduling.layout import Layout
 from rollout_worker.sidecar.settings import env_name, settings_env
 
 from rollout_operator.api import cluster as k

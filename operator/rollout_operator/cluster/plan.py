@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 from rollout_profiler.profile import Profile
-from rollout_worker.api.errors import field_errors
+from rollout_worker.errors import field_errors
 
 from rollout_operator.api.job import RolloutJobSpec
 from rollout_operator.api.manifest import dotted

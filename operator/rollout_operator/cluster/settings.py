@@ -9,8 +9,8 @@ from typing import Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
-from rollout_worker.api.env_settings import describe as describe_settings
-from rollout_worker.api.env_settings import load
+from rollout_worker.config.env_settings import describe as describe_settings
+from rollout_worker.config.env_settings import load
 
 ENV_PREFIX = "ROLLOUT_OPERATOR_"
 

@@ -20,7 +20,7 @@ from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.planning.planner import PlannerPolicy, PodSnapshot, ReplicaState, choose_start
 from rollout_profiler.planning.predictor import fit
 from rollout_profiler.profile import Profile
-from rollout_worker.api.layout import Layout, candidate_layouts, tp_problem
+from rollout_worker.scheduling.layout import Layout, candidate_layouts, tp_problem
 
 from rollout_operator.api.job import RolloutJobSpec
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout_worker.api.costs import COSTS_ENV, CostModel, costs_json
-from rollout_worker.api.engine_settings import settings_args
-from rollout_worker.api.layout import Layout
+from rollout_worker.config.engine_settings import settings_args
+from rollout_worker.scheduling.costs import COSTS_ENV, CostModel, costs_json
+from rollout_worker.scheduling.layout import Layout
 
 from rollout_operator.api.job import RolloutJobSpec
 

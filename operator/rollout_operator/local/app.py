@@ -13,8 +13,8 @@ from typing import Any
 
 from rollout_profiler.planning.predictor import Prior
 from rollout_profiler.profile import ModelShape, Profile
-from rollout_worker.api.layout import Layout
 from rollout_worker.api.sidecar import Progress, read_outputs
+from rollout_worker.scheduling.layout import Layout
 
 from rollout_operator.api.job import RolloutJobSpec
 from rollout_operator.api.manifest import LoadedJob

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollout_worker.api.layout import Layout
+from rollout_worker.scheduling.layout import Layout
 from rollout_worker.web.probe import Prober, percentile
 
 from rollout_operator.local.app import Prepared, outputs_equal, planning

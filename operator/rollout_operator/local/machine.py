@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from rollout_profiler.profile import KVCapacity, ModelShape
-from rollout_worker.api.engine_settings import DTYPE_BYTES, EngineSettings
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.config.engine_settings import DTYPE_BYTES, EngineSettings
+from rollout_worker.config.model_config import ModelConfig
+from rollout_worker.errors import UserError
 from rollout_worker.machine import gpu_memory, machine_memory
 
 GIB = 1 << 30

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollout_worker.api.costs import CostModel
-from rollout_worker.api.layout import Layout
+from rollout_worker.scheduling.costs import CostModel
+from rollout_worker.scheduling.layout import Layout
 from rollout_worker.sidecar.settings import settings_env
 
 from rollout_operator.api.job import RolloutJobSpec

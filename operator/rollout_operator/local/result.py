@@ -9,10 +9,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.layout import Layout
 from rollout_worker.api.plan import ReconfigEvent
 from rollout_worker.api.sidecar import output_files
+from rollout_worker.errors import UserError
+from rollout_worker.scheduling.layout import Layout
 from rollout_worker.sidecar.outputs import sha256_of
 
 from rollout_operator.api.job import RolloutJobSpec, samples_hash

@@ -10,8 +10,8 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from rollout_worker.api.reward import answer
 from rollout_worker.api.sidecar import Sample
+from rollout_worker.data.reward import answer
 from rollout_worker.web.probe import percentile
 
 

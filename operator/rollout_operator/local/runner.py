@@ -20,10 +20,10 @@ import httpx
 from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.planning.planner import PlannerPolicy
 from rollout_profiler.planning.predictor import Prior
-from rollout_worker.api.errors import EngineError
-from rollout_worker.api.layout import Layout
 from rollout_worker.api.sidecar import Progress, Sample, output_files, read_outputs
+from rollout_worker.errors import EngineError
 from rollout_worker.proc import free_port
+from rollout_worker.scheduling.layout import Layout
 from rollout_worker.sidecar.outputs import write_manifest
 
 from rollout_operator.api.manifest import LoadedJob

@@ -10,12 +10,12 @@ from typing import Any, TypeVar
 
 from pydantic.alias_generators import to_camel
 from rollout_profiler.profile import Profile
-from rollout_worker.api.errors import FieldPath, UserError
-from rollout_worker.api.files import check_writable
-from rollout_worker.api.layout import Layout
-from rollout_worker.api.model_config import ModelConfig
-from rollout_worker.api.prompts import ChatTemplate, Prompt, load_prompts
 from rollout_worker.api.requests import check_ids, check_length
+from rollout_worker.config.model_config import ModelConfig
+from rollout_worker.data.files import check_writable
+from rollout_worker.data.prompts import ChatTemplate, Prompt, load_prompts
+from rollout_worker.errors import FieldPath, UserError
+from rollout_worker.scheduling.layout import Layout
 
 from rollout_operator.api.manifest import LoadedJob
 from rollout_operator.control.jobplan import Refusal
@@ -35,7 +35,7 @@ def load_job_prompts(loaded: LoadedJob) -> list[Prompt]:
         return []
     if not Path(spec.prompts.path).is_file():
         raise loaded.error(where, f"file not found: {spec.prompts.path}")
-    from rollout_worker.engine.presets import preset_tokenizer_config
+    from rollout_worker.engine.model.presets import preset_tokenizer_config
 
     template = ChatTemplate.of_model(spec.model.path)
     if template is None and spec.model.preset and not (Path(spec.model.path) / "config.json").exists():
@@ -59,7 +59,7 @@ def check_model(loaded: LoadedJob) -> ModelConfig:
         raise loaded.error(where, f"no checkpoint at {path} (and no preset to make one)")
     if path.exists() and any(path.iterdir()):
         raise loaded.error(where, f"{path} is not a checkpoint (no config.json) and not empty")
-    from rollout_worker.engine.presets import preset_config
+    from rollout_worker.engine.model.presets import preset_config
 
     try:
         check_writable(path, "path", directory=True)  # where the preset's checkpoint will be made
@@ -124,8 +124,8 @@ def _blame(tokens: int, context: int, kv: int | None, p: Prompt, job_cap: int) -
 def _encoder(loaded: LoadedJob, model: ModelConfig) -> Callable[[str], list[int]]:
     """Text -> token ids as the engine server encodes it: the checkpoint's tokenizer, or the one that a
     preset's checkpoint will get."""
-    from rollout_worker.engine.presets import preset_tokenizer
-    from rollout_worker.engine.tokenizer import TextCodec
+    from rollout_worker.engine.model.presets import preset_tokenizer
+    from rollout_worker.engine.model.tokenizer import TextCodec
 
     path = Path(loaded.job.spec.model.path)
     if (path / "config.json").exists():
@@ -162,8 +162,8 @@ def make_model_if_missing(loaded: LoadedJob, progress: Callable[[int, int], Any]
     spec = loaded.job.spec.model
     if (Path(spec.path) / "config.json").exists():
         return None
-    from rollout_worker.engine.checkpoint import make_model
-    from rollout_worker.engine.presets import preset_origin
+    from rollout_worker.engine.model.checkpoint import make_model
+    from rollout_worker.engine.model.presets import preset_origin
 
     assert spec.preset is not None
     make_model(spec.preset, 0, spec.path, spec.dtype, progress=progress)

@@ -35,8 +35,8 @@ from statistics import median
 from typing import Any
 
 import numpy as np
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.layout import Layout
+from rollout_worker.errors import UserError
+from rollout_worker.scheduling.layout import Layout
 
 from rollout_profiler.profile import Profile
 

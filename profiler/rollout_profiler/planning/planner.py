@@ -33,8 +33,9 @@ Decision. Switch now only if the plan's first move is at chunk 0 *and*
 is kept to the end minus the plan's remaining time after switching (later switch costs included), and
 ``cost`` the switch's cost. Nothing happens while a rank is not ready or within the cooldown.
 
-Switch cost: :func:`switch_cost`, i.e. the one cost model of :mod:`rollout_worker.api.costs` that the engine
-uses too, with the moved KV bytes estimated by :func:`~rollout_worker.api.costs.estimated_moved_bytes`.
+Switch cost: :func:`switch_cost`, i.e. the one cost model of :mod:`rollout_worker.scheduling.costs` that the
+engine
+uses too, with the moved KV bytes estimated by :func:`~rollout_worker.scheduling.costs.estimated_moved_bytes`.
 """
 
 from __future__ import annotations
@@ -42,10 +43,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from rollout_worker.api.costs import METHODS, CostModel, KVMethod, estimated_moved_bytes
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.layout import Layout
 from rollout_worker.api.plan import Trigger
+from rollout_worker.errors import UserError
+from rollout_worker.scheduling.costs import METHODS, CostModel, KVMethod, estimated_moved_bytes
+from rollout_worker.scheduling.layout import Layout
 
 from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.planning.predictor import LengthPredictor

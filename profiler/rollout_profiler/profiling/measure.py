@@ -25,14 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from rollout_worker import __version__
-from rollout_worker.api.engine_settings import DTYPE_BYTES, EngineSettings
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.heads import max_q_heads
-from rollout_worker.api.layout import Layout
-from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.config.engine_settings import DTYPE_BYTES, EngineSettings
+from rollout_worker.config.model_config import ModelConfig
 from rollout_worker.engine.config import EngineConfig
-from rollout_worker.engine.launcher import run_task
-from rollout_worker.engine.measure import measure_grid, measure_prefill, measure_reconfig
+from rollout_worker.engine.driver.launcher import run_task
+from rollout_worker.engine.rank.measure import measure_grid, measure_prefill, measure_reconfig
+from rollout_worker.errors import UserError
+from rollout_worker.scheduling.heads import max_q_heads
+from rollout_worker.scheduling.layout import Layout
 
 from rollout_profiler.profile import CostModel, ModelShape, Profile, ReconfigPoint, StepPoint
 
@@ -329,7 +329,7 @@ def profile_shard_equivalent(
 
 
 def _shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
-    from rollout_worker.engine.checkpoint_index import tensor_shapes
+    from rollout_worker.engine.model.checkpoint_index import tensor_shapes
 
     return [s for _, s in tensor_shapes(cfg)]
 

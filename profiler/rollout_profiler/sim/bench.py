@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rollout_worker.api.layout import Layout
+from rollout_worker.scheduling.layout import Layout
 
 from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.planning.planner import PlannerPolicy, PodSnapshot, ReplicaState, decide

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.layout import Layout
 from rollout_worker.api.plan import ReconfigEvent
+from rollout_worker.errors import UserError
+from rollout_worker.scheduling.layout import Layout
 
 from rollout_profiler.planning.planner import ADMISSIONS, PlannerPolicy
 from rollout_profiler.planning.predictor import Prior

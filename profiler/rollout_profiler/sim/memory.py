@@ -14,7 +14,8 @@ queue never skips its head (first come, first served):
   replica's share of the pod's prefill rate (``costs.recompute_tokens_per_ms x T / G``), which stalls that
   replica.
 * ``paged`` (what the engine's paged pool does, decided by the engine's own functions,
-  :mod:`rollout_worker.api.kv_schedule`): the replica holds ``K / page_size`` pages, a request the pages of
+  :mod:`rollout_worker.scheduling.kv_schedule`): the replica holds ``K / page_size`` pages, a request the
+  pages of
   its cached tokens; admission is optimistic (running requests charged their remaining tokens times the
   new-token ratio, which decays every decode step and is raised after a retraction); when the next step
   cannot get its pages, the requests that decoded fewest tokens are retracted to the head of the queue and
@@ -34,8 +35,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
-from rollout_worker.api.engine_settings import DEFAULTS
-from rollout_worker.api.kv_schedule import (
+from rollout_worker.config.engine_settings import DEFAULTS
+from rollout_worker.scheduling.kv_schedule import (
     CLIP_MAX_NEW_TOKENS,
     SGLANG_RATIO,
     Req,
@@ -43,7 +44,7 @@ from rollout_worker.api.kv_schedule import (
     ratio_after_retraction,
     to_retract,
 )
-from rollout_worker.api.pages import pages_for
+from rollout_worker.scheduling.pages import pages_for
 
 WAITING, RUNNING, DONE = 0, 1, 2
 _NO_LIMIT = 1 << 40
@@ -174,7 +175,7 @@ class Admission:
     def carry(self, req: Requests, r: int, idx: np.ndarray) -> np.ndarray:
         """``paged``: a switch carries the KV of requests ``idx`` (in their old slot order) onto replica
         ``r``; those that keep running there, as the engine's placement keeps them
-        (``rollout_worker.engine.migration.place``): one at a time, each when :func:`admit_counts` would
+        (``rollout_worker.engine.rank.migration.place``): one at a time, each when :func:`admit_counts` would
         admit it beside those kept before it. They run at once, with no prefill (their KV is moved or
         recomputed by the switch, which the switch's cost prices); the others wait, their KV dropped
         (re-prefilled when admitted). Returns the kept ones."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 from itertools import pairwise
 
 import numpy as np
-from rollout_worker.api.errors import UserError
+from rollout_worker.errors import UserError
 
 from rollout_profiler.planning.planner import switch_cost
 from rollout_profiler.sim.config import SimResult

@@ -20,8 +20,8 @@ import math
 from collections.abc import Callable
 
 import numpy as np
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.layout import Layout
+from rollout_worker.errors import UserError
+from rollout_worker.scheduling.layout import Layout
 
 from rollout_profiler.planning.planner import (
     Decision,

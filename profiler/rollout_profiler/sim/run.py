@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.layout import Layout
+from rollout_worker.errors import UserError
+from rollout_worker.scheduling.layout import Layout
 
 from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.sim.bounds import free_switch_bound, tail_bound

@@ -6,7 +6,8 @@ generated tokens of its running requests) and nobody waits for the slowest repli
 to replicas when they arrive (all at time 0, in order: the replica with the fewest unfinished requests
 first) and wait in that replica's queue until admitted. The replicas meet only to reconfigure: at a switch
 each replica finishes the step it is in, the pod pays the switch cost (the one
-:class:`~rollout_worker.api.costs.CostModel`, :func:`~rollout_profiler.planning.planner.switch_cost`), and
+:class:`~rollout_worker.scheduling.costs.CostModel`, :func:`~rollout_profiler.planning.planner.switch_cost`),
+and
 the unfinished requests are rebalanced over the new replicas by remaining work, longest first (equal work:
 by count).
 
@@ -42,11 +43,11 @@ import math
 from typing import Protocol
 
 import numpy as np
-from rollout_worker.api.costs import METHODS, estimated_moved_bytes
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.layout import Layout, candidate_layouts
 from rollout_worker.api.plan import Plan, ReconfigEvent, Trigger
 from rollout_worker.api.state import EngineState
+from rollout_worker.errors import UserError
+from rollout_worker.scheduling.costs import METHODS, estimated_moved_bytes
+from rollout_worker.scheduling.layout import Layout, candidate_layouts
 
 from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.planning.planner import PlannerPolicy, switch_cost

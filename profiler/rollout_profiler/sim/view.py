@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from rollout_worker.api.layout import Layout
 from rollout_worker.api.plan import Plan
 from rollout_worker.api.state import EngineState
+from rollout_worker.scheduling.layout import Layout
 
 from rollout_profiler.sim.memory import DONE, RUNNING, WAITING, Requests
 

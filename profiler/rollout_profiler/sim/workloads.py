@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.jsonl import iter_jsonl
+from rollout_worker.data.jsonl import iter_jsonl
+from rollout_worker.errors import UserError
 
 DEFAULT_PROMPT_LEN = 256
 

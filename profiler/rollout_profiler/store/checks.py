@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from rollout_worker.api.errors import UserError
+from rollout_worker.errors import UserError
 from sqlalchemy import FromClause
 from sqlalchemy.sql.sqltypes import String
 

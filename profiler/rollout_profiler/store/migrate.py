@@ -15,7 +15,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from rollout_worker.api.errors import UserError
+from rollout_worker.errors import UserError
 from sqlalchemy import Engine
 
 from rollout_profiler.store.engine import make_engine, mask_url, reachable

@@ -13,7 +13,7 @@ import dataclasses
 from datetime import datetime
 from typing import Any
 
-from rollout_worker.api.errors import UserError
+from rollout_worker.errors import UserError
 from sqlalchemy import case, func, insert, select
 from sqlalchemy.orm import Session, selectinload
 

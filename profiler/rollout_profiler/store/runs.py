@@ -9,8 +9,8 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.layout import Layout
+from rollout_worker.errors import UserError
+from rollout_worker.scheduling.layout import Layout
 from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 

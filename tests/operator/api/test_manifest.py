@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 from rollout_operator.api.manifest import parse_job
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.layout import Layout
+from rollout_worker.errors import UserError
+from rollout_worker.scheduling.layout import Layout
 
 GOOD = """apiVersion: elasticrollout.dev/v1alpha1
 kind: RolloutJob

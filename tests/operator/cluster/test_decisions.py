@@ -13,8 +13,8 @@ from rollout_operator.cluster.decisions import PodTick, apply_ticks
 from rollout_operator.control.loop import Outcome
 from rollout_profiler.planning.planner import Decision
 from rollout_profiler.planning.tick import TickResult
-from rollout_worker.api.layout import Layout
 from rollout_worker.api.plan import ReconfigEvent
+from rollout_worker.scheduling.layout import Layout
 
 NOW = datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)
 

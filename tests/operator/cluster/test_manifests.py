@@ -13,7 +13,7 @@ from rollout_operator.api.job import RolloutJobSpec
 from rollout_operator.cluster.manifests import JobRef, PodPlan, build_pod, build_secret, build_service
 from rollout_operator.cluster.plan import Refusal, check_cluster_fields, parse_spec, plan_pods
 from rollout_profiler.profile import Profile
-from rollout_worker.api.layout import Layout
+from rollout_worker.scheduling.layout import Layout
 from rollout_worker.sidecar.settings import SidecarFields
 
 PROFILE = Profile.from_json(Path(__file__).parents[2] / "data" / "tiny-2rank-tp2-pays.json")

@@ -18,7 +18,7 @@ from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.profile import Profile
 from rollout_profiler.store import migrate, repo
 from rollout_profiler.store.engine import make_engine
-from rollout_worker.api.layout import Layout
+from rollout_worker.scheduling.layout import Layout
 from sqlalchemy.orm import Session
 
 from tests.operator.local.jobs import PROFILE, job_doc, write_prompts

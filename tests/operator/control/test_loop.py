@@ -18,10 +18,10 @@ from rollout_profiler.planning.planner import PlannerPolicy
 from rollout_profiler.profile import Profile
 from rollout_profiler.store import engine as db_engine
 from rollout_profiler.store import migrate, runs
-from rollout_worker.api.layout import Layout
 from rollout_worker.api.sglang import GenerateRequest
-from rollout_worker.engine.batch import run_batch
 from rollout_worker.engine.config import EngineConfig
+from rollout_worker.engine.driver.batch import run_batch
+from rollout_worker.scheduling.layout import Layout
 from rollout_worker.server.convert import to_jobs
 from sqlalchemy.orm import Session
 

@@ -15,7 +15,7 @@ from rollout_operator.kube.runtime import JobRuntime
 from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.planning.planner import PlannerPolicy
 from rollout_profiler.profile import Profile
-from rollout_worker.api.layout import Layout
+from rollout_worker.scheduling.layout import Layout
 
 from tests.operator.local.jobs import PROFILE
 

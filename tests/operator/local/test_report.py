@@ -15,9 +15,9 @@ from rollout_operator.local.result import Point, RunResult
 from rollout_operator.local.runner import _nearest, _tally
 from rollout_profiler.planning.planner import Decision
 from rollout_profiler.planning.tick import TickResult
-from rollout_worker.api.layout import Layout
 from rollout_worker.api.plan import ReconfigEvent
 from rollout_worker.api.sidecar import Sample, output_file, read_outputs
+from rollout_worker.scheduling.layout import Layout
 
 from tests.worker.sidecar.test_outputs import rec
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from rollout_operator.local.report import as_dict, lines
 from rollout_operator.local.result import RunResult
 from rollout_operator.local.rollout_stats import stats_of
-from rollout_worker.api.layout import Layout
 from rollout_worker.api.sidecar import Sample
+from rollout_worker.scheduling.layout import Layout
 from rollout_worker.sidecar.outputs import SampleWriter
 
 

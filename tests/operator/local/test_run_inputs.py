@@ -13,8 +13,8 @@ import torch
 from rollout_operator.api.manifest import load_job
 from rollout_operator.cli.main import app
 from rollout_operator.local import result as res
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.layout import Layout
+from rollout_worker.errors import UserError
+from rollout_worker.scheduling.layout import Layout
 from rollout_worker.sidecar.outputs import write_manifest
 from typer.testing import CliRunner
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from rollout_operator.api.manifest import LoadedJob, parse_job
 from rollout_operator.local.setup import check_model, check_prompts_fit, load_job_prompts
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.prompts import ChatTemplate
-from rollout_worker.engine import presets
+from rollout_worker.data.prompts import ChatTemplate
+from rollout_worker.engine.model import presets
+from rollout_worker.errors import UserError
 
 JOB = """apiVersion: elasticrollout.dev/v1alpha1
 kind: RolloutJob

@@ -10,8 +10,8 @@ import pytest
 from rollout_profiler.planning.latency import LatencyModel, holdout_error
 from rollout_profiler.profile import CostModel, ModelShape, Profile, StepPoint
 from rollout_profiler.profiling import modelled
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.layout import Layout
+from rollout_worker.errors import UserError
+from rollout_worker.scheduling.layout import Layout
 
 SHAPE = ModelShape("toy", "LlamaForCausalLM", 64, 2, 8, 8, 8, 128, 100)
 COSTS = CostModel(1e6, 1.0, 100.0, 1.0, 1.0, 10.0, 1.0)

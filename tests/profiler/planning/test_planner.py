@@ -28,7 +28,7 @@ from rollout_profiler.planning.planner import (
 )
 from rollout_profiler.planning.predictor import LengthPredictor, fit
 from rollout_profiler.profile import CostModel, ModelShape, Profile, StepPoint
-from rollout_worker.api.layout import Layout
+from rollout_worker.scheduling.layout import Layout
 
 SHAPE = ModelShape("toy", "LlamaForCausalLM", 64, 2, 8, 8, 8, 128, 100)  # 1,024 KV bytes/token (fp32)
 LINES = {1: (10.0, 0.1), 2: (6.0, 0.15), 4: (4.0, 0.25), 8: (3.0, 0.5)}

@@ -9,7 +9,6 @@ from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.planning.planner import PlannerPolicy
 from rollout_profiler.planning.tick import PodMemory, snapshot, tick
 from rollout_profiler.profile import Profile
-from rollout_worker.api.layout import Layout
 from rollout_worker.api.state import (
     EngineState,
     FinishedLengths,
@@ -17,6 +16,7 @@ from rollout_worker.api.state import (
     RunningRequest,
     WaitingRequest,
 )
+from rollout_worker.scheduling.layout import Layout
 
 PROFILE = Path(__file__).parents[2] / "data" / "tiny-2rank-tp2-pays.json"
 POLICY = PlannerPolicy(candidates=(Layout(2, 1), Layout(1, 2)), margin=0.1, min_gain_ms=5.0)

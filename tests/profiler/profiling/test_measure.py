@@ -11,8 +11,8 @@ from rollout_profiler.planning.latency import holdout_error
 from rollout_profiler.profile import Profile
 from rollout_profiler.profiling.measure import shard_config
 from rollout_profiler.store import engine, repo
-from rollout_worker.api.model_config import ModelConfig
-from rollout_worker.engine.presets import preset_config
+from rollout_worker.config.model_config import ModelConfig
+from rollout_worker.engine.model.presets import preset_config
 from sqlalchemy.orm import Session
 
 from tests.conftest import run_cli as cli

@@ -14,10 +14,10 @@ from rollout_profiler.profile import CostModel, KVCapacity, ModelShape, Profile,
 from rollout_profiler.sim.config import SimConfig
 from rollout_profiler.sim.simulator import Simulator
 from rollout_profiler.sim.workloads import Workload
-from rollout_worker.api.layout import Layout
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import Sampling
-from rollout_worker.engine.sequence import Sequence
+from rollout_worker.engine.rank.sequence import Sequence
+from rollout_worker.scheduling.layout import Layout
 
 from tests.worker.engine.replica_util import replica
 

@@ -21,8 +21,8 @@ from rollout_profiler.sim.policies import AdaptiveController, ScheduleController
 from rollout_profiler.sim.run import parse_policies, simulate
 from rollout_profiler.sim.simulator import Simulator
 from rollout_profiler.sim.workloads import Workload, synthetic
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.layout import Layout
+from rollout_worker.errors import UserError
+from rollout_worker.scheduling.layout import Layout
 
 SHAPE = ModelShape("toy", "LlamaForCausalLM", 64, 2, 8, 8, 8, 128, 100)
 COSTS = CostModel(1e30, 0.0, 100.0, 50.0, 1.0, 30.0, 5.0)  # a grow switch costs 5 + 1 + 0 ms (migrate)

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from rollout_profiler.sim.workloads import load, load_jsonl, synthetic
-from rollout_worker.api.errors import UserError
+from rollout_worker.errors import UserError
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -18,8 +18,8 @@ from rollout_profiler.store.models import Base, ProfileRow, StepLatencyPointRow
 from rollout_profiler.store.testing import (
     sample_profile,
 )
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.layout import Layout
+from rollout_worker.errors import UserError
+from rollout_worker.scheduling.layout import Layout
 from sqlalchemy import Engine, delete, inspect, select
 from sqlalchemy.orm import Session
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
-from rollout_worker.api.errors import field_errors
 from rollout_worker.api.plan import Plan
+from rollout_worker.errors import field_errors
 
 
 def test_two_triggers_at_one_threshold_are_refused_naming_the_second() -> None:

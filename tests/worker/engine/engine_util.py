@@ -8,19 +8,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rollout_worker.api.layout import Layout
-from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.api.plan import Trigger
 from rollout_worker.api.requests import RequestSpec, parse_request
 from rollout_worker.api.sampling import Sampling
-from rollout_worker.engine.batch import BatchResult, run_batch
+from rollout_worker.config.model_config import ModelConfig
 from rollout_worker.engine.bench_lossless import Case, compare
-from rollout_worker.engine.checkpoint import CheckpointReader
 from rollout_worker.engine.config import EngineConfig
-from rollout_worker.engine.kvcache import KVPool, single_row
-from rollout_worker.engine.model import Decoder
-from rollout_worker.engine.parallel import SINGLE
-from rollout_worker.engine.weights import load_shard
+from rollout_worker.engine.driver.batch import BatchResult, run_batch
+from rollout_worker.engine.model.checkpoint import CheckpointReader
+from rollout_worker.engine.model.kvcache import KVPool, single_row
+from rollout_worker.engine.model.model import Decoder
+from rollout_worker.engine.model.parallel import SINGLE
+from rollout_worker.engine.model.weights import load_shard
+from rollout_worker.scheduling.layout import Layout
 
 
 def requests(n: int = 16, seed: int = 0, vocab: int = 512) -> list[RequestSpec]:

@@ -5,15 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from rollout_worker.api.kv_schedule import SGLANG_RATIO, RatioPolicy
-from rollout_worker.api.model_config import ModelConfig
-from rollout_worker.engine.checkpoint import CheckpointReader
-from rollout_worker.engine.invariant import RowChunks
-from rollout_worker.engine.kvcache import KVPool
-from rollout_worker.engine.model import Decoder
-from rollout_worker.engine.parallel import SINGLE
-from rollout_worker.engine.replica import Limits, Replica
-from rollout_worker.engine.weights import load_shard
+from rollout_worker.config.model_config import ModelConfig
+from rollout_worker.engine.kernels.invariant import RowChunks
+from rollout_worker.engine.model.checkpoint import CheckpointReader
+from rollout_worker.engine.model.kvcache import KVPool
+from rollout_worker.engine.model.model import Decoder
+from rollout_worker.engine.model.parallel import SINGLE
+from rollout_worker.engine.model.weights import load_shard
+from rollout_worker.engine.rank.replica import Limits, Replica
+from rollout_worker.scheduling.kv_schedule import SGLANG_RATIO, RatioPolicy
 
 
 def replica(

@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rollout_worker.api.layout import Layout
 from rollout_worker.api.requests import RequestSpec
-from rollout_worker.engine.batch import BatchResult
 from rollout_worker.engine.bench_lossless import CHAINS, REFERENCE, STATIC, Case, chat_requests, run_case
-from rollout_worker.engine.checkpoint import make_model
+from rollout_worker.engine.driver.batch import BatchResult
+from rollout_worker.engine.model.checkpoint import make_model
+from rollout_worker.scheduling.layout import Layout
 
 from tests.worker.engine.engine_util import assert_chain_ran, grpo_groups, requests, run
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from rollout_worker.api.layout import Layout
+from rollout_worker.scheduling.layout import Layout
 
 from tests.worker.engine.engine_util import requests, run, tokens
 

@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 import torch
-from rollout_worker.api.layout import Layout
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import Sampling
 from rollout_worker.engine.finish import Finish, FinishAbort, FinishStop
-from rollout_worker.engine.replica import Replica
-from rollout_worker.engine.sequence import Sequence
+from rollout_worker.engine.rank.replica import Replica
+from rollout_worker.engine.rank.sequence import Sequence
+from rollout_worker.scheduling.layout import Layout
 
 from tests.worker.engine.engine_util import run, tokens
 from tests.worker.engine.replica_util import replica

@@ -7,14 +7,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from rollout_worker.api.errors import EngineError
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import Sampling
-from rollout_worker.engine.batch import Collector
-from rollout_worker.engine.book import Update
-from rollout_worker.engine.driver import Engine, Observer
+from rollout_worker.engine.driver.batch import Collector
+from rollout_worker.engine.driver.book import Update
+from rollout_worker.engine.driver.driver import Engine, Observer
 from rollout_worker.engine.finish import FinishAbort
 from rollout_worker.engine.messages import Faults, StepReport
+from rollout_worker.errors import EngineError
 
 from tests.worker.engine.engine_util import config, requests, run, tokens
 

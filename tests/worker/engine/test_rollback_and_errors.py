@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 import torch
-from rollout_worker.api.errors import EngineError
-from rollout_worker.engine.launcher import run_task
-from rollout_worker.engine.measure import probe_logits
-from rollout_worker.engine.state import Faults
+from rollout_worker.engine.driver.launcher import run_task
+from rollout_worker.engine.rank.measure import probe_logits
+from rollout_worker.engine.rank.state import Faults
+from rollout_worker.errors import EngineError
 
 from tests.worker.engine.engine_util import config, run, tokens
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from rollout_worker.engine.checkpoint import make_model
+from rollout_worker.engine.model.checkpoint import make_model
 
 from tests.worker.server.served import Served, start
 

@@ -8,11 +8,11 @@ import asyncio
 from typing import Any, cast
 
 import pytest
-from rollout_worker.api.errors import UserError
-from rollout_worker.engine.book import Update
-from rollout_worker.engine.driver import Engine
+from rollout_worker.engine.driver.book import Update
+from rollout_worker.engine.driver.driver import Engine
 from rollout_worker.engine.finish import FinishAbort, FinishLength
 from rollout_worker.engine.messages import TokenOut
+from rollout_worker.errors import UserError
 from rollout_worker.server.bridge import AsyncEngine
 
 

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
-from rollout_worker.api.errors import UserError
 from rollout_worker.api.sampling import default_seed
 from rollout_worker.api.sglang import GenerateRequest
-from rollout_worker.engine.book import Update
+from rollout_worker.engine.driver.book import Update
 from rollout_worker.engine.finish import FinishStop
 from rollout_worker.engine.messages import TokenOut
-from rollout_worker.engine.tokenizer import TextCodec
+from rollout_worker.engine.model.tokenizer import TextCodec
+from rollout_worker.errors import UserError
 from rollout_worker.server.convert import Output, to_jobs
 
 

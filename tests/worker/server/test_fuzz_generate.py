@@ -17,8 +17,8 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.api.sglang import NEUTRAL_GENERATE, NEUTRAL_SAMPLING, GenerateRequest, SamplingParams
+from rollout_worker.config.model_config import ModelConfig
 from rollout_worker.web.errors import ErrorBody
 
 from tests.worker.server.served import Served, start

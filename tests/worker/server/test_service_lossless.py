@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 from rollout_worker.api.sglang import GenerateRequest
-from rollout_worker.engine.batch import run_batch
 from rollout_worker.engine.config import EngineConfig
+from rollout_worker.engine.driver.batch import run_batch
 from rollout_worker.server.convert import to_jobs
 
 from tests.waiting import wait_until
@@ -185,12 +185,12 @@ def _reference_logprob(
 def _logits64(model_dir: Path, ids: list[int]) -> np.ndarray:
     """Float64 logits at every position from one in-process TP-1 decoder (no ranks, no server, no sampler).
     transformers is no float64 reference here: its RMSNorm computes in float32 whatever the dtype."""
-    from rollout_worker.api.model_config import ModelConfig
-    from rollout_worker.engine.checkpoint import CheckpointReader
-    from rollout_worker.engine.kvcache import KVPool, single_row
-    from rollout_worker.engine.model import Decoder
-    from rollout_worker.engine.parallel import SINGLE
-    from rollout_worker.engine.weights import load_shard
+    from rollout_worker.config.model_config import ModelConfig
+    from rollout_worker.engine.model.checkpoint import CheckpointReader
+    from rollout_worker.engine.model.kvcache import KVPool, single_row
+    from rollout_worker.engine.model.model import Decoder
+    from rollout_worker.engine.model.parallel import SINGLE
+    from rollout_worker.engine.model.weights import load_shard
 
     cfg = ModelConfig.load(model_dir)
     w = load_shard(CheckpointReader(model_dir, cfg), cfg, 1, 0, torch.float64, torch.device("cpu"))

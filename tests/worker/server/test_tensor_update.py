@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from rollout_worker.api.errors import UserError
+from rollout_worker.errors import UserError
 from rollout_worker.server.tensor_update import decode
 from safetensors.torch import save
 

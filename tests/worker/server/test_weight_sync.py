@@ -15,9 +15,9 @@ from typing import Any
 
 import httpx
 import pytest
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.model_config import ModelConfig
-from rollout_worker.engine.checkpoint_index import tensor_shapes
+from rollout_worker.config.model_config import ModelConfig
+from rollout_worker.engine.model.checkpoint_index import tensor_shapes
+from rollout_worker.errors import UserError
 from rollout_worker.proc import free_port
 from rollout_worker.server.tensor_update import check_announced
 

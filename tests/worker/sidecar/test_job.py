@@ -12,10 +12,10 @@ from typing import Any
 
 import httpx
 import pytest
-from rollout_worker.api.prompts import ChatTemplate
-from rollout_worker.api.reward import reward_of
 from rollout_worker.api.sampling import sample_seed
 from rollout_worker.api.sidecar import Progress, Sample, SamplesPage, SidecarState
+from rollout_worker.data.prompts import ChatTemplate
+from rollout_worker.data.reward import reward_of
 
 from tests.waiting import wait_until
 from tests.worker.server.served import Served

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rollout_worker.api.prompts import Prompt
 from rollout_worker.api.sampling import sample_seed
 from rollout_worker.api.sidecar import Sample
+from rollout_worker.data.prompts import Prompt
 from rollout_worker.sidecar.engine import EngineClient
 from rollout_worker.sidecar.job import Job
 from rollout_worker.sidecar.metrics import SidecarMetrics

@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.prompts import Prompt
 from rollout_worker.api.sampling import sample_seed
 from rollout_worker.api.sidecar import Sample, SamplingSettings, read_outputs, read_samples
+from rollout_worker.data.prompts import Prompt
+from rollout_worker.errors import UserError
 from rollout_worker.sidecar.job import Job
 from rollout_worker.sidecar.outputs import SampleWriter, sha256_of, write_manifest
 

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from rollout_worker.api.errors import UserError
+from rollout_worker.errors import UserError
 from rollout_worker.sidecar.settings import SidecarFields, describe, load_settings, settings_env
 
 from tests.conftest import run_cli

@@ -1,1 +1,2 @@
-"""Torch-free contracts shared by the engine, its HTTP server, the CLI, the sidecar, the planner and tests."""
+"""Wire contracts, torch-free: SGLang's bodies, the engine's requests and sampling, the planner's state and
+plans, the sidecar's bodies, weight-update formats."""

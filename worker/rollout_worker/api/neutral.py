@@ -15,7 +15,7 @@ from functools import cache
 from importlib.resources import files
 from typing import Any
 
-from rollout_worker.api.errors import FieldAt
+from rollout_worker.errors import FieldAt
 
 Neutral = Mapping[str, tuple[Any, ...]]
 

@@ -10,9 +10,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from rollout_worker.api.costs import METHODS, KVMethod, Method
-from rollout_worker.api.errors import FieldAt, UserError
-from rollout_worker.api.layout import Layout, LayoutField
+from rollout_worker.errors import FieldAt, UserError
+from rollout_worker.scheduling.costs import METHODS, KVMethod, Method
+from rollout_worker.scheduling.layout import Layout, LayoutField
 
 
 class Trigger(BaseModel):

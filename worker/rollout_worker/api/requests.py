@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.jsonl import iter_jsonl
 from rollout_worker.api.sampling import Sampling, default_seed
 from rollout_worker.api.sglang import SamplingParams
+from rollout_worker.data.jsonl import iter_jsonl
+from rollout_worker.errors import UserError
 
 FIELDS = {
     "id",

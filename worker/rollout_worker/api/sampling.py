@@ -1,4 +1,5 @@
-"""How the engine draws a request's tokens (torch-free). The sampler is ``rollout_worker.engine.sampling``.
+"""How the engine draws a request's tokens (torch-free). The sampler is
+``rollout_worker.engine.rank.sampling``.
 
 Three names, one meaning each: :class:`Sampling` is what the engine's ranks draw with;
 ``rollout_worker.api.sglang.SamplingParams`` is the ``sampling_params`` of SGLang's ``/generate`` (its

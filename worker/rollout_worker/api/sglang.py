@@ -16,10 +16,10 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from rollout_worker.api.errors import FieldAt, FieldPath
 from rollout_worker.api.load_format import DiskFormat, DistributedFormat, TensorFormat
 from rollout_worker.api.neutral import drop_nulls, sglang_neutral, strip_neutral
 from rollout_worker.api.sampling import Sampling
+from rollout_worker.errors import FieldAt, FieldPath
 
 
 def _not_text(data: Any, path: FieldPath = ()) -> FieldPath | None:

@@ -14,10 +14,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from rollout_worker.api.errors import UserError
 from rollout_worker.api.sampling import sample_seed
 from rollout_worker.api.sglang import SamplingParams
 from rollout_worker.api.state import EngineState
+from rollout_worker.errors import UserError
 
 Mode = Literal["job", "service"]
 

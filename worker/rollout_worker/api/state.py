@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout_worker.api.costs import Method
-from rollout_worker.api.layout import LayoutField
 from rollout_worker.api.plan import Plan, ReconfigEvent
+from rollout_worker.scheduling.costs import Method
+from rollout_worker.scheduling.layout import LayoutField
 
 
 class RunningRequest(BaseModel):

@@ -16,14 +16,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rollout_worker.api.engine_settings import parse_settings
-from rollout_worker.api.layout import Layout
-from rollout_worker.api.model_config import ModelConfig
-from rollout_worker.engine.checkpoint import make_model
+from rollout_worker.config.engine_settings import parse_settings
+from rollout_worker.config.model_config import ModelConfig
 from rollout_worker.engine.config import EngineConfig
-from rollout_worker.engine.launcher import run_task
-from rollout_worker.engine.measure import measure_grid, measure_reconfig
-from rollout_worker.engine.presets import preset_config
+from rollout_worker.engine.driver.launcher import run_task
+from rollout_worker.engine.model.checkpoint import make_model
+from rollout_worker.engine.model.presets import preset_config
+from rollout_worker.engine.rank.measure import measure_grid, measure_reconfig
+from rollout_worker.scheduling.layout import Layout
 
 GRAPH_MODES = (
     "on",

@@ -20,16 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.layout import Layout
-from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.api.plan import ReconfigEvent, Trigger
-from rollout_worker.api.prompts import ChatTemplate, load_prompts
 from rollout_worker.api.requests import RequestSpec, check_ids
 from rollout_worker.api.sampling import Sampling
-from rollout_worker.engine.batch import BatchResult, run_batch
+from rollout_worker.config.model_config import ModelConfig
+from rollout_worker.data.prompts import ChatTemplate, load_prompts
 from rollout_worker.engine.config import EngineConfig
-from rollout_worker.engine.tokenizer import TextCodec
+from rollout_worker.engine.driver.batch import BatchResult, run_batch
+from rollout_worker.engine.model.tokenizer import TextCodec
+from rollout_worker.errors import UserError
+from rollout_worker.scheduling.layout import Layout
 
 Echo = Callable[[str], Any]
 EXACT = "float64"

@@ -38,7 +38,7 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import Any
 
-from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.config.model_config import ModelConfig
 from rollout_worker.engine import bench_sharing
 
 Echo = Callable[[str], Any]

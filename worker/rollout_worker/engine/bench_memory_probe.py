@@ -21,10 +21,10 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
     import rollout_worker
     from rollout_worker.api.requests import RequestSpec
     from rollout_worker.api.sampling import Sampling
-    from rollout_worker.engine.batch import Collector
     from rollout_worker.engine.config import EngineConfig
-    from rollout_worker.engine.driver import Engine, Observer
-    from rollout_worker.engine.lifecycle import Health
+    from rollout_worker.engine.driver.batch import Collector
+    from rollout_worker.engine.driver.driver import Engine, Observer
+    from rollout_worker.engine.driver.lifecycle import Health
 
     cfg = EngineConfig.load(spec["model"], 1, dtype=spec["dtype"], **spec["settings"])
     reqs = [

@@ -59,8 +59,8 @@ NATURAL_CAP = 256
 
 def natural_set(model: Path, chat_prompts: Path, n: int = 16) -> list[dict[str, Any]]:
     """The first ``n`` chat prompts, rendered and tokenized as a job renders them, EOS honoured."""
-    from rollout_worker.api.prompts import ChatTemplate, load_prompts
-    from rollout_worker.engine.tokenizer import load_tokenizer
+    from rollout_worker.data.prompts import ChatTemplate, load_prompts
+    from rollout_worker.engine.model.tokenizer import load_tokenizer
 
     template = ChatTemplate.of_model(model)
     assert template is not None
@@ -79,8 +79,8 @@ def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 def _ours_steady(
     model: Path, rows: list[dict[str, Any]], cores: int, ignore_eos: bool = True
 ) -> tuple[float, dict[str, list[int]]]:
-    from rollout_worker.engine.batch import run_batch
     from rollout_worker.engine.config import EngineConfig
+    from rollout_worker.engine.driver.batch import run_batch
 
     cfg = EngineConfig.load(str(model), cores)
     specs = [
@@ -109,8 +109,8 @@ def run_peer_bench(
     echo: Echo,
     chat_prompts: Path | None = None,
 ) -> dict[str, Any]:
-    from rollout_worker.api.model_config import ModelConfig
-    from rollout_worker.api.prompts import ChatTemplate
+    from rollout_worker.config.model_config import ModelConfig
+    from rollout_worker.data.prompts import ChatTemplate
     from rollout_worker.engine.bench import ensure_model
 
     model = ensure_model(preset, work)

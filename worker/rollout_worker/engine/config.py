@@ -1,5 +1,5 @@
 """The engine's configuration, validated when it is built: the model on its ranks, and the engine's settings
-(:class:`rollout_worker.api.engine_settings.EngineSettings`, validated there). Errors name the field
+(:class:`rollout_worker.config.engine_settings.EngineSettings`, validated there). Errors name the field
 (``layout``, ``max_batch``); callers map fields to their own names."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rollout_worker.api.costs import DEFAULT_COSTS, CostModel
-from rollout_worker.api.engine_settings import DEFAULTS, DTYPES, EngineSettings, parse_settings
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.layout import MAX_RANKS, Layout
-from rollout_worker.api.model_config import ModelConfig
+from rollout_worker.config.engine_settings import DEFAULTS, DTYPES, EngineSettings, parse_settings
+from rollout_worker.config.model_config import ModelConfig
+from rollout_worker.errors import UserError
+from rollout_worker.scheduling.costs import DEFAULT_COSTS, CostModel
+from rollout_worker.scheduling.layout import MAX_RANKS, Layout
 
 
 @dataclass(frozen=True, slots=True)

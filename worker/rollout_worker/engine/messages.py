@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_worker.api.costs import Method
-from rollout_worker.api.errors import ReconfigurationFailed
-from rollout_worker.api.layout import Layout
 from rollout_worker.api.plan import ReconfigEvent
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.engine.finish import Finish
+from rollout_worker.errors import ReconfigurationFailed
+from rollout_worker.scheduling.costs import Method
+from rollout_worker.scheduling.layout import Layout
 
 TopLogprobs = tuple[tuple[float, int], ...]  # (logprob, token id), best first
 PAUSE_MODES = ("abort", "retract", "in_place")

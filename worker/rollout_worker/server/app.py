@@ -16,12 +16,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from rollout_worker import __version__
-from rollout_worker.api.errors import EngineError
-from rollout_worker.api.prompts import ChatTemplate
+from rollout_worker.data.prompts import ChatTemplate
 from rollout_worker.engine.config import EngineConfig
-from rollout_worker.engine.driver import Engine
+from rollout_worker.engine.driver.driver import Engine
 from rollout_worker.engine.messages import Faults
-from rollout_worker.engine.tokenizer import TextCodec
+from rollout_worker.engine.model.tokenizer import TextCodec
+from rollout_worker.errors import EngineError
 from rollout_worker.server.deps import ServerState
 from rollout_worker.server.metrics import Metrics
 from rollout_worker.server.routes import absent, chat, control, generate, info, openai, planner, weight_sync

@@ -30,9 +30,9 @@ import httpx
 
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import Sampling
-from rollout_worker.engine.batch import run_batch
 from rollout_worker.engine.bench import ensure_model
 from rollout_worker.engine.config import EngineConfig
+from rollout_worker.engine.driver.batch import run_batch
 from rollout_worker.server.process import start_server, stop_server
 from rollout_worker.web.probe import Prober, percentile
 

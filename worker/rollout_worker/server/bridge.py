@@ -12,9 +12,9 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
-from rollout_worker.api.errors import UserError
-from rollout_worker.engine.book import Update
-from rollout_worker.engine.driver import Engine
+from rollout_worker.engine.driver.book import Update
+from rollout_worker.engine.driver.driver import Engine
+from rollout_worker.errors import UserError
 
 T = TypeVar("T")
 # Work for at most this many requests (a body's jobs, their outputs) runs on the event loop: a worker

@@ -13,14 +13,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_worker.api.errors import UserError
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import default_seed, derived_seed
 from rollout_worker.api.sglang import GenerateRequest, SamplingParams
-from rollout_worker.engine.book import Update
+from rollout_worker.engine.driver.book import Update
 from rollout_worker.engine.finish import Finish, finish_json, matched_stop
 from rollout_worker.engine.messages import TopLogprobs
-from rollout_worker.engine.tokenizer import IncrementalText, TextCodec
+from rollout_worker.engine.model.tokenizer import IncrementalText, TextCodec
+from rollout_worker.errors import UserError
 
 
 @dataclass(frozen=True, slots=True)

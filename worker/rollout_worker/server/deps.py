@@ -12,11 +12,11 @@ import orjson
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from rollout_worker.api.errors import Unavailable
-from rollout_worker.api.prompts import ChatTemplate
+from rollout_worker.data.prompts import ChatTemplate
 from rollout_worker.engine.config import EngineConfig
-from rollout_worker.engine.driver import Engine
-from rollout_worker.engine.tokenizer import TextCodec
+from rollout_worker.engine.driver.driver import Engine
+from rollout_worker.engine.model.tokenizer import TextCodec
+from rollout_worker.errors import Unavailable
 from rollout_worker.server.bridge import AsyncEngine
 from rollout_worker.server.metrics import Metrics
 from rollout_worker.server.settings import ServerSettings

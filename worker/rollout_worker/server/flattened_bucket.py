@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from rollout_worker.api.errors import UserError
+from rollout_worker.errors import UserError
 
 if TYPE_CHECKING:
     import torch

@@ -1,5 +1,5 @@
 """The server's own settings (where it listens, its key, its limits). ``rolloutctl serve``'s flags are derived
-from these fields and from the engine's (:mod:`rollout_worker.api.engine_settings`), and each flag can also
+from these fields and from the engine's (:mod:`rollout_worker.config.engine_settings`), and each flag can also
 come from the environment as ``ROLLOUT_SERVE_<NAME>`` (e.g. ``ROLLOUT_SERVE_PORT=30000``); a flag beats
 its variable."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollout_worker.api.errors import FieldAt
+from rollout_worker.errors import FieldAt
 from rollout_worker.web.middleware import BODY_TIMEOUT_S, is_loopback
 
 

@@ -29,10 +29,10 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rollout_worker.api.engine_settings import DTYPES
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.model_config import ModelConfig
-from rollout_worker.engine.checkpoint_index import CheckpointIndex, tensor_shapes
+from rollout_worker.config.engine_settings import DTYPES
+from rollout_worker.config.model_config import ModelConfig
+from rollout_worker.engine.model.checkpoint_index import CheckpointIndex, tensor_shapes
+from rollout_worker.errors import UserError
 from rollout_worker.server.flattened_bucket import BucketEntry, unflatten
 
 if TYPE_CHECKING:  # torch is imported when a trainer first sends tensors: the server process runs without it

@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.files import check_writable
 from rollout_worker.api.sidecar import NotSubmitted, Progress, SamplesPage, SidecarState
 from rollout_worker.api.state import EngineState
+from rollout_worker.data.files import check_writable
+from rollout_worker.errors import UserError
 from rollout_worker.sidecar.engine import EngineClient
 from rollout_worker.sidecar.job import Job, shard
 from rollout_worker.sidecar.metrics import SidecarMetrics

@@ -20,12 +20,12 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from rollout_worker.api.errors import UserError
-from rollout_worker.api.prompts import ChatTemplate, Prompt, load_prompts
-from rollout_worker.api.reward import reward_of
 from rollout_worker.api.sampling import sample_seed
 from rollout_worker.api.sglang import GenerateRequest, SamplingParams
 from rollout_worker.api.sidecar import SAMPLE_FIELDS, NotSubmitted, Sample
+from rollout_worker.data.prompts import ChatTemplate, Prompt, load_prompts
+from rollout_worker.data.reward import reward_of
+from rollout_worker.errors import UserError
 from rollout_worker.sidecar.engine import EngineAnswer, EngineClient, EngineUnreachable
 from rollout_worker.sidecar.metrics import SidecarMetrics
 from rollout_worker.sidecar.outputs import SampleWriter

@@ -18,8 +18,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rollout_worker.api.errors import UserError
 from rollout_worker.api.sidecar import Sample, parse_samples
+from rollout_worker.errors import UserError
 
 log = logging.getLogger(__name__)
 Key = tuple[str, int]  # (prompt id, sample index)

@@ -22,7 +22,7 @@ from typing import Any
 
 import uvicorn
 
-from rollout_worker.api.errors import UserError
+from rollout_worker.errors import UserError
 from rollout_worker.proc import listen, when_gone
 from rollout_worker.sidecar.app import create_admin_app, create_api_app
 from rollout_worker.sidecar.core import Sidecar

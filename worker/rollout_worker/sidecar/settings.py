@@ -22,12 +22,12 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from rollout_worker.api.env_settings import describe as describe_settings
-from rollout_worker.api.env_settings import env_name as env_var
-from rollout_worker.api.env_settings import load
-from rollout_worker.api.errors import FieldAt, UserError, user_error
-from rollout_worker.api.files import MAX_SECRET_BYTES, read_text
 from rollout_worker.api.sidecar import SamplingSettings, Stops, output_file
+from rollout_worker.config.env_settings import describe as describe_settings
+from rollout_worker.config.env_settings import env_name as env_var
+from rollout_worker.config.env_settings import load
+from rollout_worker.data.files import MAX_SECRET_BYTES, read_text
+from rollout_worker.errors import FieldAt, UserError, user_error
 
 ENV_PREFIX = "ROLLOUT_SIDECAR_"
 

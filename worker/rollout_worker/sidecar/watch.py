@@ -14,8 +14,8 @@ import time
 
 from pydantic import ValidationError
 
-from rollout_worker.api.errors import EngineError
 from rollout_worker.api.state import EngineState
+from rollout_worker.errors import EngineError
 from rollout_worker.sidecar.engine import EngineAnswer, EngineClient, EngineUnreachable
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rollout_worker.api.errors import UserError, field_errors
+from rollout_worker.errors import UserError, field_errors
 
 _SOURCES = {"body", "query", "path", "header"}  # where a value came from: the first part of a location
 # tags of union members in a location (``text: str | list[str]``, ``sampling_params: SamplingParams | list``)

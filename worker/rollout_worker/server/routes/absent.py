@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from rollout_worker.api.errors import UserError
+from rollout_worker.errors import UserError
 from rollout_worker.web.errors import error_body
 
 router = APIRouter(tags=["sglang (absent features)"])

@@ -19,10 +19,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import Field, field_validator, model_validator
 
-from rollout_worker.api.errors import FieldAt, UserError
 from rollout_worker.api.neutral import strip_neutral
 from rollout_worker.api.sglang import Body
 from rollout_worker.engine.finish import matched_stop
+from rollout_worker.errors import FieldAt, UserError
 from rollout_worker.server.convert import Job, Output
 from rollout_worker.server.deps import FastJSON, ServerState
 from rollout_worker.server.routes.generate import STREAMED, stream_generation

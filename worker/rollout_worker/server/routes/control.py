@@ -11,9 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from rollout_worker.api.errors import Forbidden, UserError
 from rollout_worker.api.load_format import BUCKET
-from rollout_worker.api.model_config import ModelConfig
 from rollout_worker.api.sglang import (
     MEMORY_TAGS,
     AbortRequest,
@@ -23,6 +21,8 @@ from rollout_worker.api.sglang import (
     UpdateWeightsRequest,
     WeightVersionRequest,
 )
+from rollout_worker.config.model_config import ModelConfig
+from rollout_worker.errors import Forbidden, UserError
 from rollout_worker.server import tensor_update
 from rollout_worker.server.deps import ServerState, server_state
 

@@ -20,11 +20,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from rollout_worker.api.engine_settings import dotted
-from rollout_worker.api.errors import UserError, user_error
 from rollout_worker.api.neutral import strip_neutral
 from rollout_worker.api.sglang import Body, GenerateRequest, check_lengths, check_stops
+from rollout_worker.config.engine_settings import dotted
 from rollout_worker.engine.finish import matched_stop
+from rollout_worker.errors import UserError, user_error
 from rollout_worker.server.convert import Job, Output, to_jobs
 from rollout_worker.server.deps import FastJSON, ServerState, server_state
 from rollout_worker.server.routes.generate import STREAMED, run_generation, stream_generation

@@ -3,7 +3,7 @@
 ``/destroy_weights_update_group``. Every engine rank r joins the trainer's group as ``rank_offset + r``,
 beside its step loop (generation goes on while the ranks wait for the trainer; ``/health`` shows the join);
 the trainer broadcasts full tensors; the engine stages them as a checkpoint and loads it between steps,
-every rank its slice of the current layout (``rollout_worker.engine.weight_sync``)."""
+every rank its slice of the current layout (``rollout_worker.engine.rank.weight_sync``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from rollout_worker.api.errors import UserError
 from rollout_worker.api.load_format import BUCKET
 from rollout_worker.api.sglang import (
     DestroyWeightsGroupRequest,
@@ -22,6 +21,7 @@ from rollout_worker.api.sglang import (
     InitWeightsGroupRequest,
 )
 from rollout_worker.engine import messages as m
+from rollout_worker.errors import UserError
 from rollout_worker.server import tensor_update
 from rollout_worker.server.deps import server_state
 

@@ -1,0 +1,177 @@
+"""A fixed batch of requests through the engine, in process: ``rolloutctl generate`` and the engine tests.
+
+It is a client of the same :class:`~rollout_worker.engine.driver.driver.Engine` the HTTP server uses:
+requests are
+submitted, an optional plan of triggers decides layout changes, and outputs are collected from the updates.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_worker.api.plan import Plan, ReconfigEvent, Trigger
+from rollout_worker.api.requests import RequestSpec
+from rollout_worker.api.state import EngineState
+from rollout_worker.engine.config import EngineConfig
+from rollout_worker.engine.driver.book import Update
+from rollout_worker.engine.driver.driver import Engine, Observer
+from rollout_worker.engine.driver.lifecycle import Health
+from rollout_worker.engine.finish import Finish, finish_json
+from rollout_worker.engine.messages import Faults, StepReport
+from rollout_worker.engine.model.checkpoint_index import CheckpointIndex
+from rollout_worker.errors import EngineError
+
+
+@dataclass(slots=True)
+class _Out:
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    finish: Finish | None = None
+    placements: tuple[dict[str, Any], ...] = ()
+    cached: int = 0  # prompt tokens found in the prefix cache
+
+
+class Collector:
+    """Listener that accumulates every request's tokens until all have finished; ``on_finish`` is called
+    (on the engine's reader thread) once per finished request."""
+
+    def __init__(self, rids: Sequence[str], on_finish: Callable[[], None] | None = None) -> None:
+        self.outs = {rid: _Out() for rid in rids}
+        self.left = len(self.outs)
+        self.done = threading.Event()
+        self.on_finish = on_finish
+        self._lock = threading.Lock()
+        if not self.left:
+            self.done.set()
+
+    def __call__(self, updates: list[Update]) -> None:
+        with self._lock:
+            for u in updates:
+                out = self.outs.get(u.rid)
+                if out is None or out.finish is not None:
+                    continue
+                if u.cached is not None:
+                    out.cached = u.cached
+                for tok in u.tokens:
+                    out.output_ids.append(tok.token)
+                    out.logprobs.append(tok.logprob)
+                if u.finish is not None:
+                    out.finish, out.placements = u.finish, u.placements
+                    self.left -= 1
+                    if self.left == 0:
+                        self.done.set()
+                    if self.on_finish is not None:
+                        self.on_finish()
+
+    def finished(self) -> int:
+        with self._lock:
+            return len(self.outs) - self.left
+
+
+@dataclass(slots=True)
+class BatchResult:
+    outputs: list[dict[str, Any]]  # in input order
+    steps: int
+    step_ms: list[float]  # every decode step of every replica
+    reconfigs: list[ReconfigEvent]
+    wall_s: float  # the whole call: ranks started, weights loaded, generation, shutdown
+    gen_s: float = 0.0  # first request submitted -> last request finished
+    prefill_ms: list[float] = field(default_factory=list)  # every prefill step of every replica
+    retractions: int = 0  # requests retracted for want of KV pages
+
+    def tokens(self) -> dict[str, list[int]]:
+        """Each request's output ids, by request id."""
+        return {o["id"]: o["output_ids"] for o in self.outputs}
+
+
+class Interrupted(EngineError):
+    """Stopped before every request finished; ``partial`` holds the ones that had."""
+
+    def __init__(self, partial: list[dict[str, Any]], total: int) -> None:
+        super().__init__(f"interrupted: {len(partial)} of {total} request(s) had finished")
+        self.partial, self.total = partial, total
+
+
+def _row(spec: RequestSpec, out: _Out) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "id": spec.id,
+        "output_ids": out.output_ids,
+        "finish_reason": finish_json(out.finish),
+        "prompt_tokens": len(spec.prompt_ids),
+        "completion_tokens": len(out.output_ids),
+        "cached_tokens": out.cached,
+        "placements": list(out.placements),
+        "layouts": list(dict.fromkeys(p["layout"] for p in out.placements)),
+    }
+    if spec.return_logprob:
+        row["output_token_logprobs"] = out.logprobs
+    return row
+
+
+def run_batch(
+    cfg: EngineConfig,
+    specs: list[RequestSpec],
+    triggers: Sequence[Trigger] = (),
+    on_progress: Callable[[EngineState, int], None] | None = None,
+    progress_every_s: float = 1.0,
+    on_reconfig: Callable[[ReconfigEvent], None] | None = None,
+    faults: Faults | None = None,
+    concurrency: int | None = None,
+) -> BatchResult:
+    """Generate every request; ``triggers`` form the plan (switch when unfinished drops to n or fewer).
+    With ``concurrency``, at most that many requests are in flight: a new one is submitted as one finishes
+    (a closed loop, as that many clients of a server would run)."""
+    CheckpointIndex(cfg.model_dir, cfg.model).verify()  # fail before starting any rank
+    pending = list(reversed(specs))
+    engine: Engine | None = None
+
+    def next_one() -> None:
+        if pending and engine is not None:
+            engine.submit(pending.pop())
+
+    col = Collector([s.id for s in specs], on_finish=next_one if concurrency else None)
+    step_ms: list[float] = []
+    prefill_ms: list[float] = []
+    retractions = 0
+
+    def on_report(r: StepReport) -> None:
+        nonlocal retractions
+        if r.kind == "decode":
+            step_ms.append(r.ms)
+        elif r.kind == "prefill":
+            prefill_ms.append(r.ms)
+        retractions += r.retractions
+
+    t0 = time.perf_counter()
+    observer = Observer(on_report=on_report, on_switch=on_reconfig)
+    engine = Engine(cfg, listener=col, observer=observer, faults=faults)
+    try:
+        engine.start()
+        t_gen = time.perf_counter()
+        for _ in range(min(len(pending), concurrency or len(pending))):
+            next_one()
+        if triggers:  # after the requests: a plan set on an empty engine would fire at once
+            engine.set_plan(Plan(based_on_layout=cfg.layout, triggers=list(triggers)))
+        last = time.monotonic()
+        while not col.done.wait(0.1):
+            if on_progress is not None and time.monotonic() - last >= progress_every_s:
+                on_progress(engine.state(), col.finished())
+                last = time.monotonic()
+        gen_s = time.perf_counter() - t_gen
+        status = engine.status
+        if status.health is Health.FAILED:
+            raise EngineError(status.failure or "engine failed")
+        steps, events = engine.state().step, engine.reconfigurations()
+    except KeyboardInterrupt:
+        done = [_row(s, col.outs[s.id]) for s in specs if col.outs[s.id].finish is not None]
+        raise Interrupted(done, len(specs)) from None
+    finally:
+        engine.shutdown()
+    outputs = [_row(s, col.outs[s.id]) for s in specs]
+    return BatchResult(
+        outputs, steps, step_ms, events, time.perf_counter() - t0, gen_s, prefill_ms, retractions
+    )

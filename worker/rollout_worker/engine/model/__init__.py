@@ -1,0 +1,2 @@
+"""The model: the decoder, its KV cache, parallel state and sharding, checkpoints and their conversion,
+presets, tokenizers."""

@@ -1,0 +1,513 @@
+"""One replica as seen by each of its ranks: continuous batching over a paged KV pool.
+
+Every rank of a replica holds identical scheduler state and samples identically (full logits are
+all-gathered), so the ranks stay in lockstep without exchanging tokens. A step either prefills newly
+admitted requests (when any fit) or decodes every running request. What to admit and what to retract when
+a decode step cannot get its pages are decided by :mod:`rollout_worker.scheduling.kv_schedule` (optimistic
+admission, as SGLang); a retracted request keeps its tokens, waits at the front of the queue and is
+re-prefilled from prompt + generated tokens (sampling is counter-based, so its tokens do not change).
+
+A failure that belongs to one request (its prompt logprobs, its sampling: non-finite logits, an edge case of
+its parameters) aborts that request alone, with the error as the abort message; every rank computes it from
+the same values with the same code, so every rank aborts the same request at the same step (the loop checks
+that they agree). A failure of the forward pass (which holds the collectives) is the replica's, not a
+request's: it fails the rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from rollout_worker.engine.finish import Finish, FinishAbort, FinishLength, FinishStop
+from rollout_worker.engine.messages import PromptLogprobs
+from rollout_worker.engine.model.kvcache import GatheredKV, KVPool
+from rollout_worker.engine.model.model import Decoder
+from rollout_worker.engine.rank.cudagraph import DecodeGraphs, key_span
+from rollout_worker.engine.rank.sampling import Draw, Failure, prompt_logprobs, sample
+from rollout_worker.engine.rank.sequence import Sequence
+from rollout_worker.scheduling.kv_schedule import (
+    SGLANG_RATIO,
+    RatioPolicy,
+    Req,
+    admit,
+    ratio_after_retraction,
+    to_retract,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_batch: int
+    max_prefill_tokens: int
+
+
+@dataclass(slots=True)
+class StepOutput:
+    kind: str  # prefill | decode | idle
+    admitted: list[str] = field(default_factory=list)
+    retracted: list[str] = field(default_factory=list)
+    draws: list[tuple[Sequence, Draw]] = field(default_factory=list)
+    cached: dict[str, int] = field(default_factory=dict)  # fresh requests' prompt tokens found cached
+    computed: int = 0  # tokens a prefill computed
+    reused: int = 0  # tokens a prefill found in the prefix cache instead
+    finished: list[tuple[str, Finish]] = field(default_factory=list)
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    failed: list[tuple[str, str]] = field(default_factory=list)  # (rid, why) aborted by their own failure
+
+
+class Replica:
+    def __init__(
+        self,
+        decoder: Decoder,
+        pool: KVPool,
+        limits: Limits,
+        eos_ids: tuple[int, ...],
+        graphs: DecodeGraphs | None = None,
+        ratio: RatioPolicy = SGLANG_RATIO,
+    ) -> None:
+        self.policy, self.ratio = ratio, ratio.init  # the new-token ratio: see kv_schedule
+        self.retractions = 0
+        self.admissions = 0  # requests admitted so far (Sequence.admitted: the order of admission)
+        self.pool, self.limits, self.eos_ids = pool, limits, eos_ids
+        self.graphs = graphs  # decode steps replayed from CUDA graphs (None: eager)
+        # eager decode on CPU keeps the running batch's gathered K/V between steps (a second copy of it;
+        # on a GPU the memory is worth more: not used there)
+        self.gathered = GatheredKV() if graphs is None and pool.device.type == "cpu" else None
+        self._decoder = decoder
+        self.running: list[Sequence] = []  # running[i] occupies row i of the pool's token table
+        self.stale_kv: set[str] = set()  # running requests whose K/V older weights computed (see decoder)
+        self.waiting: deque[Sequence] = deque()
+        self.prefill_tokens_per_ms: float | None = None  # last measured prefill throughput
+        self.poison: tuple[str, int] | None = None  # test hook (messages.Faults): (rid, from output token)
+
+    @property
+    def decoder(self) -> Decoder:
+        return self._decoder
+
+    @decoder.setter
+    def decoder(self, decoder: Decoder) -> None:
+        """New weights (a weight load): graphs captured over the old ones are dropped, and so is the prefix
+        cache (its K/V were computed with the old ones). Requests running on (paused in place while the
+        weights changed) keep their K/V, which is kept out of the prefix cache from now on."""
+        self._decoder = decoder
+        self.pool.flush_cache()
+        self.stale_kv |= {s.spec.id for s in self.running}
+        if self.graphs is not None:
+            self.graphs.clear()
+
+    def release_kv(self) -> None:
+        """Free the KV cache's memory (and the graphs that address it)."""
+        if self.graphs is not None:
+            self.graphs.clear()
+        if self.gathered is not None:
+            self.gathered.clear()
+        self.pool.release()
+
+    def release_weights(self) -> None:
+        """Drop the decoder's references to the weights (and the graphs that address them)."""
+        if self.graphs is not None:
+            self.graphs.clear()
+        self._decoder.release()
+
+    @property
+    def unfinished(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    @property
+    def kv_tokens(self) -> int:
+        return sum(s.kv_len for s in self.running)
+
+    # -- membership ----------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def abort(self, rids: tuple[str, ...] | None, finish: Finish) -> list[tuple[str, Finish]]:
+        """Remove the named requests (all when None) wherever they are; returns their finish reasons."""
+        gone: list[tuple[str, Finish]] = []
+        for seq in [s for s in self.running if rids is None or s.spec.id in rids]:
+            self._end(seq, finish)
+            gone.append((seq.spec.id, finish))
+        kept = deque(s for s in self.waiting if not (rids is None or s.spec.id in rids))
+        gone += [(s.spec.id, finish) for s in self.waiting if rids is None or s.spec.id in rids]
+        self.waiting = kept
+        return gone
+
+    def retract(self) -> list[str]:
+        """Running requests go back to the front of the queue, their KV dropped (re-prefilled later)."""
+        back = list(self.running)
+        self.drop_running()
+        self.waiting.extendleft(reversed(back))
+        return [s.spec.id for s in back]
+
+    def drop_running(self) -> None:
+        """Empty the running batch, giving back its pages (the sequences are kept by the caller)."""
+        for row, seq in enumerate(self.running):
+            self.pool.free(seq.pages)
+            self.pool.clear_row(row)
+        self.running.clear()
+        self.stale_kv.clear()
+        if self.gathered is not None:
+            self.gathered.clear()
+
+    def hold_running_kv(self, shared: dict[str, tuple[str, int]] | None = None) -> None:
+        """Pages and token-table rows for the running requests' cached tokens (a new replica's requests
+        before their KV arrives by migration). ``shared``: request -> (a request before it, how many of
+        that one's first pages it shares), as they did on the old replica; those pages are cached."""
+        by_id = {s.spec.id: s for s in self.running}
+        for row, seq in enumerate(self.running):
+            kin = (shared or {}).get(seq.spec.id)
+            if kin is not None:
+                seq.pages.extend(by_id[kin[0]].pages[: kin[1]])
+                self.pool.shared.acquire(seq.pages)
+            self._reserve(seq, seq.kv_len)
+            if seq.spec.id not in self.stale_kv:
+                self.pool.cache_prefix(prefill_row(seq), seq.pages)
+            self.pool.bind(row, seq.pages)
+
+    # -- stepping ------------------------------------------------------------------------------------
+    def _req(self, seq: Sequence, shared: bool = False, cached: int = 0) -> Req:
+        """The scheduler's view of ``seq``; with ``shared``, how many of its pages others hold too (a
+        retraction does not free those); ``cached``: prefill tokens the prefix cache holds."""
+        n_shared = 0
+        if shared:
+            held = self.pool.shared.holders
+            n_shared = sum(1 for p in seq.pages if held(p) > 1)
+        return seq.sched(n_shared, cached)
+
+    def _cacheable(self, seq: Sequence) -> tuple[list[int], int]:
+        """The tokens a prefill of ``seq`` computes K/V for, and how many of them it may take from the
+        prefix cache (all but the last, whose logits it needs; none when it wants its prompt's logprobs)."""
+        row = prefill_row(seq)
+        wants_prompt = not seq.output and seq.spec.wants_input_logprobs
+        return row, 0 if wants_prompt else len(row) - 1
+
+    def _admit(self) -> list[Sequence]:
+        lim = self.limits
+        room = lim.max_batch - len(self.running)
+        if not self.waiting or room <= 0:
+            return []
+        pool = self.pool
+        candidates: list[Req] = []
+        shared_idle: set[int] = set()
+        for seq in itertools.islice(self.waiting, room):
+            pages = pool.shared.match(*self._cacheable(seq)) if pool.shared.cached else []
+            shared_idle.update(p for p in pages if pool.shared.is_idle(p))  # taken off the free ones
+            candidates.append(self._req(seq, cached=len(pages) * pool.page_size))
+        n = admit(
+            [s.req for s in self.running],
+            candidates,
+            pool.free_pages - len(shared_idle),
+            pool.page_size,
+            self.ratio,
+            lim.max_batch,
+            lim.max_prefill_tokens,
+        )
+        return [self.waiting.popleft() for _ in range(n)]
+
+    def _retract_for_step(self) -> list[str]:
+        """Make room for the next decode step's pages: retract what :func:`to_retract` picks (back to the
+        front of the queue, pages freed) and re-estimate the ratio; else let the ratio decay. Ties are
+        broken by the order of admission, not by row (rows are compacted as requests finish), so the
+        choice depends only on the requests (the simulator makes the same one)."""
+        free, ps = self.pool.free_pages, self.pool.page_size
+        order: list[Sequence] = []
+        pick: list[int] = []
+        if sum(s.req.step_pages(ps) for s in self.running) > free:  # (sorted only when short of pages)
+            order = sorted(self.running, key=lambda s: s.admitted)
+            pick = to_retract([self._req(s, shared=True) for s in order], free, ps)  # frees unshared pages
+        if not pick:
+            self.ratio = self.policy.decayed(self.ratio)
+            return []
+        seqs = [order[i] for i in pick]
+        for seq in seqs:
+            self._release(seq)
+        self.waiting.extendleft(reversed(seqs))
+        self.ratio = ratio_after_retraction([s.req for s in self.running])
+        self.retractions += len(seqs)
+        return [s.spec.id for s in seqs]
+
+    def step(self) -> StepOutput:
+        """Prefill newly admitted requests if any fit, else decode every running request."""
+        admitted = self._admit()
+        if admitted:
+            out = self.prefill(prompts_first(admitted), sample_fresh=True)
+            out.admitted = [s.spec.id for s in admitted]
+            return out
+        if self.running:
+            return self.decode()
+        return StepOutput("idle")
+
+    def prefill(self, seqs: list[Sequence], sample_fresh: bool) -> StepOutput:
+        """Append ``seqs`` to the running batch and build their KV cache in padded forward passes over
+        consecutive rows (:func:`prefill_passes`: one, unless padding would cost more than a pass).
+
+        A fresh request (no output yet) is prefilled over its prompt and samples its first token; a
+        resumed one is prefilled over prompt + output[:-1] (its cache after ``len(output)`` steps) and
+        continues decoding from its last token. Each row computes only the tokens after the prefix it found
+        in the prefix cache, which an earlier row of the same pass, or of an earlier pass, may have put
+        there: a layer writes every row's K/V before any row reads, so a row attends to the shared pages as
+        they are written. (The samples of a prompt, admitted together, compute one token each after the
+        first: padded to the prompt's width they would cost as much as the whole prompt each; see
+        :func:`prompts_first`.)
+        """
+        slot0, pool = len(self.running), self.pool
+        cacheable = [self._cacheable(s) for s in seqs]
+        # Held while the rows take their pages, so that no row's allocation evicts a cached prefix another
+        # row was admitted to share (admission counted on it).
+        pinned = [p for row, limit in cacheable for p in pool.shared.match(row, limit)]
+        pool.shared.acquire(pinned)
+        rows, starts = [], []
+        for i, (s, (row, limit)) in enumerate(zip(seqs, cacheable, strict=True)):
+            s.admitted, self.admissions = self.admissions, self.admissions + 1
+            starts.append(pool.share(s.pages, row, limit))
+            self._reserve(s, len(row))
+            pool.cache_prefix(row, s.pages)
+            pool.bind(slot0 + i, s.pages)  # (grows the token table as needed)
+            rows.append(row)
+        pool.shared.release(pinned)
+        self.running.extend(seqs)
+        out = StepOutput("prefill", computed=sum(len(r) for r in rows) - sum(starts), reused=sum(starts))
+        fresh = [s for s in seqs if not s.output] if sample_fresh else []
+        out.cached = {s.spec.id: c for s, c in zip(seqs, starts, strict=True) if s in fresh}
+        t0 = time.perf_counter()
+        widths = [len(r) - c for r, c in zip(rows, starts, strict=True)]  # tokens computed per row
+        last: list[torch.Tensor] = []  # each row's last hidden state
+        for run in prefill_passes(widths, PASS_TOKENS[pool.device.type]):
+            x = self._forward(rows[run.start : run.stop], starts[run.start : run.stop], slot0 + run.start)
+            at = torch.tensor([widths[i] - 1 for i in run], device=x.device)
+            last.append(x[torch.arange(len(run), device=x.device), at])
+            if fresh:
+                out.prompt_logprobs |= self._prompt_logprobs(x, seqs[run.start : run.stop], fresh, out)
+        logits = self._poisoned(self.decoder.logits(torch.cat(last)), seqs)
+        self.prefill_tokens_per_ms = out.computed / max((time.perf_counter() - t0) * 1e3, 1e-3)
+        live = [s for s in fresh if s.finish is None]  # (a request whose prompt logprobs failed is aborted)
+        only_prefill = [s for s in live if s.spec.max_new_tokens == 0]
+        sampled = [(i, s) for i, s in enumerate(seqs) if s in live and s.spec.max_new_tokens > 0]
+        if sampled:
+            draws = sample(logits[[i for i, _ in sampled]], [s for _, s in sampled], self.eos_ids)
+            self._append([s for _, s in sampled], draws, out)
+        for seq in only_prefill:
+            self._finish(seq, FinishLength(0), out)
+        return out
+
+    def _forward(self, rows: list[list[int]], starts: list[int], slot0: int) -> torch.Tensor:
+        """Hidden states [rows, width, hidden] of one padded prefill pass: row ``i`` (the token table's row
+        ``slot0 + i``) computes its tokens from ``starts[i]`` on."""
+        pool, dev = self.pool, self.decoder.embed.device
+        width = max(len(r) - c for r, c in zip(rows, starts, strict=True))
+        keys = max(len(r) for r in rows)
+        tokens = torch.zeros((len(rows), width), dtype=torch.long)
+        positions = torch.zeros((len(rows), width), dtype=torch.long)
+        write = torch.zeros((len(rows), width), dtype=torch.long, device=dev)  # padding: the null slot 0
+        for i, (r, c) in enumerate(zip(rows, starts, strict=True)):
+            n = len(r) - c
+            tokens[i, :n] = torch.tensor(r[c:])
+            positions[i, :n] = torch.arange(c, len(r))
+            positions[i, n:] = len(r) - 1
+            write[i, :n] = pool.table[slot0 + i, c : len(r)]
+        read = pool.table[slot0 : slot0 + len(rows), :keys]
+        return self.decoder.hidden(tokens.to(dev), positions.to(dev), pool, write, read)
+
+    def _prompt_logprobs(
+        self, x: torch.Tensor, seqs: list[Sequence], fresh: list[Sequence], out: StepOutput
+    ) -> dict[str, PromptLogprobs]:
+        """Logprob of each prompt token from ``logprob_start_len`` on, for requests that asked for it. Token
+        0 has none (None, as SGLang): a one-token prompt from 0 gets ``(None,)`` and needs no logits."""
+        want = [(b, s) for b, s in enumerate(seqs) if s in fresh and s.spec.wants_input_logprobs]
+        if not want:
+            return {}
+        rows: list[int] = []
+        pos: list[int] = []
+        targets: list[int] = []
+        spans: list[tuple[Sequence, int, int]] = []  # (request, offset, count) into rows
+        for b, s in want:
+            ids, start = s.spec.prompt_ids, s.spec.logprob_start_len
+            js = range(max(start, 1), len(ids))
+            spans.append((s, len(rows), len(js)))
+            rows += [b] * len(js)
+            pos += [j - 1 for j in js]
+            targets += [ids[j] for j in js]
+        logits = None
+        if rows:  # (the same on every rank: the logits are a collective)
+            dev = x.device
+            at = (
+                torch.tensor(rows, dtype=torch.long, device=dev),
+                torch.tensor(pos, dtype=torch.long, device=dev),
+            )
+            logits = self.decoder.logits(x[at])
+        got: dict[str, PromptLogprobs] = {}
+        for s, off, n in spans:
+            k, start = s.spec.top_logprobs_num, s.spec.logprob_start_len
+            try:
+                vals, tops = (
+                    prompt_logprobs(logits[off : off + n], targets[off : off + n], k)
+                    if logits is not None and n
+                    else ([], [] if k > 0 else None)
+                )
+            except Exception as exc:  # this request's, not the engine's
+                self._fail(s, Failure.of(exc), out)
+                continue
+            head: list[None] = [None] if start == 0 else []
+            top = None if tops is None else (*head, *tops)
+            got[s.spec.id] = PromptLogprobs(start, (*head, *vals), top)
+        return got
+
+    def _reserve(self, seq: Sequence, tokens: int) -> None:
+        if not self.pool.reserve(seq.pages, tokens):
+            raise RuntimeError(f"KV pool of {self.pool.tokens} tokens is full")
+
+    def decode(self) -> StepOutput:
+        retracted = self._retract_for_step()
+        seqs = list(self.running)
+        logits = self.step_logits()
+        out = StepOutput("decode", retracted=retracted)
+        self._append(seqs, sample(self._poisoned(logits, seqs), seqs, self.eos_ids), out)
+        if not self.running and self.gathered is not None:
+            self.gathered.clear()  # the batch is done: its copy goes
+        return out
+
+    def _poisoned(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The test hook: the poisoned request's rows become NaN (as a numerical blow-up would make them)."""
+        if self.poison is None:
+            return logits
+        rid, at = self.poison
+        rows = [i for i, s in enumerate(seqs) if s.spec.id == rid and len(s.output) >= at]
+        if rows:
+            logits = logits.clone()
+            logits[rows] = float("nan")
+        return logits
+
+    def step_logits(self) -> torch.Tensor:
+        """Logits [B, vocab] of one decode step of the running batch (each request's last token)."""
+        seqs = self.running
+        tokens, positions = [s.output[-1] for s in seqs], [s.kv_len for s in seqs]
+        pool = self.pool
+        for seq, pos in zip(seqs, positions, strict=True):
+            self._reserve(seq, pos + 1)
+        write = [pool.slot(s.pages, p) for s, p in zip(seqs, positions, strict=True)]
+        pool.ensure_table(len(seqs), max(positions) + 1)
+        dev = self.decoder.embed.device
+        write_t = torch.tensor(write, device=dev)
+        pool.table[torch.arange(len(seqs), device=dev), torch.tensor(positions, device=dev)] = write_t
+        if self.graphs is not None:
+            return self.graphs.decode(self.decoder, pool, tokens, positions, write)
+        return self.decode_logits(tokens, positions, write_t)
+
+    def decode_logits(self, tokens: list[int], positions: list[int], write: torch.Tensor) -> torch.Tensor:
+        """One eager decode step over token-table rows 0..B-1 (K/V written at slots ``write``). On CUDA it
+        attends over the same key span a graph would (a multiple of 256 tokens), so eager and replayed
+        steps compute the same function."""
+        dev = self.decoder.embed.device
+        top = max(positions)
+        keys = key_span(top, self.pool.capacity) if dev.type == "cuda" else top + 1
+        return self.decoder.step_logits(
+            torch.tensor(tokens, device=dev)[:, None],
+            torch.tensor(positions, device=dev)[:, None],
+            self.pool,
+            write[:, None],
+            keys,
+            self.gathered,
+        )
+
+    def _append(self, seqs: list[Sequence], draws: list[Draw | Failure], out: StepOutput) -> None:
+        """Record each sampled token; finish by length first, then by EOS / stop token (as SGLang); a
+        request whose row failed is aborted."""
+        done: list[tuple[Sequence, Finish]] = []
+        for seq, d in zip(seqs, draws, strict=True):
+            if isinstance(d, Failure):
+                done.append((seq, _aborted(d)))
+                out.failed.append((seq.spec.id, d.message))
+                continue
+            seq.output.append(d.token)
+            out.draws.append((seq, d))
+            spec = seq.spec
+            if len(seq.output) >= spec.max_new_tokens:
+                done.append((seq, FinishLength(spec.max_new_tokens)))
+            elif not spec.ignore_eos and (d.token in self.eos_ids or d.token in spec.stop_token_ids):
+                done.append((seq, FinishStop(d.token)))
+        for seq, finish in done:
+            self._finish(seq, finish, out)
+
+    def _fail(self, seq: Sequence, failure: Failure, out: StepOutput) -> None:
+        out.failed.append((seq.spec.id, failure.message))
+        self._finish(seq, _aborted(failure), out)
+
+    def _finish(self, seq: Sequence, finish: Finish, out: StepOutput) -> None:
+        seq.finish = finish
+        self._end(seq, finish)
+        out.finished.append((seq.spec.id, finish))
+
+    def _end(self, seq: Sequence, finish: Finish) -> None:
+        """Release a running request that ended (by itself, or by a stop string the driver matched); unless
+        it was aborted, the full pages of every token whose K/V it wrote (its prompt and all but its last
+        output token) stay in the prefix cache, as SGLang's radix cache keeps a finished request's: the
+        next turn of a conversation (this one's tokens and more) finds them; nor when older weights computed
+        its K/V (``stale_kv``: it ran on, paused in place, through a weight load)."""
+        if not isinstance(finish, FinishAbort) and seq.spec.id not in self.stale_kv:
+            self.pool.cache_prefix(prefill_row(seq), seq.pages)
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Free the request's pages and row; the last running request moves into its row (rows stay
+        compact)."""
+        slot = next(i for i, s in enumerate(self.running) if s is seq)
+        last = len(self.running) - 1
+        self.pool.free(seq.pages)
+        self.stale_kv.discard(seq.spec.id)
+        if slot != last:
+            self.pool.move_row(last, slot)
+            self.running[slot] = self.running[last]
+        else:
+            self.pool.clear_row(slot)
+        self.running.pop()
+
+
+# What one more forward pass costs, in tokens computed: about the tokens whose products cost as much as
+# reading the weights once (the roofline's ridge: tens on a CPU core, hundreds on a GPU). The same on every
+# rank of a replica (a constant per device), so its ranks cut a prefill into the same passes.
+PASS_TOKENS = {"cpu": 32, "cuda": 256}
+
+
+def prompts_first(seqs: list[Sequence]) -> list[Sequence]:
+    """``seqs`` with the first request of each prompt ahead of the later ones (each kind in its order): the
+    samples of a prompt, which clients send together, then prefill as one pass of whole prompts and one of
+    later samples (each computing one token on its prompt's cached pages, :func:`prefill_passes`), not as
+    alternating wide and narrow rows. Every later sample still comes after the first of its prompt, whose
+    pages it reads."""
+    seen: set[tuple[int, ...]] = set()
+    first: list[Sequence] = []
+    later: list[Sequence] = []
+    for s in seqs:
+        (later if s.spec.prompt_ids in seen else first).append(s)
+        seen.add(s.spec.prompt_ids)
+    return first + later
+
+
+def prefill_passes(widths: list[int], pass_tokens: int) -> list[range]:
+    """Consecutive runs of prefill rows (``widths``: tokens each computes), each run one padded pass: a row
+    starts a new pass when padding it and the pass so far to one width computes more than a pass costs
+    (``pass_tokens``). Rows keep their order: a row may read the pages a row before it writes."""
+    passes: list[range] = []
+    start, width = 0, 0
+    for i, w in enumerate(widths):
+        rows = i - start
+        if rows and (rows + 1) * max(width, w) > rows * width + w + pass_tokens:
+            passes.append(range(start, i))
+            start, width = i, w
+        else:
+            width = max(width, w)
+    return [*passes, range(start, len(widths))]
+
+
+def prefill_row(seq: Sequence) -> list[int]:
+    """The tokens whose K/V a prefill of ``seq`` computes: its prompt and all but its last output token."""
+    return list(seq.spec.prompt_ids) + seq.output[:-1] if seq.output else list(seq.spec.prompt_ids)
+
+
+def _aborted(failure: Failure) -> FinishAbort:
+    return FinishAbort(f"request failed: {failure.message}")

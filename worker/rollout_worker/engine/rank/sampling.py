@@ -1,0 +1,155 @@
+"""Per-request sampling that depends only on the request: greedy, or temperature / top-k / top-p / min-p
+driven by a counter-based uniform draw u = H(seed, position), where position is the token's absolute position
+in the sequence (prompt length + output index). The same request therefore yields the same tokens on any
+replica, TP size or batch, and across reconfigurations and retractions (no generator state to migrate); and a
+continuation (prompt + the tokens generated so far, sent again with the same seed: partial rollout) draws
+exactly the tokens the uninterrupted request would have drawn.
+
+Logprobs (what RL trainers use for importance weights) are the log-probability of the sampled token under
+the distribution it was drawn from: softmax(logits / temperature) cut by top-k, top-p and min-p and
+renormalised; for greedy requests the plain log-softmax. Computed in float64.
+
+A row that cannot be sampled (non-finite logits, a distribution that does not sum to a positive number, any
+error while drawing it) gives a :class:`Failure` for that request alone: every rank of a replica holds the
+same logits (all-gathered) and runs the same code, so every rank fails the same request at the same step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from rollout_worker.api.sampling import Sampling
+from rollout_worker.engine.messages import TopLogprobs
+from rollout_worker.engine.rank.sequence import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class Draw:
+    token: int
+    logprob: float | None = None
+    top: TopLogprobs | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """Why one request's row could not be processed (the request is aborted with this message)."""
+
+    message: str
+
+    @classmethod
+    def of(cls, exc: Exception) -> Failure:
+        return cls(f"{type(exc).__name__}: {exc}")
+
+
+def uniform(seed: int, position: int) -> float:
+    """The uniform draw in [0, 1) of the token at absolute ``position`` of a request seeded ``seed``."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") >> 11) / float(1 << 53)
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> list[Draw | Failure]:
+    """One token per row of ``logits`` [B, V] for ``seqs`` (row b draws output token ``len(seqs[b].output)``,
+    at position :func:`position` in its sequence), or the row's :class:`Failure`."""
+    peak, fast = torch.max(logits, dim=-1)  # NaN propagates: a NaN row peaks at NaN
+    finite, fast_ids = torch.isfinite(peak).tolist(), fast.tolist()
+    out: list[Draw | Failure] = []
+    for b, seq in enumerate(seqs):
+        if not finite[b]:
+            out.append(Failure(f"the logits of output token {len(seq.output)} are not finite"))
+            continue
+        try:
+            out.append(_sample_row(logits[b], seq, int(fast_ids[b]), eos_ids))
+        except Exception as exc:  # this request's edge case, not the engine's
+            out.append(Failure.of(exc))
+    return out
+
+
+def _sample_row(logits: torch.Tensor, seq: Sequence, fast: int, eos_ids: tuple[int, ...]) -> Draw:
+    spec, p = seq.spec, seq.spec.sampling
+    banned = _banned(seq, eos_ids)
+    if p.greedy and not banned and not spec.return_logprob:
+        return Draw(fast)
+    row = logits.to(torch.float64)
+    if banned:
+        row = row.clone()
+        row[list(banned)] = float("-inf")
+    if p.greedy:
+        return _greedy(row, spec.return_logprob, spec.top_logprobs_num)
+    return _draw(row, p, uniform(p.seed, position(seq)), spec.return_logprob, spec.top_logprobs_num)
+
+
+def position(seq: Sequence) -> int:
+    """Absolute position of the token ``seq`` draws next: prompt length + output index (not the output index,
+    so that prompt + partial output, sent again, draws what the uninterrupted request would have)."""
+    return len(seq.spec.prompt_ids) + len(seq.output)
+
+
+def _banned(seq: Sequence, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """Tokens masked before ``min_new_tokens`` (EOS and stop tokens), as SGLang's min-new-tokens penalizer."""
+    if len(seq.output) >= seq.spec.min_new_tokens:
+        return ()
+    return tuple(sorted({*eos_ids, *seq.spec.stop_token_ids}))
+
+
+def _greedy(row: torch.Tensor, want_logprob: bool, top_n: int) -> Draw:
+    tok = int(torch.argmax(row).item())
+    if not want_logprob:
+        return Draw(tok)
+    logp = torch.log_softmax(row, dim=-1)
+    return Draw(tok, float(logp[tok].item()), _top(logp, top_n))
+
+
+def _draw(row: torch.Tensor, p: Sampling, u: float, want_logprob: bool, top_n: int) -> Draw:
+    probs, order = torch.sort(torch.softmax(row / p.temperature, dim=-1), descending=True, stable=True)
+    if p.top_k > 0:
+        probs = probs[: p.top_k]
+    if p.top_p < 1.0:
+        cum = torch.cumsum(probs, dim=0)
+        keep = (
+            int(torch.searchsorted(cum, torch.tensor([p.top_p], dtype=cum.dtype, device=cum.device)).item())
+            + 1
+        )
+        probs = probs[:keep]
+    if p.min_p > 0.0:
+        probs = probs[probs >= p.min_p * probs[0]]
+    cum = torch.cumsum(probs, dim=0)
+    total = float(cum[-1])
+    if not 0.0 < total < float("inf"):
+        raise ValueError(f"the sampling distribution sums to {total} (temperature {p.temperature})")
+    pick = min(
+        int(
+            torch.searchsorted(
+                cum, torch.tensor([u * total], dtype=cum.dtype, device=cum.device), right=True
+            ).item()
+        ),
+        probs.numel() - 1,
+    )
+    tok = int(order[pick].item())
+    if not want_logprob:
+        return Draw(tok)
+    logp = torch.log(probs / total)
+    top = tuple((float(logp[i]), int(order[i])) for i in range(min(top_n, probs.numel()))) if top_n else None
+    return Draw(tok, float(logp[pick].item()), top)
+
+
+def _top(logp: torch.Tensor, n: int) -> TopLogprobs | None:
+    if n <= 0:
+        return None
+    vals, idx = torch.topk(logp, min(n, logp.numel()))
+    return tuple((float(v), int(i)) for v, i in zip(vals.tolist(), idx.tolist(), strict=True))
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, targets: list[int], top_n: int
+) -> tuple[list[float], list[TopLogprobs | None] | None]:
+    """Plain log-softmax logprob of ``targets[i]`` under ``logits[i]`` (the prompt's own tokens)."""
+    logp = torch.log_softmax(logits.to(torch.float64), dim=-1)
+    idx = torch.tensor(targets, dtype=torch.long, device=logp.device)
+    picked = logp[torch.arange(len(targets), device=logp.device), idx]
+    if bool(torch.isnan(picked).any()):
+        raise ValueError("the prompt's logits are not finite")
+    tops = [_top(logp[i], top_n) for i in range(len(targets))] if top_n > 0 else None
+    return picked.tolist(), tops
