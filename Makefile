@@ -12,7 +12,7 @@ BIN     = $(VENV)/bin
 # compiles on one). Written up front, not left to first imports: where PYTHONDONTWRITEBYTECODE is set (CI
 # machines) Python never caches it, and every process would compile torch again.
 PIP_INSTALL = $(BIN)/pip install -q --no-compile
-COMPILE = $(BIN)/python -m compileall -qq -j 0 "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" worker operator profiler >/dev/null || true
+COMPILE = $(BIN)/python -m compileall -qq -j 0 "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" worker operator profiler bench >/dev/null || true
 
 # the deterministic kernels' fixed-order product (engine/kernels/native.py), built once per machine into torch's
 # extension cache (about 25-45 s); a machine without AVX-512 or AVX2, or a compiler, goes on without it (MKL's products)

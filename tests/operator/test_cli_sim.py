@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from rollout_bench import planner as bench_planner
 from rollout_operator.cli.main import app
-from rollout_profiler.sim import bench as bench_planner
 from rollout_worker.errors import UserError
 from typer.testing import CliRunner
 

@@ -229,7 +229,7 @@ def bench_engine_cmd(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON here.")] = None,
 ) -> None:
     """Per-step latency by layout x batch x context, and reconfiguration phases with bytes moved."""
-    from rollout_worker.engine.bench import GRAPH_MODES, run_engine_bench
+    from rollout_bench.engine import GRAPH_MODES, run_engine_bench
     from rollout_worker.engine.model.presets import preset_config
 
     preset_config(preset)  # an unknown preset is refused before any rank starts
@@ -278,7 +278,7 @@ def bench_peer_cmd(
         import transformers  # noqa: F401
     except ImportError:
         raise UserError("needs the transformers package (pip install transformers)", "--preset") from None
-    from rollout_worker.engine.bench_peer import run_peer_bench
+    from rollout_bench.peer import run_peer_bench
 
     chat = chat_prompts if chat_prompts.is_file() else None
     run_peer_bench(preset, int_list(cores, "--cores"), runs, work, json_out, typer.echo, chat)
@@ -305,8 +305,8 @@ def bench_lossless_cmd(
     """Every layout of 2 and 4 ranks and two chains of switches mid-decode against the static TP=1 run:
     the samples that differ and where, in DTYPE; fails when float64 or the deterministic kernels differ
     anywhere or a switch did not happen as planned."""
-    from rollout_worker.engine.bench import ensure_model
-    from rollout_worker.engine.bench_lossless import MIN_REQUESTS, run_lossless_bench
+    from rollout_bench.lossless import MIN_REQUESTS, run_lossless_bench
+    from rollout_worker.engine.model.checkpoint import ensure_model
     from rollout_worker.engine.model.presets import preset_config
 
     if requests < MIN_REQUESTS:

@@ -86,9 +86,9 @@ def bench_memory_cmd(
     """KV utilisation in the bulk phase, the largest running batch and tokens/s of the dense slab (an
     older commit's engine) and the paged engine, on one replica of the tiny model; then prefix sharing:
     the samples of each prompt with the prefix cache on and off (prompt tokens prefilled, time)."""
-    from rollout_worker.engine.bench import ensure_model
-    from rollout_worker.engine.bench_memory import run_memory_bench
-    from rollout_worker.engine.bench_memory import slab_tree as extract
+    from rollout_bench.memory import run_memory_bench
+    from rollout_bench.memory import slab_tree as extract
+    from rollout_worker.engine.model.checkpoint import ensure_model
 
     check_memory_args(
         requests, prompt_len, median_new, longest_new, kv_tokens, page_size, runs, samples, sharing_prompt_len

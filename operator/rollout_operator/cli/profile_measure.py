@@ -14,7 +14,7 @@ from rollout_operator.cli.args import int_list
 
 
 def resolve_model(model: Path | None, preset: str | None, work: Path) -> tuple[Path, str]:
-    from rollout_worker.engine.bench import ensure_model
+    from rollout_worker.engine.model.checkpoint import ensure_model
 
     if (model is None) == (preset is None):
         raise UserError("give exactly one of --model DIR or --preset NAME")

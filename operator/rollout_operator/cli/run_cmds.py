@@ -167,9 +167,10 @@ def bench_run_cmd(
     load. Minutes to tens of minutes; kept out of CI."""
     import json
 
+    from rollout_bench.job_run import bench_job, table
+
     from rollout_operator.api.manifest import load_job
     from rollout_operator.local.app import RunOptions, prepare
-    from rollout_operator.local.bench import bench_job, table
 
     loaded = load_job(job)
     if loaded.job.spec.mode != "job":

@@ -106,7 +106,7 @@ def bench_serve_cmd(
 ) -> None:
     """The HTTP server against the in-process engine on the same requests, event-loop latency under load,
     and a layout change under load."""
-    from rollout_worker.server.bench import run_serve_bench
+    from rollout_bench.serve import run_serve_bench
 
     per: dict[str, int] = {}
     for item in requests.split(","):

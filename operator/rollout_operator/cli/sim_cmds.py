@@ -192,7 +192,7 @@ def bench_planner_cmd(
     decide_calls: Annotated[int, typer.Option(help="decide() calls timed per snapshot.")] = 2000,
 ) -> None:
     """One table per model: static TP 1/2/4/8, adaptive, oracles and bounds per workload; decide() latency."""
-    from rollout_profiler.sim import bench as bench_planner
+    from rollout_bench import planner as bench_planner
     from rollout_profiler.sim.workloads import load
 
     if runs < 1:
@@ -230,8 +230,8 @@ def bench_simulator_cmd(
     """The simulator against the engine: three small long-tailed workloads on one replica of the tiny model
     (a pool tight enough to retract), and the simulator fed that engine's measured profile; retractions and
     generation seconds side by side."""
-    from rollout_profiler.agreement import CASES, run_agreement_bench
-    from rollout_worker.engine.bench import ensure_model
+    from rollout_bench.simulator import CASES, run_agreement_bench
+    from rollout_worker.engine.model.checkpoint import ensure_model
 
     if runs < 1:
         raise UserError(f"must be >= 1, got {runs}", "--runs")

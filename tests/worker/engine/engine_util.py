@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rollout_bench.lossless import Case, compare
 from rollout_worker.api.plan import Trigger
 from rollout_worker.api.requests import RequestSpec, parse_request
 from rollout_worker.api.sampling import Sampling
 from rollout_worker.config.model_config import ModelConfig
-from rollout_worker.engine.bench_lossless import Case, compare
 from rollout_worker.engine.config import EngineConfig
 from rollout_worker.engine.driver.batch import BatchResult, run_batch
 from rollout_worker.engine.model.checkpoint import CheckpointReader

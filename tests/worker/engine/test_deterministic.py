@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rollout_bench.lossless import CHAINS, REFERENCE, STATIC, Case, chat_requests, run_case
 from rollout_worker.api.requests import RequestSpec
-from rollout_worker.engine.bench_lossless import CHAINS, REFERENCE, STATIC, Case, chat_requests, run_case
 from rollout_worker.engine.driver.batch import BatchResult
 from rollout_worker.engine.model.checkpoint import make_model
 from rollout_worker.scheduling.layout import Layout

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 import torch
-from rollout_worker.engine.bench import ensure_model
 from rollout_worker.engine.config import EngineConfig
 from rollout_worker.engine.driver.batch import BatchResult, run_batch
 from rollout_worker.engine.driver.launcher import run_task
+from rollout_worker.engine.model.checkpoint import ensure_model
 from rollout_worker.engine.rank.measure import probe_logits
 
 from tests.worker.engine.engine_util import grpo_groups, requests, run, tokens
@@ -168,7 +168,7 @@ def test_ranks_sharing_one_gpu_are_lossless(tiny64: Path) -> None:
 
 def test_server_tokens_per_second_on_small(tmp_path: Path) -> None:
     """Prints the server's tokens/s on small (64 streams); no request may be lost."""
-    from rollout_worker.server.bench import _load, make_requests
+    from rollout_bench.serve import _load, make_requests
     from rollout_worker.server.process import start_server, stop_server
 
     model = ensure_model("small", tmp_path)

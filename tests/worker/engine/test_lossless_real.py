@@ -8,8 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from rollout_worker.api.requests import RequestSpec
-from rollout_worker.engine.bench_lossless import (
+from rollout_bench.lossless import (
     CHAINS,
     REFERENCE,
     STATIC,
@@ -17,6 +16,7 @@ from rollout_worker.engine.bench_lossless import (
     chat_requests,
     run_case,
 )
+from rollout_worker.api.requests import RequestSpec
 
 from tests.worker.engine.engine_util import assert_chain_ran
 

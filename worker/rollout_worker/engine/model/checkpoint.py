@@ -69,6 +69,14 @@ def make_model(
     )
 
 
+def ensure_model(preset: str, work: Path, dtype: str = "float32", seed: int = 0) -> Path:
+    """A preset's checkpoint under ``work``, written on first use (``make_model``) and reused after."""
+    path = work / f"{preset}-{dtype}-seed{seed}"
+    if not (path / "config.json").exists():
+        make_model(preset, seed, path, dtype)
+    return path
+
+
 def _convert_gguf(path: Path, out: str | Path, dtype: str, progress: Progress | None) -> ModelConfig:
     from rollout_worker.engine.model.gguf_convert import open_gguf
 

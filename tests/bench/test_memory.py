@@ -7,8 +7,8 @@ import statistics
 from typing import Any
 
 import pytest
-from rollout_worker.engine import bench_sharing
-from rollout_worker.engine.bench_memory import combine, requests, summarise, table, tail_lengths
+from rollout_bench import sharing as bench_sharing
+from rollout_bench.memory import combine, requests, summarise, table, tail_lengths
 
 
 def test_tail_lengths_are_lognormal_quantiles() -> None:

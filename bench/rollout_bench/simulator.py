@@ -16,6 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rollout_profiler.planning.latency import LatencyModel
+from rollout_profiler.profile import KVCapacity, Profile
+from rollout_profiler.profiling.measure import Echo, profile_measured
+from rollout_profiler.sim.config import SimConfig
+from rollout_profiler.sim.simulator import Simulator
+from rollout_profiler.sim.workloads import Workload
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import Sampling
 from rollout_worker.engine.config import EngineConfig
@@ -23,13 +29,6 @@ from rollout_worker.engine.driver.batch import run_batch
 from rollout_worker.engine.driver.launcher import run_task
 from rollout_worker.engine.rank.measure import measure_prefill
 from rollout_worker.scheduling.layout import Layout
-
-from rollout_profiler.planning.latency import LatencyModel
-from rollout_profiler.profile import KVCapacity, Profile
-from rollout_profiler.profiling.measure import Echo, profile_measured
-from rollout_profiler.sim.config import SimConfig
-from rollout_profiler.sim.simulator import Simulator
-from rollout_profiler.sim.workloads import Workload
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """The prefix-sharing part of ``rolloutctl bench memory``: GRPO's shape, ``samples`` samples of each prompt
 sent together (sampled, temperature 1, a seed each), run by this tree's paged engine with the prefix cache
 on and off, on the same long-tailed lengths and the same KV budget, with the same measuring code as the rest
-of the benchmark (:mod:`rollout_worker.engine.bench_memory_probe`, in a fresh process, the order reversed
+of the benchmark (:mod:`rollout_bench.memory_probe`, in a fresh process, the order reversed
 every other run).
 
 Measured per mode and run, from every step's report: the prompt tokens the prefills computed (re-prefills

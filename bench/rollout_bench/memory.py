@@ -12,7 +12,7 @@ requests and the same KV budget, side by side in one run.
   lognormal with the given median whose longest is ``longest``, in a seeded shuffled order), EOS ignored,
   one replica of one rank, the tiny random-weight model in float32;
 * each run measures the three (in turn, the order reversed every other run) with the same measuring code
-  (:mod:`rollout_worker.engine.bench_memory_probe`, run in a fresh process against either tree).
+  (:mod:`rollout_bench.memory_probe`, run in a fresh process against either tree).
 
 Measured per engine and run, from every step's report: KV utilisation in the bulk phase (the decode steps
 while a request waits for memory): tokens held / tokens allocated (paged: the pages in use x page size;
@@ -39,7 +39,8 @@ from statistics import NormalDist
 from typing import Any
 
 from rollout_worker.config.model_config import ModelConfig
-from rollout_worker.engine import bench_sharing
+
+from rollout_bench import sharing as bench_sharing
 
 Echo = Callable[[str], Any]
 SLAB_COMMIT = "5904b9b"  # the last commit with the dense slab
@@ -220,7 +221,7 @@ def run_memory_bench(
     sharing_prompt_len: int = 128,
 ) -> dict[str, Any]:
     """The three engines (module docstring), then with ``samples`` > 1 prefix sharing on this tree
-    (:mod:`rollout_worker.engine.bench_sharing`) on prompts of ``sharing_prompt_len`` tokens."""
+    (:mod:`rollout_bench.sharing`) on prompts of ``sharing_prompt_len`` tokens."""
     cfg = ModelConfig.load(model)
     lens = tail_lengths(n, median_new, longest_new)
     reqs = requests(lens, prompt_len, cfg.vocab_size)

@@ -17,12 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollout_worker.scheduling.layout import Layout
-from rollout_worker.web.probe import Prober, percentile
-
 from rollout_operator.local.app import Prepared, outputs_equal, planning
 from rollout_operator.local.report import switch_rows
 from rollout_operator.local.runner import ENDPOINTS, PodRun, run_pods
+from rollout_worker.scheduling.layout import Layout
+from rollout_worker.web.probe import Prober, percentile
 
 Echo = Callable[[str], Any]
 PROGRESS = "/v1/progress"

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from rollout_worker.engine.bench import run_engine_bench
+from rollout_bench.engine import run_engine_bench
 
 pytestmark = pytest.mark.multiproc
 

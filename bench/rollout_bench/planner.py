@@ -22,8 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rollout_worker.scheduling.layout import Layout
-
 from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.planning.planner import PlannerPolicy, PodSnapshot, ReplicaState, decide
 from rollout_profiler.planning.predictor import Prior, fit
@@ -32,6 +30,7 @@ from rollout_profiler.profiling.modelled import SHIPPED, build
 from rollout_profiler.sim.config import SimConfig, SimResult
 from rollout_profiler.sim.run import simulate
 from rollout_profiler.sim.workloads import RECIPES, load, synthetic
+from rollout_worker.scheduling.layout import Layout
 
 GPUS = 8
 STATICS = ("static:1", "static:2", "static:4", "static:8")

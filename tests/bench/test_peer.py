@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rollout_bench.peer import NATURAL_CAP, _until_eos, natural_set, request_sets
 from rollout_worker.data.prompts import ChatTemplate, load_prompts
-from rollout_worker.engine.bench_peer import NATURAL_CAP, _until_eos, natural_set, request_sets
 from rollout_worker.engine.model.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).parents[3]

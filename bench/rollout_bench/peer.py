@@ -7,7 +7,7 @@ greedy), side by side in one run on the same model, requests and cores.
   honoured, up to 256 new tokens, so the lengths are the model's own (greedy: loops run to the cap);
 * cores: ``c`` cores = our engine with ``c`` rank processes as ``c x 1`` (one torch thread each) against
   transformers with ``torch.set_num_threads(c)`` in one process;
-* whole commands: ``rolloutctl generate ...`` against ``python -m rollout_worker.engine.bench_peer hf ...``
+* whole commands: ``rolloutctl generate ...`` against ``python -m rollout_bench.peer hf ...``
   (start-up, model load, generation, output written), wall clock of the subprocess;
 * steady state: generation only (ours: first submit to last finish; theirs: the ``model.generate`` call).
 
@@ -111,7 +111,7 @@ def run_peer_bench(
 ) -> dict[str, Any]:
     from rollout_worker.config.model_config import ModelConfig
     from rollout_worker.data.prompts import ChatTemplate
-    from rollout_worker.engine.bench import ensure_model
+    from rollout_worker.engine.model.checkpoint import ensure_model
 
     model = ensure_model(preset, work)
     sets = request_sets(ModelConfig.load(model).vocab_size)
@@ -141,7 +141,7 @@ def run_peer_bench(
             hf_cmd = [
                 sys.executable,
                 "-m",
-                "rollout_worker.engine.bench_peer",
+                "rollout_bench.peer",
                 "hf",
                 "--model",
                 str(model),
@@ -284,7 +284,4 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "hf":
         hf_main(sys.argv[2:])
     else:
-        sys.exit(
-            "usage: python -m rollout_worker.engine.bench_peer hf --model DIR --prompts FILE --out FILE "
-            "[--threads N]"
-        )
+        sys.exit("usage: python -m rollout_bench.peer hf --model DIR --prompts FILE --out FILE [--threads N]")

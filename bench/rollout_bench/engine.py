@@ -20,7 +20,6 @@ from rollout_worker.config.engine_settings import parse_settings
 from rollout_worker.config.model_config import ModelConfig
 from rollout_worker.engine.config import EngineConfig
 from rollout_worker.engine.driver.launcher import run_task
-from rollout_worker.engine.model.checkpoint import make_model
 from rollout_worker.engine.model.presets import preset_config
 from rollout_worker.engine.rank.measure import measure_grid, measure_reconfig
 from rollout_worker.scheduling.layout import Layout
@@ -31,13 +30,6 @@ GRAPH_MODES = (
     "both",
 )  # of each boolean setting compared side by side (cuda_graphs, deterministic)
 SIDE_BY_SIDE = ("cuda_graphs", "deterministic")
-
-
-def ensure_model(preset: str, work: Path, dtype: str = "float32", seed: int = 0) -> Path:
-    path = work / f"{preset}-{dtype}-seed{seed}"
-    if not (path / "config.json").exists():
-        make_model(preset, seed, path, dtype)
-    return path
 
 
 def shape_config(

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from rollout_operator.local.bench import Trial, summarize, table
+from rollout_bench.job_run import Trial, summarize, table
 
 
 def _switch(ms: float, outcome: str = "committed") -> dict[str, Any]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from rollout_worker.engine.bench_lossless import (
+from rollout_bench.lossless import (
     CHAINS,
     REFERENCE,
     Case,
