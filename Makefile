@@ -14,9 +14,9 @@ BIN     = $(VENV)/bin
 PIP_INSTALL = $(BIN)/pip install -q --no-compile
 COMPILE = $(BIN)/python -m compileall -qq -j 0 "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" worker operator profiler bench >/dev/null || true
 
-# the deterministic kernels' fixed-order product (engine/kernels/native.py), built once per machine into torch's
+# the deterministic kernels' fixed-order product (engine/kernels/fixed_order.py), built once per machine into torch's
 # extension cache (about 25-45 s); a machine without AVX-512 or AVX2, or a compiler, goes on without it (MKL's products)
-BUILD_KERNEL = $(BIN)/python -c 'from rollout_worker.engine.kernels import native; native.kernels()'
+BUILD_KERNEL = $(BIN)/python -c 'from rollout_worker.engine.kernels import fixed_order; fixed_order.kernels()'
 
 $(BIN)/.installed-engine: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -6,7 +6,7 @@
 Reads ``GenerateReqInput`` (``sglang/srt/managers/io_struct.py``) and the API fields of ``SamplingParams``
 (``sglang/srt/sampling/sampling_params.py``, the fields above its "Internal fields" comment) with ``ast``:
 nothing of sglang is imported. The engine accepts every key at its default, refuses any other value of a key
-it does not implement (``rollout_worker.api.neutral``).
+it does not implement (``rollout_worker.api.neutral_keys``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 For each kernel, the first row's result computed alone and among other rows (the shapes of Llama-3.1-8B's
 layers, bfloat16), compared bitwise; the default torch kernel beside the deterministic one
-(``rollout_worker.engine.kernels.invariant``). Prints a table and writes JSON.
+(``rollout_worker.engine.kernels.deterministic``). Prints a table and writes JSON.
 Usage (repository root, on a GPU machine): python3 bench/cuda_invariance.py [OUT.json]
 """
 
@@ -16,7 +16,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from rollout_worker.engine.kernels import invariant
+from rollout_worker.engine.kernels import deterministic as invariant
 
 ROWS = (1, 2, 3, 4, 5, 8, 16, 31, 32, 63, 64, 128, 200, 256, 257, 512)
 BATCHES = (1, 2, 3, 4, 7, 8, 16, 31, 64)

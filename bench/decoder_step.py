@@ -21,9 +21,9 @@ import time
 
 import torch
 from rollout_worker.config.model_config import ModelConfig
-from rollout_worker.engine.kernels.invariant import RowChunks
-from rollout_worker.engine.model.kvcache import GatheredKV, KVPool
-from rollout_worker.engine.model.model import Decoder
+from rollout_worker.engine.kernels.deterministic import RowChunks
+from rollout_worker.engine.model.decoder import Decoder
+from rollout_worker.engine.model.kv_cache import GatheredKV, KVPool
 from rollout_worker.engine.model.parallel import SINGLE
 from rollout_worker.engine.model.presets import preset_config
 from rollout_worker.engine.model.weights import random_shard

@@ -26,7 +26,9 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from rollout_worker.engine.kernels import invariant, native, packed
+from rollout_worker.engine.kernels import deterministic as invariant
+from rollout_worker.engine.kernels import fixed_order as native
+from rollout_worker.engine.kernels import packed_linear as packed
 
 # per set: its layers cycled, and name: (outputs, inputs, chunks), as RowChunks cuts them for 2 ranks
 SHAPES: dict[str, tuple[int, dict[str, tuple[int, int, int]]]] = {

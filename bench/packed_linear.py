@@ -1,6 +1,6 @@
 """The default kernels' products on CPU: MKL's ``sgemm`` (``F.linear``) against oneDNN over weights packed
-once (``rollout_worker.engine.kernels.packed``), one thread, float32, on the projections of a preset's layer
-and
+once (``rollout_worker.engine.kernels.packed_linear``), one thread, float32, on the projections of a preset's
+layer and
 its logits. Each point is the median of ``runs`` runs (each the mean of many calls, both kernels
 alternated in the same run). Also says whether the two agree with a float64 reference equally well.
 Prints a table and writes JSON.
@@ -19,7 +19,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from rollout_worker.config.model_config import ModelConfig
-from rollout_worker.engine.kernels import packed
+from rollout_worker.engine.kernels import packed_linear as packed
 from rollout_worker.engine.model.presets import preset_config
 
 ROWS = (1, 4, 16, 64)

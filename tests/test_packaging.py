@@ -17,7 +17,7 @@ ROOT = Path(__file__).parents[1]
 TORCH_FREE = """
 import importlib.util, sys
 assert importlib.util.find_spec("torch") is None, "torch is installed"
-import rollout_operator.cli.main, rollout_operator.local.runner, rollout_operator.control.loop
+import rollout_operator.cli.main, rollout_operator.local.runner, rollout_operator.control.planner_loop
 import rollout_worker.sidecar.app, rollout_worker.server.app
 import rollout_profiler.planning.planner, rollout_profiler.sim.simulator, rollout_profiler.store.migrate
 assert "torch" not in sys.modules

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from rollout_profiler.store import engine as db_engine
+from rollout_profiler.store import database as db_engine
 from rollout_profiler.store import runs
 from rollout_worker.api.sidecar import read_outputs
 from sqlalchemy.orm import Session

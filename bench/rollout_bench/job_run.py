@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollout_operator.local.app import Prepared, outputs_equal, planning
+from rollout_operator.local.local_job import Prepared, outputs_equal, planning
 from rollout_operator.local.report import switch_rows
 from rollout_operator.local.runner import ENDPOINTS, PodRun, run_pods
 from rollout_worker.scheduling.layout import Layout

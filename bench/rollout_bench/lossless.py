@@ -26,7 +26,7 @@ from rollout_worker.api.sampling import Sampling
 from rollout_worker.config.model_config import ModelConfig
 from rollout_worker.data.prompts import ChatTemplate, load_prompts
 from rollout_worker.engine.config import EngineConfig
-from rollout_worker.engine.driver.batch import BatchResult, run_batch
+from rollout_worker.engine.driver.fixed_batch import BatchResult, run_batch
 from rollout_worker.engine.model.tokenizer import TextCodec
 from rollout_worker.errors import UserError
 from rollout_worker.scheduling.layout import Layout

@@ -22,8 +22,8 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
     from rollout_worker.api.requests import RequestSpec
     from rollout_worker.api.sampling import Sampling
     from rollout_worker.engine.config import EngineConfig
-    from rollout_worker.engine.driver.batch import Collector
-    from rollout_worker.engine.driver.driver import Engine, Observer
+    from rollout_worker.engine.driver.engine import Engine, Observer
+    from rollout_worker.engine.driver.fixed_batch import Collector
     from rollout_worker.engine.driver.lifecycle import Health
 
     cfg = EngineConfig.load(spec["model"], 1, dtype=spec["dtype"], **spec["settings"])

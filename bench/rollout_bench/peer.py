@@ -80,7 +80,7 @@ def _ours_steady(
     model: Path, rows: list[dict[str, Any]], cores: int, ignore_eos: bool = True
 ) -> tuple[float, dict[str, list[int]]]:
     from rollout_worker.engine.config import EngineConfig
-    from rollout_worker.engine.driver.batch import run_batch
+    from rollout_worker.engine.driver.fixed_batch import run_batch
 
     cfg = EngineConfig.load(str(model), cores)
     specs = [

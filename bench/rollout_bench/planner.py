@@ -28,7 +28,7 @@ from rollout_profiler.planning.predictor import Prior, fit
 from rollout_profiler.profile import Profile
 from rollout_profiler.profiling.modelled import SHIPPED, build
 from rollout_profiler.sim.config import SimConfig, SimResult
-from rollout_profiler.sim.run import simulate
+from rollout_profiler.sim.simulate import simulate
 from rollout_profiler.sim.workloads import RECIPES, load, synthetic
 from rollout_worker.scheduling.layout import Layout
 

@@ -30,7 +30,7 @@ import httpx
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import Sampling
 from rollout_worker.engine.config import EngineConfig
-from rollout_worker.engine.driver.batch import run_batch
+from rollout_worker.engine.driver.fixed_batch import run_batch
 from rollout_worker.engine.model.checkpoint import ensure_model
 from rollout_worker.server.process import start_server, stop_server
 from rollout_worker.web.probe import Prober, percentile

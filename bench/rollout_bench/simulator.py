@@ -25,7 +25,7 @@ from rollout_profiler.sim.workloads import Workload
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import Sampling
 from rollout_worker.engine.config import EngineConfig
-from rollout_worker.engine.driver.batch import run_batch
+from rollout_worker.engine.driver.fixed_batch import run_batch
 from rollout_worker.engine.driver.launcher import run_task
 from rollout_worker.engine.rank.measure import measure_prefill
 from rollout_worker.scheduling.layout import Layout

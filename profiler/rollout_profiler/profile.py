@@ -53,7 +53,7 @@ from rollout_worker.config.model_config import ModelConfig
 from rollout_worker.data.files import read_text, write_atomic
 from rollout_worker.errors import UserError
 from rollout_worker.scheduling.costs import KV_METHODS, CostModel
-from rollout_worker.scheduling.heads import max_kv_heads
+from rollout_worker.scheduling.head_shards import max_kv_heads
 
 SCHEMA = "elastic-rollout/profile/v1"
 PROFILE_METHODS = ("measured", "shard-equivalent", "modelled")  # how a profile was made

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from rollout_operator.cli.main import main
-from rollout_profiler.store import engine as db_engine
+from rollout_profiler.store import database as db_engine
 from rollout_profiler.store.testing import (
     sample_profile,
 )

@@ -140,7 +140,7 @@ def test_max_prefill_tokens_reaches_the_replicas(tiny64: Path) -> None:
     import torch
     from rollout_worker.engine.config import EngineConfig
     from rollout_worker.engine.model.weights import random_shard
-    from rollout_worker.engine.rank.state import make_replica
+    from rollout_worker.engine.rank.rank_state import make_replica
 
     cfg = EngineConfig.load(str(tiny64), 1, max_prefill_tokens=300)
     assert cfg.engine.max_prefill_tokens == 300

@@ -164,10 +164,10 @@ def _check(args: list[str]) -> None:
 def world(tmp_path: Path, tiny64: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, list[str]]:
     """The commands' valid arguments, the work of each replaced by Reached, the working directory a fresh
     one (a flag that names a relative path creates nothing elsewhere)."""
-    import rollout_operator.local.app as local_app
+    import rollout_operator.local.local_job as local_app
     import rollout_profiler.profiling.measure as measure
-    import rollout_profiler.sim.run as sim_run
-    import rollout_worker.engine.driver.batch as batch
+    import rollout_profiler.sim.simulate as sim_run
+    import rollout_worker.engine.driver.fixed_batch as batch
     import rollout_worker.server.run as server_run
 
     def reached(*args: Any, **kwargs: Any) -> Any:

@@ -24,7 +24,8 @@ db_app = typer.Typer(help="The profile/decision database (SQLite or PostgreSQL).
 @db_app.command("upgrade")
 def upgrade(db: DbOption = None) -> None:
     """Create the database tables, or migrate them to this version's schema."""
-    from rollout_profiler.store import engine, migrate
+    from rollout_profiler.store import database as engine
+    from rollout_profiler.store import migrate
 
     url = engine.resolve_url(db)
     before = migrate.current(url)
@@ -39,7 +40,8 @@ def upgrade(db: DbOption = None) -> None:
 @db_app.command("current")
 def current(db: DbOption = None) -> None:
     """Print the revision the database is at, and whether it is this version's head."""
-    from rollout_profiler.store import engine, migrate
+    from rollout_profiler.store import database as engine
+    from rollout_profiler.store import migrate
 
     url = engine.resolve_url(db)
     rev, head = migrate.current(url), migrate.head()

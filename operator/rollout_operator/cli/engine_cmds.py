@@ -72,7 +72,7 @@ def generate_cmd(
     """Generate with G ranks, optionally changing the TP layout while requests run."""
     from pydantic import ValidationError
     from rollout_worker.api.plan import Plan, Trigger
-    from rollout_worker.engine.driver.batch import Interrupted, run_batch
+    from rollout_worker.engine.driver.fixed_batch import Interrupted, run_batch
     from rollout_worker.engine.model.tokenizer import TextCodec
     from rollout_worker.errors import user_error
 

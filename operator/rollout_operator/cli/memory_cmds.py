@@ -95,7 +95,7 @@ def bench_memory_cmd(
     )
     if slab_tree is not None and not (slab_tree / "rollout_worker" / "engine" / "driver.py").is_file():
         raise UserError(
-            f"{slab_tree} has no rollout_worker/engine/driver.py (give a worker/ folder)",
+            f"{slab_tree} has no rollout_worker/engine/driver/engine.py (give a worker/ folder)",
             "--slab-tree",
         )
     if json_out is not None:

@@ -105,7 +105,8 @@ def profile(
 @contextmanager
 def _session(db: str | None) -> Iterator[tuple[Session, str]]:
     """A session (in one transaction) on a database migrated to head, and its masked URL."""
-    from rollout_profiler.store import engine, migrate
+    from rollout_profiler.store import database as engine
+    from rollout_profiler.store import migrate
     from sqlalchemy.orm import Session
 
     url = engine.resolve_url(db)

@@ -58,7 +58,7 @@ def check_options(opts: dict[str, Any]) -> None:
     if opts["device"] not in DEVICES:
         raise UserError(f"must be one of {', '.join(DEVICES)}, got {opts['device']!r}", "--device")
     if opts["device"] == "cuda":
-        from rollout_worker.engine.rank.state import require_cuda
+        from rollout_worker.engine.rank.rank_state import require_cuda
 
         require_cuda("--device")
     if opts["out"] is not None:
@@ -69,7 +69,7 @@ def check_options(opts: dict[str, Any]) -> None:
 
 def check_database(db: str | None) -> None:
     """The database can be opened (a bad URL is found before the measurement, not after it)."""
-    from rollout_profiler.store import engine
+    from rollout_profiler.store import database as engine
 
     url = engine.resolve_url(db)
     eng = engine.make_engine(url)
@@ -135,7 +135,8 @@ def run_profile(opts: dict[str, Any]) -> None:
 
 def store(prof: Any, db: str | None) -> str:
     """Save to the database; the embedded SQLite database is migrated on first use."""
-    from rollout_profiler.store import engine, migrate, repo
+    from rollout_profiler.store import database as engine
+    from rollout_profiler.store import migrate, repo
     from sqlalchemy.orm import Session
 
     url = engine.resolve_url(db)

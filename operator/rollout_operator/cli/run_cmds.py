@@ -99,7 +99,7 @@ def run_cmd(
     the same command resumes from the outputs. Ctrl-C stops every child process."""
     from rollout_operator.api.manifest import load_job
     from rollout_operator.local import report as rep
-    from rollout_operator.local.app import RunOptions, execute, outputs_equal, prepare
+    from rollout_operator.local.local_job import RunOptions, execute, outputs_equal, prepare
     from rollout_operator.local.runner import Interrupted
 
     if policy not in (None, "adaptive", "static"):
@@ -170,7 +170,7 @@ def bench_run_cmd(
     from rollout_bench.job_run import bench_job, table
 
     from rollout_operator.api.manifest import load_job
-    from rollout_operator.local.app import RunOptions, prepare
+    from rollout_operator.local.local_job import RunOptions, prepare
 
     loaded = load_job(job)
     if loaded.job.spec.mode != "job":

@@ -112,7 +112,7 @@ def simulate_cmd(
     from rollout_profiler.profile import Profile
     from rollout_profiler.sim.config import SimConfig
     from rollout_profiler.sim.report import plot_png, table
-    from rollout_profiler.sim.run import default_policies, parse_policies, simulate
+    from rollout_profiler.sim.simulate import default_policies, parse_policies, simulate
     from rollout_profiler.sim.workloads import RECIPES, load
 
     if gpus < 1:

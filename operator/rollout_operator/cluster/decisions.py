@@ -10,7 +10,7 @@ from rollout_worker.api.plan import ReconfigEvent
 
 from rollout_operator.api.status import LAST_DECISIONS, DecisionRecord, RolloutJobStatus
 from rollout_operator.cluster.reconcile import Event, iso
-from rollout_operator.control.loop import Outcome
+from rollout_operator.control.planner_loop import Outcome
 from rollout_operator.control.switches import unasked_switch
 
 

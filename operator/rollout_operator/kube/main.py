@@ -27,7 +27,8 @@ def _post(body: dict[str, Any], ev: Event) -> None:
 
 
 def _open_db(settings: OperatorSettings) -> Any:
-    from rollout_profiler.store import engine, migrate
+    from rollout_profiler.store import database as engine
+    from rollout_profiler.store import migrate
 
     given = settings.database_url.get_secret_value() if settings.database_url is not None else None
     url = engine.resolve_url(given)

@@ -23,7 +23,7 @@ from rollout_operator.api.status import RolloutJobStatus
 from rollout_operator.cluster.decisions import PodTick
 from rollout_operator.cluster.reconcile import PodView
 from rollout_operator.control.links import SidecarLink
-from rollout_operator.control.loop import PlannerLoop, Recorder
+from rollout_operator.control.planner_loop import PlannerLoop, Recorder
 
 
 @dataclass

@@ -28,7 +28,7 @@ from rollout_worker.sidecar.outputs import write_manifest
 
 from rollout_operator.api.manifest import LoadedJob
 from rollout_operator.control.links import SidecarLink
-from rollout_operator.control.loop import Outcome, PlannerLoop, Recorder
+from rollout_operator.control.planner_loop import Outcome, PlannerLoop, Recorder
 from rollout_operator.local.pods import PodProcesses, build_pods
 from rollout_operator.local.processes import LocalPods
 from rollout_operator.local.result import Point, RunResult, record

@@ -1,6 +1,6 @@
 """One planner tick for one pod, as pure functions: the pod's state -> the planner's snapshot -> a decision
 -> the plan to push (or none). The one home of this decision: the operator's planner loop (``rolloutctl run``
-and the cluster, ``rollout_operator.control.loop``) and the simulator's adaptive controller
+and the cluster, ``rollout_operator.control.planner_loop``) and the simulator's adaptive controller
 (``rollout_profiler.sim.policies``) both call :func:`tick` on an :class:`EngineState`, so a simulated
 result is what the operator would do.
 

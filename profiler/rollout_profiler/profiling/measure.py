@@ -31,7 +31,7 @@ from rollout_worker.engine.config import EngineConfig
 from rollout_worker.engine.driver.launcher import run_task
 from rollout_worker.engine.rank.measure import measure_grid, measure_prefill, measure_reconfig
 from rollout_worker.errors import UserError
-from rollout_worker.scheduling.heads import max_q_heads
+from rollout_worker.scheduling.head_shards import max_q_heads
 from rollout_worker.scheduling.layout import Layout
 
 from rollout_profiler.profile import CostModel, ModelShape, Profile, ReconfigPoint, StepPoint

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-from rollout_worker.scheduling.heads import max_kv_heads, max_q_heads
+from rollout_worker.scheduling.head_shards import max_kv_heads, max_q_heads
 from rollout_worker.scheduling.layout import Layout
 
 from rollout_profiler.profile import CostModel, KVCapacity, ModelShape, Profile, ReconfigPoint, StepPoint
@@ -125,7 +125,7 @@ def _comm_ms(m: ModelShape, tp: int, batch: int) -> float:
 def _core_ms(m: ModelShape, hw: Hardware, bw_eff: float, tp: int, batch: int, ctx: int) -> float:
     """Layers, LM head and all-reduces (everything but ``fixed`` and ``per_request``). The attention's
     cache reads and FLOPs are the widest rank's (uneven head shards:
-    :mod:`rollout_worker.scheduling.heads`)."""
+    :mod:`rollout_worker.scheduling.head_shards`)."""
     bw = hw.hbm_bytes_s * bw_eff
     fl = hw.peak_flops * hw.flops_eff
     kv_layer = max_kv_heads(m.num_kv_heads, tp) * m.head_dim * 2 * 2  # one rank's K and V, bf16, per token

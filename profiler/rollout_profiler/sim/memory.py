@@ -14,8 +14,8 @@ queue never skips its head (first come, first served):
   replica's share of the pod's prefill rate (``costs.recompute_tokens_per_ms x T / G``), which stalls that
   replica.
 * ``paged`` (what the engine's paged pool does, decided by the engine's own functions,
-  :mod:`rollout_worker.scheduling.kv_schedule`): the replica holds ``K / page_size`` pages, a request the
-  pages of
+  :mod:`rollout_worker.scheduling.admission`): the replica holds ``K / page_size`` pages, a request the pages
+  of
   its cached tokens; admission is optimistic (running requests charged their remaining tokens times the
   new-token ratio, which decays every decode step and is raised after a retraction); when the next step
   cannot get its pages, the requests that decoded fewest tokens are retracted to the head of the queue and
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from rollout_worker.config.engine_settings import DEFAULTS
-from rollout_worker.scheduling.kv_schedule import (
+from rollout_worker.scheduling.admission import (
     CLIP_MAX_NEW_TOKENS,
     SGLANG_RATIO,
     Req,

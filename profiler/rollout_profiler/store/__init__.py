@@ -4,7 +4,8 @@ Alembic migrations (``rollout_profiler.store.migrate``).
 Typical use::
 
     from sqlalchemy.orm import Session
-    from rollout_profiler.store import engine, migrate, repo
+    from rollout_profiler.store import migrate, repo
+    from rollout_profiler.store import database as engine
 
     url = engine.resolve_url(None)  # --db > $ROLLOUT_DB_URL > sqlite:///$ROLLOUT_HOME/rollout.db
     migrate.upgrade(url)

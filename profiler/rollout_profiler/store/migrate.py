@@ -18,7 +18,7 @@ from alembic.script import ScriptDirectory
 from rollout_worker.errors import UserError
 from sqlalchemy import Engine
 
-from rollout_profiler.store.engine import make_engine, mask_url, reachable
+from rollout_profiler.store.database import make_engine, mask_url, reachable
 
 MIGRATIONS = Path(str(files("rollout_profiler.store").joinpath("migrations")))
 

@@ -17,7 +17,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
 from rollout_profiler.profile import CostModel, ModelShape, Profile, ReconfigPoint, StepPoint
-from rollout_profiler.store.engine import make_engine, parse_url
+from rollout_profiler.store.database import make_engine, parse_url
 
 ENV_PG_URL = "ROLLOUT_TEST_PG_URL"
 ENV_SKIP_PG = "ROLLOUT_SKIP_POSTGRES"

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from rollout_operator.api.status import LAST_DECISIONS, DecisionRecord, PodProgress, RolloutJobStatus
 from rollout_operator.cluster.decisions import PodTick, apply_ticks
-from rollout_operator.control.loop import Outcome
+from rollout_operator.control.planner_loop import Outcome
 from rollout_profiler.planning.planner import Decision
 from rollout_profiler.planning.tick import TickResult
 from rollout_worker.api.plan import ReconfigEvent

@@ -160,7 +160,7 @@ def test_the_cluster_examples_pass_every_check_with_the_shipped_profiles(path: P
     from rollout_operator.api.manifest import load_job
     from rollout_operator.control.profiles import find_profile
     from rollout_profiler.store import migrate
-    from rollout_profiler.store.engine import make_engine
+    from rollout_profiler.store.database import make_engine
     from sqlalchemy.orm import Session
 
     job = load_job(path).job

@@ -13,11 +13,11 @@ from rollout_operator.api.manifest import parse_job
 from rollout_operator.cluster.plan import plan_pods
 from rollout_operator.control.jobplan import ModelDims, Refusal, candidates_of, requests_per_pod, start_layout
 from rollout_operator.control.profiles import find_profile
-from rollout_operator.local.app import RunOptions, prepare
+from rollout_operator.local.local_job import RunOptions, prepare
 from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.profile import Profile
 from rollout_profiler.store import migrate, repo
-from rollout_profiler.store.engine import make_engine
+from rollout_profiler.store.database import make_engine
 from rollout_worker.scheduling.layout import Layout
 from sqlalchemy.orm import Session
 

@@ -11,16 +11,16 @@ from typing import Any
 
 import numpy as np
 from rollout_operator.control.links import EngineLink
-from rollout_operator.control.loop import PlannerLoop
+from rollout_operator.control.planner_loop import PlannerLoop
 from rollout_operator.control.records import DbRecorder
 from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.planning.planner import PlannerPolicy
 from rollout_profiler.profile import Profile
-from rollout_profiler.store import engine as db_engine
+from rollout_profiler.store import database as db_engine
 from rollout_profiler.store import migrate, runs
 from rollout_worker.api.sglang import GenerateRequest
 from rollout_worker.engine.config import EngineConfig
-from rollout_worker.engine.driver.batch import run_batch
+from rollout_worker.engine.driver.fixed_batch import run_batch
 from rollout_worker.scheduling.layout import Layout
 from rollout_worker.server.convert import to_jobs
 from sqlalchemy.orm import Session

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rollout_profiler.store import engine as db_engine
+from rollout_profiler.store import database as db_engine
 from rollout_profiler.store import runs
 from rollout_profiler.store.testing import fresh_database
 from sqlalchemy.orm import Session

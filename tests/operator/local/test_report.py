@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rollout_operator.control.loop import Outcome
+from rollout_operator.control.planner_loop import Outcome
 from rollout_operator.local import report
-from rollout_operator.local.app import first_difference, outputs_equal
+from rollout_operator.local.local_job import first_difference, outputs_equal
 from rollout_operator.local.result import Point, RunResult
 from rollout_operator.local.runner import _nearest, _tally
 from rollout_profiler.planning.planner import Decision

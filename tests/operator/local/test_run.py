@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 from rollout_profiler.profile import Profile
-from rollout_profiler.store import engine as db_engine
+from rollout_profiler.store import database as db_engine
 from rollout_profiler.store import runs
 from rollout_profiler.store.testing import sqlite_url
 from rollout_worker.api.sidecar import read_outputs

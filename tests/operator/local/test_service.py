@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from rollout_profiler.store import engine as db_engine
+from rollout_profiler.store import database as db_engine
 from rollout_profiler.store import runs
 from sqlalchemy.orm import Session
 

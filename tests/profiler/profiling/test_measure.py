@@ -10,7 +10,8 @@ import pytest
 from rollout_profiler.planning.latency import holdout_error
 from rollout_profiler.profile import Profile
 from rollout_profiler.profiling.measure import shard_config
-from rollout_profiler.store import engine, repo
+from rollout_profiler.store import database as engine
+from rollout_profiler.store import repo
 from rollout_worker.config.model_config import ModelConfig
 from rollout_worker.engine.model.presets import preset_config
 from sqlalchemy.orm import Session

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.profile import CostModel, KVCapacity, ModelShape, Profile, StepPoint
 from rollout_profiler.sim.config import SimConfig
-from rollout_profiler.sim.run import simulate
+from rollout_profiler.sim.simulate import simulate
 from rollout_profiler.sim.simulator import Simulator
 from rollout_profiler.sim.workloads import Workload
 

@@ -13,12 +13,12 @@ from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.planning.predictor import Prior
 from rollout_profiler.profile import CostModel, KVCapacity, ModelShape, Profile, StepPoint
 from rollout_profiler.profiling import modelled
-from rollout_profiler.sim import run as sim_run
+from rollout_profiler.sim import simulate as sim_run
 from rollout_profiler.sim.config import SimConfig, SimResult, Switch
 from rollout_profiler.sim.memory import DONE, Admission
 from rollout_profiler.sim.oracle import oracle
 from rollout_profiler.sim.policies import AdaptiveController, ScheduleController, run_adaptive
-from rollout_profiler.sim.run import parse_policies, simulate
+from rollout_profiler.sim.simulate import parse_policies, simulate
 from rollout_profiler.sim.simulator import Simulator
 from rollout_profiler.sim.workloads import Workload, synthetic
 from rollout_worker.errors import UserError

@@ -12,7 +12,7 @@ from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from rollout_profiler.profile import KVCapacity, Profile
-from rollout_profiler.store import engine as db_engine
+from rollout_profiler.store import database as db_engine
 from rollout_profiler.store import migrate, repo
 from rollout_profiler.store.models import Base, ProfileRow, StepLatencyPointRow
 from rollout_profiler.store.testing import (

@@ -14,10 +14,10 @@ from rollout_worker.api.requests import RequestSpec, parse_request
 from rollout_worker.api.sampling import Sampling
 from rollout_worker.config.model_config import ModelConfig
 from rollout_worker.engine.config import EngineConfig
-from rollout_worker.engine.driver.batch import BatchResult, run_batch
+from rollout_worker.engine.driver.fixed_batch import BatchResult, run_batch
 from rollout_worker.engine.model.checkpoint import CheckpointReader
-from rollout_worker.engine.model.kvcache import KVPool, single_row
-from rollout_worker.engine.model.model import Decoder
+from rollout_worker.engine.model.decoder import Decoder
+from rollout_worker.engine.model.kv_cache import KVPool, single_row
 from rollout_worker.engine.model.parallel import SINGLE
 from rollout_worker.engine.model.weights import load_shard
 from rollout_worker.scheduling.layout import Layout

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import torch
 from rollout_worker.config.model_config import ModelConfig
-from rollout_worker.engine.kernels.invariant import RowChunks
+from rollout_worker.engine.kernels.deterministic import RowChunks
 from rollout_worker.engine.model.checkpoint import CheckpointReader
-from rollout_worker.engine.model.kvcache import KVPool
-from rollout_worker.engine.model.model import Decoder
+from rollout_worker.engine.model.decoder import Decoder
+from rollout_worker.engine.model.kv_cache import KVPool
 from rollout_worker.engine.model.parallel import SINGLE
 from rollout_worker.engine.model.weights import load_shard
 from rollout_worker.engine.rank.replica import Limits, Replica
-from rollout_worker.scheduling.kv_schedule import SGLANG_RATIO, RatioPolicy
+from rollout_worker.scheduling.admission import SGLANG_RATIO, RatioPolicy
 
 
 def replica(

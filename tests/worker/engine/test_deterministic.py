@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from rollout_bench.lossless import CHAINS, REFERENCE, STATIC, Case, chat_requests, run_case
 from rollout_worker.api.requests import RequestSpec
-from rollout_worker.engine.driver.batch import BatchResult
+from rollout_worker.engine.driver.fixed_batch import BatchResult
 from rollout_worker.engine.model.checkpoint import make_model
 from rollout_worker.scheduling.layout import Layout
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from rollout_worker.engine.config import EngineConfig
-from rollout_worker.engine.driver.batch import BatchResult, run_batch
+from rollout_worker.engine.driver.fixed_batch import BatchResult, run_batch
 from rollout_worker.engine.driver.launcher import run_task
 from rollout_worker.engine.model.checkpoint import ensure_model
 from rollout_worker.engine.rank.measure import probe_logits
@@ -27,9 +27,9 @@ def _decoder_on_cuda(
     ``max_batch`` token-table rows each hold pages of 600 tokens of random K/V (returned: decoder, pool,
     each row's pages)."""
     from rollout_worker.config.model_config import ModelConfig
-    from rollout_worker.engine.kernels.invariant import RowChunks
-    from rollout_worker.engine.model.kvcache import KVPool
-    from rollout_worker.engine.model.model import Decoder
+    from rollout_worker.engine.kernels.deterministic import RowChunks
+    from rollout_worker.engine.model.decoder import Decoder
+    from rollout_worker.engine.model.kv_cache import KVPool
     from rollout_worker.engine.model.parallel import SINGLE
     from rollout_worker.engine.model.presets import preset_config
     from rollout_worker.engine.model.weights import random_shard
@@ -71,7 +71,7 @@ def _col(xs: list[int]) -> torch.Tensor:
 def test_graph_replay_is_the_eager_step_bit_for_bit(dtype: torch.dtype) -> None:
     """A replayed graph computes exactly what the eager step computes on the same padded inputs; on the
     unpadded batch (other GEMM shapes) the logits agree to rounding and every argmax is the same."""
-    from rollout_worker.engine.rank.cudagraph import DecodeGraphs, pad_step
+    from rollout_worker.engine.rank.cuda_graphs import DecodeGraphs, pad_step
 
     dec, pool, rows = _decoder_on_cuda(dtype)
     graphs = DecodeGraphs(16)
@@ -97,9 +97,9 @@ def test_graph_replay_is_the_eager_step_bit_for_bit(dtype: torch.dtype) -> None:
 def test_graphs_are_dropped_when_the_pool_or_weights_change() -> None:
     """A grown (reallocated) token table or storage, or a new decoder, invalidates every graph: the next
     step recaptures and still equals the eager step on the new memory."""
-    from rollout_worker.engine.model.model import Decoder
+    from rollout_worker.engine.model.decoder import Decoder
     from rollout_worker.engine.model.weights import random_shard
-    from rollout_worker.engine.rank.cudagraph import DecodeGraphs, key_span
+    from rollout_worker.engine.rank.cuda_graphs import DecodeGraphs, key_span
 
     dec, pool, rows = _decoder_on_cuda(torch.float32)
     graphs = DecodeGraphs(16)

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 from rollout_worker.api.requests import parse_request
-from rollout_worker.engine.driver.book import Update
-from rollout_worker.engine.driver.driver import Engine
+from rollout_worker.engine.driver.engine import Engine
 from rollout_worker.engine.driver.lifecycle import Health
+from rollout_worker.engine.driver.request_table import Update
 
 from tests.waiting import wait_until
 from tests.worker.engine.engine_util import config

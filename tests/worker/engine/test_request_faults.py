@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import Sampling
-from rollout_worker.engine.driver.batch import Collector
-from rollout_worker.engine.driver.book import Update
-from rollout_worker.engine.driver.driver import Engine, Observer
+from rollout_worker.engine.driver.engine import Engine, Observer
+from rollout_worker.engine.driver.fixed_batch import Collector
+from rollout_worker.engine.driver.request_table import Update
 from rollout_worker.engine.finish import FinishAbort
 from rollout_worker.engine.messages import Faults, StepReport
 from rollout_worker.errors import EngineError

@@ -8,7 +8,7 @@ from pathlib import Path
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import Sampling
 from rollout_worker.engine.rank.sequence import Sequence
-from rollout_worker.scheduling.kv_schedule import RatioPolicy
+from rollout_worker.scheduling.admission import RatioPolicy
 
 from tests.worker.engine.replica_util import replica
 

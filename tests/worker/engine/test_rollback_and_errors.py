@@ -11,7 +11,7 @@ import pytest
 import torch
 from rollout_worker.engine.driver.launcher import run_task
 from rollout_worker.engine.rank.measure import probe_logits
-from rollout_worker.engine.rank.state import Faults
+from rollout_worker.engine.rank.rank_state import Faults
 from rollout_worker.errors import EngineError
 
 from tests.worker.engine.engine_util import config, run, tokens

@@ -8,8 +8,8 @@ import asyncio
 from typing import Any, cast
 
 import pytest
-from rollout_worker.engine.driver.book import Update
-from rollout_worker.engine.driver.driver import Engine
+from rollout_worker.engine.driver.engine import Engine
+from rollout_worker.engine.driver.request_table import Update
 from rollout_worker.engine.finish import FinishAbort, FinishLength
 from rollout_worker.engine.messages import TokenOut
 from rollout_worker.errors import UserError

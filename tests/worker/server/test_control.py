@@ -14,7 +14,7 @@ import pytest
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import Sampling
 from rollout_worker.engine.config import EngineConfig
-from rollout_worker.engine.driver.batch import run_batch
+from rollout_worker.engine.driver.fixed_batch import run_batch
 from rollout_worker.engine.model.checkpoint import make_model
 
 from tests.waiting import wait_until

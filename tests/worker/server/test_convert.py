@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 from rollout_worker.api.sampling import default_seed
 from rollout_worker.api.sglang import GenerateRequest
-from rollout_worker.engine.driver.book import Update
+from rollout_worker.engine.driver.request_table import Update
 from rollout_worker.engine.finish import FinishStop
 from rollout_worker.engine.messages import TokenOut
 from rollout_worker.engine.model.tokenizer import TextCodec

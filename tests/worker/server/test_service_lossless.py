@@ -17,7 +17,7 @@ import pytest
 import torch
 from rollout_worker.api.sglang import GenerateRequest
 from rollout_worker.engine.config import EngineConfig
-from rollout_worker.engine.driver.batch import run_batch
+from rollout_worker.engine.driver.fixed_batch import run_batch
 from rollout_worker.server.convert import to_jobs
 
 from tests.waiting import wait_until
@@ -187,8 +187,8 @@ def _logits64(model_dir: Path, ids: list[int]) -> np.ndarray:
     transformers is no float64 reference here: its RMSNorm computes in float32 whatever the dtype."""
     from rollout_worker.config.model_config import ModelConfig
     from rollout_worker.engine.model.checkpoint import CheckpointReader
-    from rollout_worker.engine.model.kvcache import KVPool, single_row
-    from rollout_worker.engine.model.model import Decoder
+    from rollout_worker.engine.model.decoder import Decoder
+    from rollout_worker.engine.model.kv_cache import KVPool, single_row
     from rollout_worker.engine.model.parallel import SINGLE
     from rollout_worker.engine.model.weights import load_shard
 

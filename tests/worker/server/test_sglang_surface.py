@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-from rollout_worker.api.neutral import sglang_keys, sglang_surface
+from rollout_worker.api.neutral_keys import sglang_keys, sglang_surface
 from rollout_worker.api.sglang import NEUTRAL_GENERATE, NEUTRAL_SAMPLING, GenerateRequest, SamplingParams
 
 from tests.worker.server.served import Served

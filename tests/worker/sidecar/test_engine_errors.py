@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 from rollout_worker.sidecar.app import create_admin_app, create_api_app
-from rollout_worker.sidecar.engine import EngineAnswer, EngineUnreachable
+from rollout_worker.sidecar.engine_client import EngineAnswer, EngineUnreachable
 
 TOKEN = "t0ken"
 ENGINE_409 = {"error": {"message": "plan is based on 2x1, the engine is at 1x2", "field": "based_on_layout"}}

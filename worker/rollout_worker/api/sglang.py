@@ -1,7 +1,7 @@
 """SGLang's native request bodies, as real clients send them (SGLang 0.4.6 / 0.5 field names and defaults).
 
 Every key of SGLang's ``GenerateReqInput`` and ``SamplingParams`` (``sglang_surface.json``, see
-``rollout_worker.api.neutral``) is accepted: a key this engine does not implement (constrained decoding,
+``rollout_worker.api.neutral_keys``) is accepted: a key this engine does not implement (constrained decoding,
 penalties, images, LoRA, ...) only when absent or at its neutral value, anything else refused with the key
 named. A ``null`` is the key's default, as in SGLang.
 Types are strict, as SGLang's msgspec structs are: an integer must be a JSON integer (not ``"5"`` nor
@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from rollout_worker.api.load_format import DiskFormat, DistributedFormat, TensorFormat
-from rollout_worker.api.neutral import drop_nulls, sglang_neutral, strip_neutral
+from rollout_worker.api.neutral_keys import drop_nulls, sglang_neutral, strip_neutral
 from rollout_worker.api.sampling import Sampling
 from rollout_worker.errors import FieldAt, FieldPath
 

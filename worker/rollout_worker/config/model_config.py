@@ -9,7 +9,7 @@ from typing import Any
 
 from rollout_worker.data.files import read_text
 from rollout_worker.errors import UserError
-from rollout_worker.scheduling.heads import max_kv_heads
+from rollout_worker.scheduling.head_shards import max_kv_heads
 from rollout_worker.scheduling.layout import Layout, candidate_layouts, tp_problem
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 from rollout_worker.errors import UserError
-from rollout_worker.scheduling.heads import moved_kv_fraction
+from rollout_worker.scheduling.head_shards import moved_kv_fraction
 from rollout_worker.scheduling.layout import Layout
 
 KVMethod = Literal["migrate", "recompute"]
@@ -110,7 +110,8 @@ def estimated_moved_bytes(
     """KV bytes a pod moves to switch ``src -> dst`` with ``tokens`` cached tokens unfinished.
 
     Per request, the heads its new replica's ranks do not already hold, as the engine's migration plan
-    sends them (:func:`~rollout_worker.scheduling.heads.moved_kv_fraction`: whole heads, uneven shards and
+    sends them (:func:`~rollout_worker.scheduling.head_shards.moved_kv_fraction`: whole heads, uneven shards
+    and
     duplicated KV heads included), for a request whose new replica shares ranks with its old one.
     """
     return tokens * kv_bytes_per_token * moved_kv_fraction(num_kv_heads, src, dst)

@@ -67,7 +67,7 @@ def tp_problem(tp: int, num_heads: int, vocab_size: int) -> str | None:
     """Why a model of this shape cannot run at TP size ``tp`` (heads, vocabulary), or None when it can.
 
     Head counts need not divide ``tp``: shards own uneven whole heads
-    (:mod:`rollout_worker.scheduling.heads`),
+    (:mod:`rollout_worker.scheduling.head_shards`),
     as long as every shard gets a query head. The vocabulary is split evenly (its logits are all-gathered).
     """
     if tp < 1:

@@ -18,7 +18,7 @@ from fastapi.responses import Response
 from rollout_worker import __version__
 from rollout_worker.data.prompts import ChatTemplate
 from rollout_worker.engine.config import EngineConfig
-from rollout_worker.engine.driver.driver import Engine
+from rollout_worker.engine.driver.engine import Engine
 from rollout_worker.engine.messages import Faults
 from rollout_worker.engine.model.tokenizer import TextCodec
 from rollout_worker.errors import EngineError

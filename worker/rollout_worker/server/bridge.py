@@ -12,8 +12,8 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
-from rollout_worker.engine.driver.book import Update
-from rollout_worker.engine.driver.driver import Engine
+from rollout_worker.engine.driver.engine import Engine
+from rollout_worker.engine.driver.request_table import Update
 from rollout_worker.errors import UserError
 
 T = TypeVar("T")

@@ -16,7 +16,7 @@ from typing import Any
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import default_seed, derived_seed
 from rollout_worker.api.sglang import GenerateRequest, SamplingParams
-from rollout_worker.engine.driver.book import Update
+from rollout_worker.engine.driver.request_table import Update
 from rollout_worker.engine.finish import Finish, finish_json, matched_stop
 from rollout_worker.engine.messages import TopLogprobs
 from rollout_worker.engine.model.tokenizer import IncrementalText, TextCodec

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 
 from rollout_worker.data.prompts import ChatTemplate
 from rollout_worker.engine.config import EngineConfig
-from rollout_worker.engine.driver.driver import Engine
+from rollout_worker.engine.driver.engine import Engine
 from rollout_worker.engine.model.tokenizer import TextCodec
 from rollout_worker.errors import Unavailable
 from rollout_worker.server.bridge import AsyncEngine

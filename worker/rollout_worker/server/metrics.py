@@ -14,8 +14,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from rollout_worker.api.plan import ReconfigEvent
-from rollout_worker.engine.driver.book import Outcome, Update
-from rollout_worker.engine.driver.driver import Engine, Observer
+from rollout_worker.engine.driver.engine import Engine, Observer
+from rollout_worker.engine.driver.request_table import Outcome, Update
 from rollout_worker.engine.finish import FinishAbort
 from rollout_worker.engine.messages import StepReport
 

@@ -23,8 +23,8 @@ from rollout_worker import __version__
 from rollout_worker.api.plan import Plan, ReconfigEvent
 from rollout_worker.api.sidecar import Health, Progress, SamplesPage, SidecarState
 from rollout_worker.api.state import PlanResponse, ReconfigureRequest, ReconfigureResponse
-from rollout_worker.sidecar.core import Sidecar
-from rollout_worker.sidecar.engine import EngineAnswer, EngineUnreachable
+from rollout_worker.sidecar.deps import Sidecar
+from rollout_worker.sidecar.engine_client import EngineAnswer, EngineUnreachable
 from rollout_worker.web.errors import ErrorBody, ErrorResponse, install_error_handlers
 from rollout_worker.web.middleware import ApiKey, BodyLimit
 

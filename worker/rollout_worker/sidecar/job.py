@@ -26,7 +26,7 @@ from rollout_worker.api.sidecar import SAMPLE_FIELDS, NotSubmitted, Sample
 from rollout_worker.data.prompts import ChatTemplate, Prompt, load_prompts
 from rollout_worker.data.reward import reward_of
 from rollout_worker.errors import UserError
-from rollout_worker.sidecar.engine import EngineAnswer, EngineClient, EngineUnreachable
+from rollout_worker.sidecar.engine_client import EngineAnswer, EngineClient, EngineUnreachable
 from rollout_worker.sidecar.metrics import SidecarMetrics
 from rollout_worker.sidecar.outputs import SampleWriter
 from rollout_worker.sidecar.settings import SidecarFields

@@ -25,7 +25,7 @@ import uvicorn
 from rollout_worker.errors import UserError
 from rollout_worker.proc import listen, when_gone
 from rollout_worker.sidecar.app import create_admin_app, create_api_app
-from rollout_worker.sidecar.core import Sidecar
+from rollout_worker.sidecar.deps import Sidecar
 from rollout_worker.sidecar.settings import SidecarFields, env_name
 
 log = logging.getLogger(__name__)

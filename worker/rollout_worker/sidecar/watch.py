@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from rollout_worker.api.state import EngineState
 from rollout_worker.errors import EngineError
-from rollout_worker.sidecar.engine import EngineAnswer, EngineClient, EngineUnreachable
+from rollout_worker.sidecar.engine_client import EngineAnswer, EngineClient, EngineUnreachable
 
 log = logging.getLogger(__name__)
 

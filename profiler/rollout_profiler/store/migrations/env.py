@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from alembic import context
 from alembic.autogenerate.api import AutogenContext
-from rollout_profiler.store.engine import make_engine
+from rollout_profiler.store.database import make_engine
 from rollout_profiler.store.models import Base, UTCDateTime
 from sqlalchemy.engine import Connection
 

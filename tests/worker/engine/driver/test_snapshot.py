@@ -5,8 +5,8 @@ from __future__ import annotations
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import Sampling
 from rollout_worker.engine.driver import snapshot
-from rollout_worker.engine.driver.book import Book
 from rollout_worker.engine.driver.lifecycle import Health, Status
+from rollout_worker.engine.driver.request_table import Book
 from rollout_worker.engine.messages import StepReport
 from rollout_worker.scheduling.layout import Layout
 

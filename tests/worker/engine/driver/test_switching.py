@@ -8,7 +8,7 @@ from rollout_worker.api.plan import Plan, ReconfigEvent, Trigger
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import Sampling
 from rollout_worker.engine import messages as m
-from rollout_worker.engine.driver.book import Book
+from rollout_worker.engine.driver.request_table import Book
 from rollout_worker.engine.driver.switching import Switching
 from rollout_worker.engine.driver.tickets import Tickets
 from rollout_worker.engine.finish import FinishLength

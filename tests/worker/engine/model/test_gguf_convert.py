@@ -20,7 +20,7 @@ from rollout_worker.api.sampling import Sampling
 from rollout_worker.config.model_config import ModelConfig
 from rollout_worker.data.prompts import ChatTemplate
 from rollout_worker.engine.config import EngineConfig
-from rollout_worker.engine.driver.batch import run_batch
+from rollout_worker.engine.driver.fixed_batch import run_batch
 from rollout_worker.engine.model.gguf_convert import open_gguf
 from rollout_worker.engine.model.presets import GGUF_PRESETS
 from rollout_worker.engine.model.tokenizer import TextCodec

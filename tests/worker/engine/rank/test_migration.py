@@ -19,8 +19,8 @@ from rollout_worker.engine.rank.migration import (
     recompute_tokens,
     shared_pages,
 )
+from rollout_worker.scheduling.admission import Req, admit
 from rollout_worker.scheduling.costs import CostModel, estimated_moved_bytes
-from rollout_worker.scheduling.kv_schedule import Req, admit
 from rollout_worker.scheduling.layout import Layout
 
 CFG = ModelConfig.from_dict(preset_config("tiny"))

@@ -3,7 +3,7 @@ when one dies (the moment it exits: its pidfd) and name the rank that died first
 leaving a process behind.
 
 CPU runs use a forkserver (torch is imported once; each rank forks in ~0.1 s); CUDA runs use spawn. Ranks
-end themselves when the driver dies, however it dies (see :mod:`rollout_worker.engine.rank.loop`).
+end themselves when the driver dies, however it dies (see :mod:`rollout_worker.engine.rank.step_loop`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ Task = Callable[[Any, dict[str, Any]], dict[str, Any]]  # (RankState, args) -> r
 
 def rank_entry(*args: Any) -> None:
     """Process target: imports torch in the rank (preloaded by the forkserver), never in the driver."""
-    from rollout_worker.engine.rank.loop import rank_main
+    from rollout_worker.engine.rank.step_loop import rank_main
 
     rank_main(*args)
 
@@ -52,7 +52,7 @@ def _context(device: str) -> Any:
     if device == "cuda":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["rollout_worker.engine.rank.loop"])
+    ctx.set_forkserver_preload(["rollout_worker.engine.rank.step_loop"])
     return ctx
 
 

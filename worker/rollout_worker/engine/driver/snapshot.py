@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rollout_worker.engine.driver.book import Book
 from rollout_worker.engine.driver.lifecycle import Status
+from rollout_worker.engine.driver.request_table import Book
 from rollout_worker.scheduling.layout import Layout
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from rollout_worker.api.plan import Plan, ReconfigEvent
 from rollout_worker.engine import messages as m
-from rollout_worker.engine.driver.book import Book
+from rollout_worker.engine.driver.request_table import Book
 from rollout_worker.engine.driver.tickets import Tickets
 from rollout_worker.errors import Conflict, UserError
 from rollout_worker.scheduling.costs import Method

@@ -34,7 +34,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     # Tests of uneven TP: SmolLM2-135M's attention (hidden 576, 9 heads in 3 KV groups, head_dim 64, tied
     # embeddings) on 2 layers, a narrow MLP and a small vocabulary. No TP size above 1 divides its 3 KV
-    # heads: shards own uneven whole heads (rollout_worker.scheduling.heads).
+    # heads: shards own uneven whole heads (rollout_worker.scheduling.head_shards).
     "smol-shape": {
         **_LLAMA,
         "hidden_size": 576,

@@ -3,7 +3,8 @@ one TP size to another. No processes, no I/O: everything here is unit-tested dir
 
 A shard is a contiguous range along one dimension ("column-parallel": rows of an [out, in] weight;
 "row-parallel": columns). Attention is split by whole heads, unevenly when the head counts do not divide
-the TP size (:mod:`rollout_worker.scheduling.heads` says which heads each shard owns and why); KV heads are
+the TP size (:mod:`rollout_worker.scheduling.head_shards` says which heads each shard owns and why); KV heads
+are
 duplicated when TP exceeds their number: shard ``s`` of ``T`` then holds KV head ``s * KV // T``. The MLP's
 intermediate dimension and the vocabulary are split into near-equal parts (:func:`~.heads.split`).
 """
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from rollout_worker.config.model_config import ModelConfig
-from rollout_worker.scheduling import heads
+from rollout_worker.scheduling import head_shards as heads
 from rollout_worker.scheduling.layout import Layout
 
 Kind = Literal["replicated", "col", "row"]

@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import Sampling
-from rollout_worker.engine.rank.reconfig import reconfigure
+from rollout_worker.engine.rank.rank_state import RankState
+from rollout_worker.engine.rank.reconfigure import reconfigure
 from rollout_worker.engine.rank.sequence import Sequence
-from rollout_worker.engine.rank.state import RankState
 from rollout_worker.scheduling.layout import Layout
 from rollout_worker.scheduling.pages import pages_for
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from rollout_worker.config.model_config import ModelConfig
-from rollout_worker.engine.model.kvcache import kv_elements
-from rollout_worker.scheduling.heads import kv_sources
-from rollout_worker.scheduling.kv_schedule import Req, admit
+from rollout_worker.engine.model.kv_cache import kv_elements
+from rollout_worker.scheduling.admission import Req, admit
+from rollout_worker.scheduling.head_shards import kv_sources
 from rollout_worker.scheduling.layout import Layout
 from rollout_worker.scheduling.pages import pages_for
 
@@ -91,7 +91,7 @@ def place(
     """Balance requests over ``replicas`` by remaining work (longest first onto the least loaded replica).
 
     A request that held a slot keeps running on its new replica when the replica's admission rule
-    (:func:`~rollout_worker.scheduling.kv_schedule.admit`, optimistic, with the new-token ``ratio``) would
+    (:func:`~rollout_worker.scheduling.admission.admit`, optimistic, with the new-token ``ratio``) would
     admit it
     beside the ones kept before it, in a pool of ``pool_pages`` pages: its cached tokens and next decode
     step must fit in the free pages, and the pool must cover the estimated growth of those kept plus its
@@ -163,7 +163,8 @@ def kv_migration_plan(
 ) -> list[Transfer]:
     """For every running request, every destination rank gets each KV head it needs from one rank of the
     old replica that holds it: itself when it can (a local copy), else the lowest shard holding it
-    (:func:`~rollout_worker.scheduling.heads.kv_sources`, which the planner's byte estimate uses too). Pages a
+    (:func:`~rollout_worker.scheduling.head_shards.kv_sources`, which the planner's byte estimate uses too).
+    Pages a
     request shares with one placed before it (``shared``) move with that one only."""
     plan = []
     for p in placements:

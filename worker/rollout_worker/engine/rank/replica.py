@@ -3,7 +3,7 @@
 Every rank of a replica holds identical scheduler state and samples identically (full logits are
 all-gathered), so the ranks stay in lockstep without exchanging tokens. A step either prefills newly
 admitted requests (when any fit) or decodes every running request. What to admit and what to retract when
-a decode step cannot get its pages are decided by :mod:`rollout_worker.scheduling.kv_schedule` (optimistic
+a decode step cannot get its pages are decided by :mod:`rollout_worker.scheduling.admission` (optimistic
 admission, as SGLang); a retracted request keeps its tokens, waits at the front of the queue and is
 re-prefilled from prompt + generated tokens (sampling is counter-based, so its tokens do not change).
 
@@ -25,12 +25,12 @@ import torch
 
 from rollout_worker.engine.finish import Finish, FinishAbort, FinishLength, FinishStop
 from rollout_worker.engine.messages import PromptLogprobs
-from rollout_worker.engine.model.kvcache import GatheredKV, KVPool
-from rollout_worker.engine.model.model import Decoder
-from rollout_worker.engine.rank.cudagraph import DecodeGraphs, key_span
+from rollout_worker.engine.model.decoder import Decoder
+from rollout_worker.engine.model.kv_cache import GatheredKV, KVPool
+from rollout_worker.engine.rank.cuda_graphs import DecodeGraphs, key_span
 from rollout_worker.engine.rank.sampling import Draw, Failure, prompt_logprobs, sample
 from rollout_worker.engine.rank.sequence import Sequence
-from rollout_worker.scheduling.kv_schedule import (
+from rollout_worker.scheduling.admission import (
     SGLANG_RATIO,
     RatioPolicy,
     Req,

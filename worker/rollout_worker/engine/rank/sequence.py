@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.engine.finish import Finish
-from rollout_worker.scheduling.kv_schedule import Req
+from rollout_worker.scheduling.admission import Req
 
 
 @dataclass(slots=True, eq=False)
@@ -31,7 +31,7 @@ class Sequence:
 
     @property
     def req(self) -> Req:
-        """What the KV scheduler (:mod:`rollout_worker.scheduling.kv_schedule`) knows of this request."""
+        """What the KV scheduler (:mod:`rollout_worker.scheduling.admission`) knows of this request."""
         return self.sched()
 
     def sched(self, shared: int = 0, cached: int = 0) -> Req:

@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import Field, field_validator, model_validator
 
-from rollout_worker.api.neutral import strip_neutral
+from rollout_worker.api.neutral_keys import strip_neutral
 from rollout_worker.api.sglang import Body
 from rollout_worker.engine.finish import matched_stop
 from rollout_worker.errors import FieldAt, UserError

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from rollout_worker.api.sglang import GenerateRequest
-from rollout_worker.engine.driver.book import Update
+from rollout_worker.engine.driver.request_table import Update
 from rollout_worker.server.convert import Job, Output, check_jobs, to_jobs
 from rollout_worker.server.deps import FastJSON, ServerState, server_state
 

@@ -14,7 +14,7 @@ from rollout_worker import __version__
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import Sampling
 from rollout_worker.api.sglang import MEMORY_TAGS
-from rollout_worker.engine.driver.driver import Engine
+from rollout_worker.engine.driver.engine import Engine
 from rollout_worker.engine.driver.lifecycle import Status
 from rollout_worker.server.deps import ServerState, server_state
 

@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from rollout_worker.api.neutral import strip_neutral
+from rollout_worker.api.neutral_keys import strip_neutral
 from rollout_worker.api.sglang import Body, GenerateRequest, check_lengths, check_stops
 from rollout_worker.config.engine_settings import dotted
 from rollout_worker.engine.finish import matched_stop

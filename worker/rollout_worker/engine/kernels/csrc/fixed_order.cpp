@@ -1,5 +1,5 @@
 // Fixed-order float32 kernels for the deterministic kernels (issue 19), built on first use by
-// rollout_worker.engine.kernels.native. Products (`partials`): each chunk's partial product, every output one chain
+// rollout_worker.engine.kernels.fixed_order. Products (`partials`): each chunk's partial product, every output one chain
 // of fused multiply-adds over the chunk's inputs in order, from zero; a vector's 16 lanes are 16 outputs
 // (no sum across lanes), so an output's bits do not depend on the number of tokens, on where a token or an
 // output falls in a tile, or on the other chunks: batch- and TP-invariant by construction. Products over a

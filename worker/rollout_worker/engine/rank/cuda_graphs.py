@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from rollout_worker.engine.model.kvcache import KVPool
-from rollout_worker.engine.model.model import Decoder
+from rollout_worker.engine.model.decoder import Decoder
+from rollout_worker.engine.model.kv_cache import KVPool
 from rollout_worker.scheduling.pages import round_up
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ Progress reaches the caller through ``listener``, called on the driver's reader 
 with the updates of every request it touched. The HTTP server and ``rolloutctl generate`` are both clients
 of this one object.
 
-The driver composes: the requests (:mod:`~rollout_worker.engine.driver.book`), the health
+The driver composes: the requests (:mod:`~rollout_worker.engine.driver.request_table`), the health
 (:mod:`~rollout_worker.engine.driver.lifecycle`), the replies the ranks owe
 (:mod:`~rollout_worker.engine.driver.tickets`),
 the plan and the switch in flight (:mod:`~rollout_worker.engine.driver.switching`) and the rank processes
@@ -36,9 +36,9 @@ from rollout_worker.api.state import EngineState
 from rollout_worker.engine import messages as m
 from rollout_worker.engine.config import EngineConfig
 from rollout_worker.engine.driver import snapshot
-from rollout_worker.engine.driver.book import Book, Decode, Outcome, Update
 from rollout_worker.engine.driver.launcher import RankProcesses
 from rollout_worker.engine.driver.lifecycle import Health, Lifecycle, Status
+from rollout_worker.engine.driver.request_table import Book, Decode, Outcome, Update
 from rollout_worker.engine.driver.switching import Switching
 from rollout_worker.engine.driver.tickets import Reply, Tickets
 from rollout_worker.engine.driver.weight_groups import GroupBook, Joining

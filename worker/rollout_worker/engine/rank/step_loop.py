@@ -38,10 +38,10 @@ from rollout_worker.engine.config import EngineConfig
 from rollout_worker.engine.finish import PAUSE_ABORT, Finish
 from rollout_worker.engine.messages import Faults
 from rollout_worker.engine.rank import weight_sync
-from rollout_worker.engine.rank.reconfig import reconfigure
+from rollout_worker.engine.rank.rank_state import RankState, build_state, device_for, load_weights
+from rollout_worker.engine.rank.reconfigure import reconfigure
 from rollout_worker.engine.rank.rendezvous import join
 from rollout_worker.engine.rank.sequence import Sequence
-from rollout_worker.engine.rank.state import RankState, build_state, device_for, load_weights
 from rollout_worker.errors import UserError
 from rollout_worker.proc import die_with_parent, when_gone
 

@@ -3,8 +3,8 @@ row-parallel weight's chunks (:func:`partials`) and, as one chunk, the row-indep
 (:func:`linear`: q/k/v, gate/up, the logits); and attention (:func:`attend`).
 
 A row-parallel chunk's partial product on MKL or oneDNN has a row rule (a token alone and among others
-round alike only from so many rows, :func:`~rollout_worker.engine.kernels.invariant.least_rows`), so a decode
-step
+round alike only from so many rows, :func:`~rollout_worker.engine.kernels.deterministic.least_rows`), so a
+decode step
 of a few tokens pads them, and MKL copies the weight into its panels on every call. These kernels fix the
 order themselves, so their rule is 1 at every width, and they read the weight once per call whatever the
 tokens. Two forms, one per weight layout (the engine's ``packed_weights`` chooses, the same on every
@@ -160,7 +160,7 @@ def attend(
 ) -> torch.Tensor:
     """Attention of q [B, S, H, hd] over keys and vals [B, KVh, L, hd] (each head's vectors of unit stride;
     else copied) under mask [B, 1, S, L] (a query's visible keys): [B, S, H * hd], as
-    :func:`~rollout_worker.engine.kernels.invariant.attend` computes it but in the kernel's fixed orders
+    :func:`~rollout_worker.engine.kernels.deterministic.attend` computes it but in the kernel's fixed orders
     (float32 on
     CPU, ``hd`` a multiple of 16 up to 128). Each query row on its own: its scores (per key, the head
     dimension's 16 lanes summed over its vectors in order, then the lanes in one order), its maximum, its

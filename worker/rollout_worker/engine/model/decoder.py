@@ -3,8 +3,8 @@
 Attention is written out explicitly and shared by prefill and decode: both write K/V into the paged pool at
 the tokens' slots and attend over the keys gathered from the pool, with a causal mask. The only TP code is
 two all-reduces per layer (after o_proj and down_proj; with the deterministic kernels of
-:mod:`~rollout_worker.engine.kernels.invariant`, all-gathers of fixed chunks' partial products added in one
-fixed
+:mod:`~rollout_worker.engine.kernels.deterministic`, all-gathers of fixed chunks' partial products added in
+one fixed
 order) and one all-gather of the vocab-parallel logits. A
 shard's width (its query and KV heads) comes from :mod:`~rollout_worker.engine.model.sharding`: whole heads,
 unevenly when the head counts do not divide TP, so each rank runs plain grouped-query attention over its
@@ -21,8 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from rollout_worker.config.model_config import ModelConfig
-from rollout_worker.engine.kernels import invariant, native, packed
-from rollout_worker.engine.model.kvcache import GatheredKV, KVPool, gather_slots
+from rollout_worker.engine.kernels import deterministic as invariant
+from rollout_worker.engine.kernels import fixed_order as native
+from rollout_worker.engine.kernels import packed_linear as packed
+from rollout_worker.engine.model.kv_cache import GatheredKV, KVPool, gather_slots
 from rollout_worker.engine.model.parallel import ParallelState
 from rollout_worker.engine.model.sharding import kv_head_range, q_head_range
 
@@ -91,11 +93,14 @@ class Decoder:
         chunks: invariant.RowChunks | None = None,
         pack: bool = True,
     ) -> None:
-        """``chunks``: the deterministic kernels (:mod:`~rollout_worker.engine.kernels.invariant`) with these
+        """``chunks``: the deterministic kernels (:mod:`~rollout_worker.engine.kernels.deterministic`) with
+        these
         row-parallel chunks; None: the BLAS's and the backend's own orders. ``pack``: float32 products on
-        CPU run on weights packed once for oneDNN (:mod:`~rollout_worker.engine.kernels.packed`), or with the
+        CPU run on weights packed once for oneDNN (:mod:`~rollout_worker.engine.kernels.packed_linear`), or
+        with the
         deterministic kernels for the fixed-order kernel where this machine has it
-        (:func:`~rollout_worker.engine.kernels.invariant.native_rule`); not packing, the deterministic kernels
+        (:func:`~rollout_worker.engine.kernels.deterministic.native_rule`); not packing, the deterministic
+        kernels
         run the fixed-order kernel over the weights as they are."""
         self.cfg, self.ps = cfg, ps
         embed = weights["model.embed_tokens.weight"]
@@ -151,8 +156,8 @@ class Decoder:
 
     def _row_product(self, w: torch.Tensor, chunks: invariant.Chunks | None) -> RowWeight:
         """A row-parallel projection's weight as :meth:`_row_parallel` reads it (with the deterministic
-        kernels, in chunks as :func:`~rollout_worker.engine.kernels.invariant.chunk_kernel` chooses: a copy
-        in the
+        kernels, in chunks as :func:`~rollout_worker.engine.kernels.deterministic.chunk_kernel` chooses: a
+        copy in the
         fixed-order kernel's layout only where the decoder packs its weights)."""
         if chunks is None:  # the default kernels (never the fixed-order one)
             return packed.pack(w) if self.packed else w

@@ -6,7 +6,7 @@ import pytest
 from rollout_worker.api.plan import Plan, ReconfigEvent, Trigger
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import Sampling
-from rollout_worker.engine.driver.book import Book
+from rollout_worker.engine.driver.request_table import Book
 from rollout_worker.engine.finish import Finish, FinishAbort, FinishLength, FinishStop
 from rollout_worker.engine.messages import StepReport, Switched, TokenOut
 from rollout_worker.errors import UserError

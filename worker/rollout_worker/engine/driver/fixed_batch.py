@@ -1,6 +1,6 @@
 """A fixed batch of requests through the engine, in process: ``rolloutctl generate`` and the engine tests.
 
-It is a client of the same :class:`~rollout_worker.engine.driver.driver.Engine` the HTTP server uses:
+It is a client of the same :class:`~rollout_worker.engine.driver.engine.Engine` the HTTP server uses:
 requests are
 submitted, an optional plan of triggers decides layout changes, and outputs are collected from the updates.
 """
@@ -17,9 +17,9 @@ from rollout_worker.api.plan import Plan, ReconfigEvent, Trigger
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.state import EngineState
 from rollout_worker.engine.config import EngineConfig
-from rollout_worker.engine.driver.book import Update
-from rollout_worker.engine.driver.driver import Engine, Observer
+from rollout_worker.engine.driver.engine import Engine, Observer
 from rollout_worker.engine.driver.lifecycle import Health
+from rollout_worker.engine.driver.request_table import Update
 from rollout_worker.engine.finish import Finish, finish_json
 from rollout_worker.engine.messages import Faults, StepReport
 from rollout_worker.engine.model.checkpoint_index import CheckpointIndex

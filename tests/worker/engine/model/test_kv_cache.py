@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rollout_worker.engine.model.kvcache import KVPool, gather_slots
+from rollout_worker.engine.model.kv_cache import KVPool, gather_slots
 
 CPU = torch.device("cpu")
 

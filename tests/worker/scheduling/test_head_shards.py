@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from rollout_worker.scheduling.heads import (
+from rollout_worker.scheduling.head_shards import (
     kv_head_range,
     max_kv_heads,
     max_q_heads,

@@ -2,8 +2,8 @@
 in fixed-size pages of ``page_size`` slots (page p holds slots ``p*page_size .. (p+1)*page_size - 1``).
 
 A request holds a page table (``Sequence.pages``), the pages of its positions in order, taken from the
-pool's :class:`~rollout_worker.scheduling.prefix.SharedPages` and given back when it finishes, is aborted or
-is
+pool's :class:`~rollout_worker.scheduling.prefix_cache.SharedPages` and given back when it finishes, is
+aborted or is
 retracted. Requests with equal page-aligned prefixes share those pages (the prefix cache), and a cached
 page no request holds stays until the pool needs it.
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from rollout_worker.scheduling.pages import PageAllocator, pages_for, round_up
-from rollout_worker.scheduling.prefix import SharedPages
+from rollout_worker.scheduling.prefix_cache import SharedPages
 
 _ROW_STEP = 8  # the token table grows in multiples of these
 _TOKEN_STEP = 256

@@ -1,6 +1,8 @@
-"""Per-rank engine state, and how it is built. The step loop (:mod:`rollout_worker.engine.rank.loop`) owns one
+"""Per-rank engine state, and how it is built. The step loop (:mod:`rollout_worker.engine.rank.step_loop`)
+owns one
 :class:`RankState` and replaces it wholesale when a reconfiguration or a weight load commits
-(:func:`rollout_worker.engine.rank.reconfig.reconfigure` returns a new state; it never mutates the old one).
+(:func:`rollout_worker.engine.rank.reconfigure.reconfigure` returns a new state; it never mutates the old
+one).
 """
 
 from __future__ import annotations
@@ -15,15 +17,15 @@ import torch.distributed as dist
 
 from rollout_worker.config.model_config import ModelConfig
 from rollout_worker.engine.config import EngineConfig
-from rollout_worker.engine.kernels import packed
-from rollout_worker.engine.kernels.invariant import RowChunks
+from rollout_worker.engine.kernels import packed_linear as packed
+from rollout_worker.engine.kernels.deterministic import RowChunks
 from rollout_worker.engine.messages import Faults
 from rollout_worker.engine.model.checkpoint import CheckpointReader, parse_dtype
-from rollout_worker.engine.model.kvcache import KVPool
-from rollout_worker.engine.model.model import Decoder
+from rollout_worker.engine.model.decoder import Decoder
+from rollout_worker.engine.model.kv_cache import KVPool
 from rollout_worker.engine.model.parallel import ParallelState
 from rollout_worker.engine.model.weights import Weights, load_shard, random_shard
-from rollout_worker.engine.rank.cudagraph import DecodeGraphs, graphs_supported
+from rollout_worker.engine.rank.cuda_graphs import DecodeGraphs, graphs_supported
 from rollout_worker.engine.rank.replica import Limits, Replica
 from rollout_worker.errors import UserError
 from rollout_worker.scheduling.costs import CostModel

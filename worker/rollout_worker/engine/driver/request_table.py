@@ -6,7 +6,7 @@ every finish the driver decides itself (an abort of a request not yet on a repli
 Finished lengths carry the step at which they were recorded, so ``snapshot(since_step)`` returns each one
 exactly once to a reader that passes the step of its previous snapshot.
 
-The driver (:mod:`rollout_worker.engine.driver.driver`) feeds it the ranks' reports under one lock and sends
+The driver (:mod:`rollout_worker.engine.driver.engine`) feeds it the ranks' reports under one lock and sends
 the
 commands it returns. Everything here is deterministic given the reports, and unit-tested directly.
 """

@@ -12,7 +12,7 @@ that fits, or as told.
 Its rounding differs from ``sgemm``'s (both are float32 products, its errors against float64 about twice
 ``sgemm``'s). The deterministic kernels use it too, under its own row rule, measured on the machine (on
 the AMD EPYC and the Xeon seen so far a row's bits are the same in every product of 2 rows or more:
-:func:`~rollout_worker.engine.kernels.invariant.least_rows`). float64 (the lossless tests'
+:func:`~rollout_worker.engine.kernels.deterministic.least_rows`). float64 (the lossless tests'
 dtype) and other dtypes keep ``F.linear``.
 """
 

@@ -14,13 +14,14 @@ logprob, in float32 as in float64. Each reduction whose order could change gets 
   64, 6 at 128, 16 from 512; oneDNN's packed product, 2 rows on all three), so :func:`least_rows`
   measures it on the machine, once per kernel, K and dtype, and :func:`linear` and :func:`packed_linear`
   pad a smaller product to it. Where the project's fixed-order kernel is built
-  (:mod:`~rollout_worker.engine.kernels.native`, :func:`native_rule`) the decoder runs them on it instead, as
-  one
+  (:mod:`~rollout_worker.engine.kernels.fixed_order`, :func:`native_rule`) the decoder runs them on it
+  instead, as one
   chunk: its rule is 1 row, so nothing is padded.
 - **Row-parallel products** (attention output, MLP down), whose sum over K is split across ranks: K is cut
   into equal chunks that no layout the model may run at splits (:func:`chunk_bounds`), each chunk's
   partial product is computed alone (:func:`partials`: on the project's fixed-order kernel,
-  :mod:`~rollout_worker.engine.kernels.native`, where it is built, over a packed copy where the decoder packs
+  :mod:`~rollout_worker.engine.kernels.fixed_order`, where it is built, over a packed copy where the decoder
+  packs
   and over the weight as it is where not; else one batched product
   over every chunk, the tokens as its columns or its rows as :func:`chunk_kernel` chooses by the CPU's
   rules, and for a few tokens as columns one MKL product over the stacked chunks that computes the same
@@ -59,8 +60,9 @@ import torch
 import torch.nn.functional as F
 
 from rollout_worker.config.model_config import ModelConfig
-from rollout_worker.engine.kernels import native, packed
-from rollout_worker.scheduling import heads
+from rollout_worker.engine.kernels import fixed_order as native
+from rollout_worker.engine.kernels import packed_linear as packed
+from rollout_worker.scheduling import head_shards as heads
 from rollout_worker.scheduling.pages import round_up
 
 CUDA_ROWS = 128  # rows of every product on CUDA: one GEMM shape (still bound by the weights' reads)
@@ -355,7 +357,7 @@ class ChunkedWeight:
     weight [out, K_shard] (the batched products read its chunks as strided views), the kernel
     :func:`partials` runs (:func:`chunk_kernel`), for ``partials`` the chunks packed for MKL as one
     stacked matrix for a few tokens (:func:`fuse`), and for ``native`` the chunks in the fixed-order
-    kernel's blocks (:func:`~rollout_worker.engine.kernels.native.pack`)."""
+    kernel's blocks (:func:`~rollout_worker.engine.kernels.fixed_order.pack`)."""
 
     dense: torch.Tensor
     kernel: ChunkKernel
@@ -367,12 +369,12 @@ def chunk_kernel(width: int, dtype: torch.dtype, copies: bool = True) -> ChunkKe
     """How a decoder multiplies its row-parallel chunks of ``width`` on this CPU (the same on every layout
     and batch: a rule of the machine, and of the engine's ``packed_weights``).
 
-    Float32 chunks run on the fixed-order kernel (:mod:`~rollout_worker.engine.kernels.native`) where this
-    machine
+    Float32 chunks run on the fixed-order kernel (:mod:`~rollout_worker.engine.kernels.fixed_order`) where
+    this machine
     builds it and it measures a rule of 1 row (by construction; measured all the same): ``native``, over a
     copy in its blocks, where ``copies`` says the decoder may hold a copy of the weights in a kernel's own
-    layout (it packs, :func:`~rollout_worker.engine.kernels.packed.wanted`), on an AVX-512 Xeon 1.2-2.2x
-    faster
+    layout (it packs, :func:`~rollout_worker.engine.kernels.packed_linear.wanted`), on an AVX-512 Xeon
+    1.2-2.2x faster
     than the MKL forms at 1 to 64 tokens; else ``dense``, over the weight as it is. Else in the batched
     MKL product (:func:`_chunk_products`) whose form pads a decode step to
     fewer tokens; on a tie the tokens as columns (``partials``, with :func:`fuse`'s stacked product for a
@@ -406,7 +408,7 @@ def mkl_form(width: int, dtype: torch.dtype) -> ChunkKernel:
 
 def native_rule(k: int, dtype: torch.dtype, copies: bool = True) -> bool:
     """Whether products over ``k`` run on the fixed-order kernel
-    (:mod:`~rollout_worker.engine.kernels.native`), over
+    (:mod:`~rollout_worker.engine.kernels.fixed_order`), over
     a packed copy (``copies``) or over the weight as it is: float32, built on this machine, and measured to
     have the rule it is built for, 1 row."""
     if dtype != torch.float32 or native.kernels() is None:
@@ -647,7 +649,7 @@ def key_span(length: int) -> int:
 
 def native_attention(hd: int, dtype: torch.dtype, cuda: bool) -> bool:
     """Whether :func:`attend` runs on the fixed-order kernel
-    (:func:`~rollout_worker.engine.kernels.native.attend`):
+    (:func:`~rollout_worker.engine.kernels.fixed_order.attend`):
     float32 on a CPU that builds it, heads of a multiple of 16 up to 128 (a rule of the model and the
     machine, so the same on every layout and batch of an engine). On the AVX-512 Xeon, one decode step's
     attention for SmolLM2-135M's heads over 251 keys took 39 us at batch 1, 0.8 ms at 16 and 3.0 ms at 64,
@@ -665,7 +667,7 @@ def attend(
     seen: int | None = None,
 ) -> torch.Tensor:
     """Attention of q [B, S, H, hd] over keys_t [B, KVh, hd, L] (the keys transposed: on CPU each KV head's
-    [hd, L] row-major, as :class:`~rollout_worker.engine.model.kvcache.GatheredKV` keeps them for these
+    [hd, L] row-major, as :class:`~rollout_worker.engine.model.kv_cache.GatheredKV` keeps them for these
     kernels)
     and vals [B, KVh, L, hd] under mask [B, 1, S, L] (a query's visible keys): [B, S, H * hd], each query
     row bitwise independent of B, S, L and the other rows. Head ``h`` uses KV head ``h // (H // KVh)``, as

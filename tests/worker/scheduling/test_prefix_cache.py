@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from rollout_worker.scheduling.pages import PageAllocator
-from rollout_worker.scheduling.prefix import SharedPages
+from rollout_worker.scheduling.prefix_cache import SharedPages
 
 
 def _pages(n: int = 8, ps: int = 2) -> SharedPages:

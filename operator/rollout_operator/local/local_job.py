@@ -152,7 +152,7 @@ class _Database:
 
     @classmethod
     def open(cls, url: str | None) -> _Database:
-        from rollout_profiler.store import engine as db_engine
+        from rollout_profiler.store import database as db_engine
         from rollout_profiler.store import migrate
 
         resolved = db_engine.resolve_url(url)

@@ -1,10 +1,10 @@
-"""The scheduler's KV decisions (rollout_worker.scheduling.kv_schedule), computed by hand."""
+"""The scheduler's KV decisions (rollout_worker.scheduling.admission), computed by hand."""
 
 from __future__ import annotations
 
 import pytest
-from rollout_worker.scheduling import kv_schedule as ks
-from rollout_worker.scheduling.kv_schedule import Req, admit, to_retract
+from rollout_worker.scheduling import admission as ks
+from rollout_worker.scheduling.admission import Req, admit, to_retract
 
 SGLANG_RATIO = ks.SGLANG_RATIO
 

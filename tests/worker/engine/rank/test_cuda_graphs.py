@@ -8,11 +8,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from rollout_worker.config.model_config import ModelConfig
-from rollout_worker.engine.model.model import Decoder
+from rollout_worker.engine.model.decoder import Decoder
 from rollout_worker.engine.model.parallel import SINGLE, ParallelState
 from rollout_worker.engine.model.presets import preset_config
 from rollout_worker.engine.model.weights import random_shard
-from rollout_worker.engine.rank.cudagraph import (
+from rollout_worker.engine.rank.cuda_graphs import (
     KEY_STEP,
     batch_buckets,
     bucket_for,

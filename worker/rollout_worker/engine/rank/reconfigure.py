@@ -31,9 +31,9 @@ from rollout_worker.engine.rank.migration import (
     shared_pages,
     transfer_bytes,
 )
+from rollout_worker.engine.rank.rank_state import RankState
 from rollout_worker.engine.rank.replica import Replica
 from rollout_worker.engine.rank.sequence import Sequence
-from rollout_worker.engine.rank.state import RankState
 from rollout_worker.scheduling.costs import Method
 from rollout_worker.scheduling.layout import Layout
 

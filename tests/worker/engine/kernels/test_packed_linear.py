@@ -12,7 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from rollout_worker.config.model_config import ModelConfig
-from rollout_worker.engine.kernels import invariant, native, packed
+from rollout_worker.engine.kernels import deterministic as invariant
+from rollout_worker.engine.kernels import fixed_order as native
+from rollout_worker.engine.kernels import packed_linear as packed
 from rollout_worker.engine.model.checkpoint import CheckpointReader
 from rollout_worker.engine.model.presets import preset_config
 from rollout_worker.engine.model.weights import load_shard
