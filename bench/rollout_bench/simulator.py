@@ -92,7 +92,7 @@ def engine_run(model: Path, case: Case, page: int, max_batch: int, dtype: str) -
 def sim_run(profile: Profile, case: Case, page: int, max_batch: int) -> dict[str, float]:
     pool = KVCapacity({1: case.pool_tokens(page)}, {"rule": "the engine's pool"})
     prof = replace(profile, kv_capacity=pool)
-    cfg = SimConfig(1, admission="paged", max_batch_per_replica=max_batch, page_size=page)
+    cfg = SimConfig(1, admission="paged", max_batch=max_batch, page_size=page)
     res = Simulator(LatencyModel(prof), case.workload(), cfg).run(Layout(1, 1), name="paged")
     return {"gen_s": res.latency_s, "retractions": res.preemptions}
 

@@ -135,7 +135,7 @@ def test_bench_memory_refuses_before_making_anything(tmp_path: Path, flags: list
     [
         (["--runs", "0"], "--runs: must be >= 1, got 0"),
         (["--page-size", "0"], "--page-size: must be 1..16, got 0"),
-        (["--max-batch", "0"], "--max-batch: must be >= 1, got 0"),
+        (["--max-batch", "0"], "--max-batch: must be 1..4096, got 0"),  # the engine's bounds
         (["--dtype", "float8"], "--dtype: must be one of "),
         (["--json", "{unwritable}"], "--json: "),
     ],

@@ -1,13 +1,18 @@
-"""The RolloutJob manifest: one pydantic model, read by ``rolloutctl run`` and (in a later issue) the source
-the operator's CRD is generated from. Field names are the manifest's camelCase; every default is here.
+"""The RolloutJob manifest: one pydantic model, read by ``rolloutctl run`` and the operator, and the source
+the CRD's schema is generated from (``rolloutctl crd``, :mod:`rollout_operator.api.crd_yaml`). Field names
+are the manifest's camelCase. ``spec.engine`` and ``spec.sampling`` are the worker's settings models
+(``EngineSettings``, ``SamplingSettings``) under camelCase names, with their defaults; every other default
+is here, and so are the pod's placement (``spec.pod``), the job's lifecycle fields (suspend, deadlines,
+retries, TTL) and :func:`samples_hash` (what a job's samples depend on).
 
 ```yaml
 apiVersion: elasticrollout.dev/v1alpha1
 kind: RolloutJob
 metadata: {name: quickstart}
 spec:
-  model: {path: build/models/wide, dtype: float32}
-  engine: {device: cpu, maxBatch: 64, kvBudgetTokens: null, maxPrefillTokens: 8192, contextLength: 0,
+  model: {path: build/models/wide, dtype: float32, preset: null}
+  engine: {device: cpu, maxBatch: 64, kvBudgetTokens: null, pageSize: 1, prefixCache: true,
+           maxPrefillTokens: 8192, contextLength: 0, deterministic: false, packedWeights: auto,
            collectiveTimeoutSeconds: 120, cudaGraphs: false}
   pods: 1
   gpusPerPod: 2

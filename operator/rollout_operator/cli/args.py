@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 import typer
 from rollout_worker.config.engine_settings import FIELDS, flag_of
+from rollout_worker.config.engine_shape import EngineShape
 from rollout_worker.errors import UserError
 from rollout_worker.server.settings import ServerSettings
 
@@ -45,17 +46,9 @@ def int_list(text: str, flag: str) -> list[int]:
     return sorted(set(vals))
 
 
-# Fields of the engine's structure and of the CLI's own inputs -> their flags, so library errors (which
-# name fields) read as flags here. Engine and server settings map by rule (``engine_settings.flag_of``).
-FLAG_OF_FIELD = {
-    "ranks": "--ranks",
-    "layout": "--layout",
-    "candidates": "--candidates",
-    "dtype": "--dtype",
-    "model": "--model",
-    "prompts": "--prompts",
-    "reconfigure": "--reconfigure",
-}
+# Fields of the CLI's own inputs -> their flags, so library errors (which name fields) read as flags here.
+# The engine's shape and settings and the server's settings map by rule (``engine_settings.flag_of``).
+FLAG_OF_FIELD = {"prompts": "--prompts", "reconfigure": "--reconfigure"}
 
 
 def as_flags(exc: UserError) -> UserError:
@@ -63,7 +56,8 @@ def as_flags(exc: UserError) -> UserError:
     return exc.renamed({**{f: flag_of(f) for f in SETTINGS_FIELDS}, **FLAG_OF_FIELD})
 
 
-SETTINGS_FIELDS = frozenset(FIELDS) | frozenset(ServerSettings.model_fields)
+SETTINGS_FIELDS = frozenset(FIELDS) | frozenset(EngineShape.model_fields)
+SETTINGS_FIELDS |= frozenset(ServerSettings.model_fields)
 
 
 def bench_group(app: typer.Typer) -> typer.Typer:

@@ -3,16 +3,31 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rollout_worker.config.engine_settings import Dtype
+from rollout_worker.config.engine_settings import Dtype, EngineSettings, check_setting
+from rollout_worker.config.engine_shape import EngineShape
 from rollout_worker.data.files import check_writable, save
 from rollout_worker.errors import UserError
 
 from rollout_operator.cli.args import bench_group, int_list, needs_engine
-from rollout_operator.cli.engine_opts import structural_options, with_engine_settings
+from rollout_operator.cli.engine_opts import (
+    setting_default,
+    setting_option,
+    structural_options,
+    with_engine_settings,
+)
+
+if TYPE_CHECKING:  # the engine's types (torch), imported where a command runs
+    from rollout_worker.api.plan import ReconfigEvent
+    from rollout_worker.api.requests import RequestSpec
+    from rollout_worker.api.state import EngineState
+    from rollout_worker.engine.config import EngineConfig
+    from rollout_worker.engine.driver.fixed_batch import BatchResult, Interrupted
+    from rollout_worker.engine.model.tokenizer import TextCodec
 
 
 def register(app: typer.Typer) -> None:
@@ -61,8 +76,8 @@ def make_model_cmd(
 def generate_cmd(
     prompts: Annotated[Path, typer.Option(help="Input JSONL: id, prompt|input_ids, max_new_tokens, ...")],
     out: Annotated[Path, typer.Option(help="Output JSONL (written atomically at the end).")],
-    structure: dict[str, Any],
-    engine: Any,
+    shape: EngineShape,
+    engine: EngineSettings,
     reconfigure: Annotated[
         list[str] | None,
         typer.Option(help="RUNNING:TP:METHOD, e.g. 12:4:migrate (method migrate|recompute|auto)."),
@@ -76,7 +91,7 @@ def generate_cmd(
     from rollout_worker.engine.model.tokenizer import TextCodec
     from rollout_worker.errors import user_error
 
-    cfg = engine_config(structure, engine)
+    cfg = engine_config(shape, engine)
     ranks, dtype = cfg.world, cfg.dtype
     triggers = [Trigger.from_text(t, ranks, "reconfigure") for t in reconfigure or []]
     for i, trig in enumerate(triggers):
@@ -112,28 +127,23 @@ def generate_cmd(
     _print_summary(res, out)
 
 
-def engine_config(structure: dict[str, Any], engine: Any) -> Any:
-    """A validated EngineConfig from an engine command's structural options and settings, checked against
-    this machine (its device, its memory) before any rank starts; errors name fields, which the CLI shows
-    as their flags."""
+def engine_config(shape: EngineShape, engine: EngineSettings) -> EngineConfig:
+    """A validated EngineConfig from an engine command's shape and settings, checked against this machine
+    (its device, its memory) before any rank starts; errors name fields, which the CLI shows as their
+    flags."""
     from rollout_worker.engine.config import EngineConfig
-    from rollout_worker.scheduling.layout import Layout, parse_candidates
 
     from rollout_operator.local.machine import check_machine
 
-    ranks, layout, candidates = structure["ranks"], structure["layout"], structure["candidates"]
-    if ranks < 1:
-        raise UserError(f"must be >= 1, got {ranks}", "ranks")
-    lay = Layout.parse(layout, "layout") if layout else Layout(ranks, 1)
-    cands = tuple(parse_candidates(candidates, ranks)) if candidates else ()
+    lay, cands = shape.initial_layout(), shape.candidate_layouts()
     cfg = EngineConfig.load(
-        str(structure["model"]), ranks, lay, candidates=cands, dtype=structure["dtype"], engine=engine
+        str(shape.model), shape.ranks, lay, candidates=cands, dtype=shape.dtype, engine=engine
     )
     check_machine(cfg.model, cfg.dtype, cfg.engine, cfg.world, (c.tp for c in cfg.candidates))
     return cfg
 
 
-def _read_prompts(prompts: Path, cfg: Any, codec: Any) -> list[Any]:
+def _read_prompts(prompts: Path, cfg: EngineConfig, codec: TextCodec | None) -> list[RequestSpec]:
     from rollout_worker.api.requests import read_requests
 
     def encode(text: str) -> list[int]:
@@ -151,7 +161,7 @@ def jsonl(rows: list[dict[str, Any]]) -> str:
     return "".join(json.dumps(row) + "\n" for row in rows)
 
 
-def _save_partial(exc: Any, out: Path) -> None:
+def _save_partial(exc: Interrupted, out: Path) -> None:
     """On Ctrl-C or SIGTERM: keep the finished requests beside the output and say what was lost."""
     partial = out.with_name(out.name + ".partial")
     if exc.partial:
@@ -161,8 +171,8 @@ def _save_partial(exc: Any, out: Path) -> None:
     typer.echo(f"{exc}{where}; {lost} unfinished request(s) were lost and {out} was not written", err=True)
 
 
-def _print_progress(total: int) -> Any:
-    def show(state: Any, finished: int) -> None:
+def _print_progress(total: int) -> Callable[[EngineState, int], None]:
+    def show(state: EngineState, finished: int) -> None:
         running = sum(len(r.running) for r in state.replicas)
         waiting = sum(len(r.waiting) for r in state.replicas) + len(state.queued)
         step = f"{state.step_ms:.2f} ms" if state.step_ms is not None else "-"
@@ -175,7 +185,7 @@ def _print_progress(total: int) -> Any:
     return show
 
 
-def _print_reconfig(ev: Any) -> None:
+def _print_reconfig(ev: ReconfigEvent) -> None:
     phases = ", ".join(f"{k[:-3]} {v:.1f} ms" for k, v in ev.phases.items())
     if ev.kv_bytes_moved:
         extra = f", {ev.kv_bytes_moved / 1e6:.2f} MB KV moved"
@@ -192,7 +202,7 @@ def _print_reconfig(ev: Any) -> None:
         typer.echo(f"  rolled back: {ev.error}", err=True)
 
 
-def _print_summary(res: Any, out: Path) -> None:
+def _print_summary(res: BatchResult, out: Path) -> None:
     ms = sorted(res.step_ms)
     pct = (lambda q: ms[min(len(ms) - 1, int(q * len(ms)))]) if ms else (lambda q: 0.0)
     toks = sum(r["completion_tokens"] for r in res.outputs)
@@ -206,6 +216,23 @@ def _print_summary(res: Any, out: Path) -> None:
     sys.stderr.flush()
 
 
+# bench engine's boolean settings compared side by side: on | off | both, "both" measuring each point twice
+SIDE_BY_SIDE = {
+    "cuda_graphs": "(each point eagerly and from graphs, side by side)",
+    "deterministic": "(each point with the default and the deterministic kernels)",
+}
+
+
+def mode_option(name: str) -> Any:
+    """bench engine's option of a boolean setting compared side by side: on | off | both."""
+    return setting_option(name, help=f"on | off | both {SIDE_BY_SIDE[name]}.", mode=True)
+
+
+def mode_default(name: str) -> str:
+    """bench engine's default mode of a boolean setting: the engine's default, as on | off."""
+    return "on" if setting_default("bench engine", name) else "off"
+
+
 def bench_engine_cmd(
     preset: Annotated[
         str, typer.Option(help="Model preset (its shape, seeded random weights made on the device).")
@@ -216,16 +243,12 @@ def bench_engine_cmd(
     steps: Annotated[int, typer.Option(help="Timed decode steps per grid point (at most 50).")] = 10,
     runs: Annotated[int, typer.Option(help="Repetitions of the whole grid.")] = 3,
     dtype: Annotated[Dtype, typer.Option(help="The weights' dtype.")] = "float32",
-    device: Annotated[str, typer.Option(help="cpu | cuda")] = "cpu",
-    cuda_graphs: Annotated[
-        str, typer.Option(help="on | off | both (each point eagerly and from graphs, side by side).")
-    ] = "off",
+    device: Annotated[str, setting_option("device")] = setting_default("bench engine", "device"),
+    cuda_graphs: Annotated[str, mode_option("cuda_graphs")] = mode_default("cuda_graphs"),
     breakdown: Annotated[
         bool, typer.Option(help="CUDA: profile each point's step (kernels, launches, idle time).")
     ] = False,
-    deterministic: Annotated[
-        str, typer.Option(help="on | off | both (each point with the default and the deterministic kernels).")
-    ] = "off",
+    deterministic: Annotated[str, mode_option("deterministic")] = mode_default("deterministic"),
     json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON here.")] = None,
 ) -> None:
     """Per-step latency by layout x batch x context, and reconfiguration phases with bytes moved."""
@@ -233,6 +256,7 @@ def bench_engine_cmd(
     from rollout_worker.engine.model.presets import preset_config
 
     preset_config(preset)  # an unknown preset is refused before any rank starts
+    check_setting("device", device, "--device")
     for flag, mode in (("--cuda-graphs", cuda_graphs), ("--deterministic", deterministic)):
         if mode not in GRAPH_MODES:
             raise UserError(f"must be one of {', '.join(GRAPH_MODES)}, got {mode!r}", flag)
@@ -298,8 +322,11 @@ def bench_lossless_cmd(
     ] = 48,
     work: Annotated[Path, typer.Option(help="Where checkpoints are cached.")] = Path("build/models"),
     deterministic: Annotated[
-        bool, typer.Option(help="Also run DTYPE with the deterministic kernels (which must not differ).")
-    ] = True,
+        bool,
+        setting_option(
+            "deterministic", help="Also run DTYPE with the deterministic kernels (which must not differ)."
+        ),
+    ] = setting_default("bench lossless", "deterministic"),
     json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON here.")] = None,
 ) -> None:
     """Every layout of 2 and 4 ranks and two chains of switches mid-decode against the static TP=1 run:

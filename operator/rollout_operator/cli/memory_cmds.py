@@ -6,10 +6,12 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rollout_worker.config.engine_settings import check_setting
 from rollout_worker.data.files import check_writable
 from rollout_worker.errors import UserError
 
 from rollout_operator.cli.args import bench_group, needs_engine
+from rollout_operator.cli.engine_opts import setting_default, setting_option
 
 WORK = Path("build/bench-memory")
 
@@ -38,8 +40,7 @@ def check_memory_args(
         raise UserError(
             f"must be >= 1 and below --longest-new ({longest_new}), got {median_new:g}", "--median-new"
         )
-    if not 1 <= page_size <= 16:
-        raise UserError(f"must be 1..16, got {page_size}", "--page-size")
+    check_setting("page_size", page_size, "--page-size")
     if prompt_len + longest_new > kv_tokens:
         raise UserError(
             f"the longest request ({prompt_len} + {longest_new} tokens) must fit the budget, got {kv_tokens}",
@@ -68,7 +69,9 @@ def bench_memory_cmd(
         int,
         typer.Option(help="KV budget of the one replica, in tokens (both engines): small enough to queue."),
     ] = 2048,
-    page_size: Annotated[int, typer.Option(help="Tokens per page of the paged engine.")] = 1,
+    page_size: Annotated[
+        int, setting_option("page_size", note="the paged engine's only (the slab has none)")
+    ] = setting_default("bench memory", "page_size"),
     runs: Annotated[int, typer.Option(help="Runs (both engines each, alternating which goes first).")] = 3,
     samples: Annotated[
         int, typer.Option(help="Samples per prompt of the prefix-sharing part (1: leave it out).")

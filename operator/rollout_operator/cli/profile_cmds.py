@@ -12,6 +12,7 @@ from rollout_worker.config.engine_settings import Dtype
 from rollout_worker.errors import UserError
 
 from rollout_operator.cli.db_cmds import DbOption
+from rollout_operator.cli.engine_opts import setting_default, setting_option
 
 if TYPE_CHECKING:
     from rollout_profiler.profile import Profile
@@ -41,7 +42,7 @@ def profile(
     context: Annotated[str, typer.Option(help="Context lengths.")] = "32,64,128,256",
     steps: Annotated[int, typer.Option(help="Timed decode steps per grid point (trimmed mean).")] = 40,
     dtype: Annotated[Dtype, typer.Option(help="The weights' dtype.")] = "float32",
-    device: Annotated[str, typer.Option(help="cpu | cuda")] = "cpu",
+    device: Annotated[str, setting_option("device")] = setting_default("profile", "device"),
     shard_equivalent: Annotated[
         bool,
         typer.Option("--shard-equivalent", help="One device: 1/T-width shards + modelled communication."),

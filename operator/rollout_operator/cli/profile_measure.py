@@ -47,7 +47,7 @@ def comm_table(path: Path | None) -> tuple[list[tuple[int, float]], str]:
 
 def check_options(opts: dict[str, Any]) -> None:
     """Every flag that can be wrong, before a model is made or a rank starts."""
-    from rollout_worker.config.engine_settings import DEVICES
+    from rollout_worker.config.engine_settings import check_setting
     from rollout_worker.scheduling.layout import MAX_RANKS
 
     for flag in ("ranks", "steps", "gpus"):
@@ -55,8 +55,7 @@ def check_options(opts: dict[str, Any]) -> None:
             raise UserError(f"must be >= 1, got {opts[flag]}", "--" + flag)
     if opts["ranks"] > MAX_RANKS:
         raise UserError(f"must be <= {MAX_RANKS} (the ranks of one engine), got {opts['ranks']}", "--ranks")
-    if opts["device"] not in DEVICES:
-        raise UserError(f"must be one of {', '.join(DEVICES)}, got {opts['device']!r}", "--device")
+    check_setting("device", opts["device"], "--device")
     if opts["device"] == "cuda":
         from rollout_worker.engine.rank.rank_state import require_cuda
 

@@ -10,7 +10,8 @@ from typing import Annotated, Any
 
 import typer
 from pydantic import ValidationError
-from rollout_worker.config.engine_settings import dotted
+from rollout_worker.config.engine_settings import EngineSettings, dotted
+from rollout_worker.config.engine_shape import EngineShape
 from rollout_worker.data.files import MAX_SECRET_BYTES, read_text
 from rollout_worker.errors import UserError, user_error
 from rollout_worker.server.settings import ServerSettings
@@ -28,8 +29,8 @@ def register(app: typer.Typer) -> None:
 @with_engine_settings(envvar=True)
 @with_model_options(ServerSettings, "server", envvar=True, exclude=("model", "api_key"))
 def serve_cmd(
-    structure: dict[str, Any],
-    engine: Any,
+    shape: EngineShape,
+    engine: EngineSettings,
     server: dict[str, Any],
     api_key_file: Annotated[
         Path | None, typer.Option(help="File holding the API key (or set ROLLOUT_API_KEY).")
@@ -50,7 +51,7 @@ def serve_cmd(
     from rollout_operator.cli.engine_cmds import engine_config
 
     key = _api_key(api_key_file)
-    cfg = engine_config(structure, engine)
+    cfg = engine_config(shape, engine)
     cost_model = _cost_model(costs)
     if cost_model is not None:
         cfg = replace(cfg, costs=cost_model)
@@ -58,7 +59,7 @@ def serve_cmd(
     if root is not None and not root.is_dir():
         raise UserError(f"{root} is not a directory", "weights_root")
     try:
-        settings = ServerSettings(model=structure["model"], api_key=key, **server)
+        settings = ServerSettings(model=shape.model, api_key=key, **server)
     except ValidationError as exc:
         raise user_error(exc, dotted) from None
     code = serve(settings, cfg)

@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rollout_worker.config.engine_settings import DTYPES
+from rollout_worker.config.engine_settings import DTYPES, check_setting
 from rollout_worker.data.files import check_writable, save
 from rollout_worker.errors import UserError
 
 from rollout_operator.cli.args import bench_group, needs_engine
+from rollout_operator.cli.engine_opts import setting_default, setting_option
 
 ADMISSION_HELP = (
     "KV admission: engine (reserve prompt + max_new_tokens), sglang (optimistic, preempts the newest) or "
@@ -27,7 +28,7 @@ FLAGS = {
     "admission": "--admission",
     "initial_layout": "--initial-layout",
     "decide_every_ms": "--decide-every-ms",
-    "max_batch_per_replica": "--max-batch",
+    "max_batch": "--max-batch",
     "workload": "--workload",
 }
 
@@ -95,8 +96,8 @@ def simulate_cmd(
         float, typer.Option(help="Simulated ms between two planner decisions.")
     ] = 500.0,
     max_batch: Annotated[
-        int, typer.Option(help="Running requests per replica; 0 = only KV memory limits.")
-    ] = 0,
+        int, setting_option("max_batch", note="0 = only KV memory limits")
+    ] = setting_default("simulate", "max_batch"),
     memory: Annotated[bool, typer.Option(help="Limit each replica to the profile's KV capacity.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
     plot: Annotated[
@@ -119,6 +120,8 @@ def simulate_cmd(
         raise UserError(f"--gpus must be >= 1, got {gpus}")
     if max_batch < 0:
         raise UserError(f"--max-batch must be >= 0, got {max_batch}")
+    if max_batch:
+        check_setting("max_batch", max_batch, "--max-batch")
     if seed < 0:
         raise UserError(f"must be >= 0, got {seed}", "--seed")
     if plot is not None:
@@ -147,7 +150,7 @@ def simulate_cmd(
     model = LatencyModel(prof)
     names = names or default_policies(gpus, (lay.tp for lay in model.layouts))
     with flags():
-        cfg = SimConfig(gpus, max_batch_per_replica=max_batch or None, prior=pri, **cfg_args)
+        cfg = SimConfig(gpus, max_batch=max_batch or None, prior=pri, **cfg_args)
         results = simulate(model, wl, cfg, names, Ticker(len(wl.lengths)))
     if plot is not None:
         title = f"{wl.name} on {gpus} GPUs, {prof.name}, admission {admission}"
@@ -221,8 +224,8 @@ def bench_planner_cmd(
 
 def bench_simulator_cmd(
     runs: Annotated[int, typer.Option(help="Engine runs per workload (the median is reported).")] = 3,
-    page_size: Annotated[int, typer.Option(help="Tokens per page of the KV pool.")] = 4,
-    max_batch: Annotated[int, typer.Option(help="Running requests per replica.")] = 16,
+    page_size: Annotated[int, setting_option("page_size")] = setting_default("bench simulator", "page_size"),
+    max_batch: Annotated[int, setting_option("max_batch")] = setting_default("bench simulator", "max_batch"),
     dtype: Annotated[str, typer.Option(help=f"One of {', '.join(DTYPES)}.")] = "float32",
     work: Annotated[Path, typer.Option(help="Where the tiny model is kept.")] = Path("build/bench-simulator"),
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
@@ -235,10 +238,8 @@ def bench_simulator_cmd(
 
     if runs < 1:
         raise UserError(f"must be >= 1, got {runs}", "--runs")
-    if not 1 <= page_size <= 16:
-        raise UserError(f"must be 1..16, got {page_size}", "--page-size")
-    if max_batch < 1:
-        raise UserError(f"must be >= 1, got {max_batch}", "--max-batch")
+    check_setting("page_size", page_size, "--page-size")
+    check_setting("max_batch", max_batch, "--max-batch")
     if dtype not in DTYPES:
         raise UserError(f"must be one of {', '.join(DTYPES)}, got {dtype!r}", "--dtype")
     if json_out is not None:

@@ -1,5 +1,6 @@
 """The simulator's configuration (:class:`SimConfig`), a switch a controller asks for (:class:`Switch`) and
-the result of a run (:class:`SimResult`)."""
+the result of a run (:class:`SimResult`). The engine settings the simulator models (``max_batch``,
+``page_size``) keep the engine's names, defaults and bounds (``EngineSettings``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 import numpy as np
 from rollout_worker.api.plan import ReconfigEvent
+from rollout_worker.config.engine_settings import DEFAULTS, check_setting
 from rollout_worker.errors import UserError
 from rollout_worker.scheduling.layout import Layout
 
@@ -21,7 +23,7 @@ class SimConfig:
     gpus: int
     admission: str = "paged"
     decide_every_ms: float = 500.0
-    max_batch_per_replica: int | None = None
+    max_batch: int | None = None  # running requests per replica (the engine's max_batch); None: KV memory's
     max_segment: int = 256
     planner: PlannerPolicy | None = None  # default: every profiled layout that fits, default hysteresis
     prior: Prior | None = None
@@ -30,17 +32,15 @@ class SimConfig:
     initial_layout: str = "auto"  # adaptive's start: "auto" (the planner picks), "smallest", or "DxT"
     kv_capacity: KVCapacity | None = None  # default: the profile's
     memory: bool = True  # False: ignore KV capacity (unlimited)
-    page_size: int = 1  # tokens per page of the KV pool (``paged`` admission)
+    page_size: int = DEFAULTS.page_size  # tokens per page of the KV pool (``paged`` admission)
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.max_segment < 1 or self.oracle_per_octave < 1:
             raise UserError("gpus, max_segment and oracle_per_octave must be >= 1")
         if not self.decide_every_ms > 0:
             raise UserError(f"must be > 0, got {self.decide_every_ms}", "decide_every_ms")
-        if self.max_batch_per_replica is not None and self.max_batch_per_replica < 1:
-            raise UserError(f"must be >= 1, got {self.max_batch_per_replica}", "max_batch_per_replica")
-        if not 1 <= self.page_size <= 16:
-            raise UserError(f"must be 1 to 16, got {self.page_size}", "page_size")
+        check_setting("max_batch", self.max_batch)  # the engine's bounds, named as the engine names them
+        check_setting("page_size", self.page_size)
         if self.admission not in ADMISSIONS:
             raise UserError(f"must be one of {ADMISSIONS}, got {self.admission!r}", "admission")
         if self.initial_layout not in ("auto", "smallest"):

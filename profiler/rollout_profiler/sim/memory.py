@@ -1,7 +1,7 @@
 """KV memory of the simulated replicas: admission, preemption, and the placement of requests.
 
 A replica of TP size ``T`` holds ``K`` KV tokens (the profile's ``kv_capacity``; unlimited when unknown)
-and at most ``max_batch_per_replica`` running requests. Waiting requests are admitted in queue order and the
+and at most ``max_batch`` running requests. Waiting requests are admitted in queue order and the
 queue never skips its head (first come, first served):
 
 * ``engine`` (what elastic-rollout's engine does): a request is admitted when it fits the tokens not yet

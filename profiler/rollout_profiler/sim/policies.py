@@ -139,7 +139,7 @@ def lockstep_ms(sim: Simulator, layout: Layout, rem: np.ndarray, ctx0: np.ndarra
     b = np.maximum(n / layout.replicas, 1.0)
     tokens = sim.kv_tokens(layout)
     per = (sim.prompt + sim.cap).mean() if sim.cfg.admission == "engine" else ctx
-    limit = np.maximum(np.minimum(tokens / per, sim.cfg.max_batch_per_replica or math.inf), 1.0)
+    limit = np.maximum(np.minimum(tokens / per, sim.cfg.max_batch or math.inf), 1.0)
     turns = np.maximum(b / limit, 1.0)
     step = sim.model.step_ms_many(layout, np.minimum(b, limit), ctx)
     return float((np.diff(k) * step * turns).sum())

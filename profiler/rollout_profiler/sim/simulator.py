@@ -121,7 +121,7 @@ class Simulator:
         }
         return PlannerPolicy(
             tuple(self.candidates()),
-            max_batch_per_replica=self.cfg.max_batch_per_replica,
+            max_batch_per_replica=self.cfg.max_batch,
             kv_tokens_per_replica=tuple(sorted(caps.items())),
             admission=self.cfg.admission,
         )
@@ -179,7 +179,7 @@ class Simulator:
         cfg = self.cfg
         return Admission(
             cfg.admission,
-            cfg.max_batch_per_replica,
+            cfg.max_batch,
             self.kv_tokens(layout),
             rate,
             layout.replicas,

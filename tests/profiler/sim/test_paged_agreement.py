@@ -50,7 +50,7 @@ def _sim_retractions(lengths: list[int], prompt: int, pages: int, batch: int) ->
     )
     n = len(lengths)
     wl = Workload("tail", np.array(lengths), np.full(n, prompt), np.array(lengths))
-    cfg = SimConfig(1, admission="paged", max_batch_per_replica=batch, page_size=PAGE)
+    cfg = SimConfig(1, admission="paged", max_batch=batch, page_size=PAGE)
     return Simulator(LatencyModel(prof), wl, cfg).run(Layout(1, 1), name="paged").preemptions
 
 

@@ -108,7 +108,7 @@ def test_paged_pays_a_prefill_step_per_round_of_admissions() -> None:
     Each round of 2 is one prefill (20 tokens at 100 tokens/ms = 0.2 ms, but never less than a decode step
     of 2 rows, 12 ms), which samples the first token; then 4 decode steps of batch 2 (12 ms each)."""
     prof = profile({1: (10.0, 5.0), 2: (6.0, 3.0)}, {1: 500, 2: 1000})
-    cfg = SimConfig(2, admission="paged", max_batch_per_replica=2, page_size=4)
+    cfg = SimConfig(2, admission="paged", max_batch=2, page_size=4)
     r = Simulator(LatencyModel(prof), workload([5, 5, 5, 5], prompt=10, cap=5), cfg).run(
         Layout(1, 2), name="x"
     )
@@ -282,7 +282,7 @@ def test_the_adaptive_controller_runs_the_operators_tick_a_new_wave_shrinks() ->
     runs four at a time. A controller that called the planner directly never shrank."""
     prof = profile({1: (10.0, 5.0), 2: (6.0, 3.0)})
     wl = workload([50] * 16, cap=50)
-    cfg = SimConfig(2, admission="engine", max_batch_per_replica=2, initial_layout="1x2")
+    cfg = SimConfig(2, admission="engine", max_batch=2, initial_layout="1x2")
     sim = Simulator(LatencyModel(prof), wl, cfg)
     assert not sim.policy().allow_shrink
     r = run_adaptive(sim)
@@ -327,7 +327,7 @@ def test_paged_skips_only_steps_that_admit_nothing(monkeypatch: pytest.MonkeyPat
     prof = profile({1: (10.0, 5.0), 2: (6.0, 3.0)}, {1: 300, 2: 600})
     lengths = np.clip(np.round(np.random.default_rng(5).lognormal(np.log(30), 1.0, 64)), 2, 200).astype(int)
     wl = Workload("tail", lengths, np.full(64, 12), lengths)  # max_new_tokens = length, as the engine's tests
-    cfg = SimConfig(2, admission="paged", max_batch_per_replica=16, page_size=4)
+    cfg = SimConfig(2, admission="paged", max_batch=16, page_size=4)
     real = Admission._steps_admitting_none
 
     def run(steps: Any) -> SimResult:

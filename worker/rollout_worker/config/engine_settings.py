@@ -10,7 +10,11 @@ test_engine_settings.py`` walks every field through every surface and fails on a
 - the RolloutJob's ``spec.engine.<camelCase name>`` (the job spec's ``EngineSpec`` is this model with
   camelCase names, and the CRD's schema is generated from it);
 - a pod's engine arguments (:func:`settings_args`): the flags again;
-- ``EngineConfig.engine``, which the ranks read.
+- ``EngineConfig.engine``, which the ranks read;
+- the options of the commands that take a setting otherwise (``rolloutctl simulate``, ``bench simulator``,
+  ``bench memory``, ``bench engine``, ``profile``) and the simulator's ``SimConfig``: their defaults and help
+  from the field (a command's other default is written once, in ``cli/engine_opts.DEFAULT_OVERRIDES``), their
+  bounds and choices checked by :func:`check_setting`, which reads the field's.
 
 The checkpoint's dtype is not an engine tunable (it is ``spec.model.dtype`` and ``--dtype``); its one list
 of values is :data:`DTYPES` here.
@@ -18,11 +22,11 @@ of values is :data:`DTYPES` here.
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from typing import Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rollout_worker.errors import user_error
+from rollout_worker.errors import UserError, user_error
 from rollout_worker.scheduling.pages import pool_pages
 
 Dtype = Literal["float32", "float64", "bfloat16", "float16"]
@@ -78,8 +82,8 @@ class EngineSettings(BaseModel):
     )
     cuda_graphs: bool = Field(
         False,
-        description="cuda: replay decode steps from CUDA graphs (TP=1 replicas). Experimental: not yet run "
-        "on a GPU.",
+        description="cuda: replay decode steps from CUDA graphs (TP=1 replicas; TP>1 replicas stay "
+        "eager). Run on an H200: a replayed step equals the eager step bit for bit.",
     )
 
     @property
@@ -131,3 +135,33 @@ def parse_settings(values: dict[str, Any]) -> EngineSettings:
         return EngineSettings(**values)
     except ValidationError as exc:
         raise user_error(exc, dotted) from None
+
+
+def bounds(name: str) -> tuple[Any, Any]:
+    """The lowest and highest value of a setting (``ge``, ``le``; None: unbounded), as its field says."""
+    lo = hi = None
+    for rule in EngineSettings.model_fields[name].metadata:
+        lo, hi = getattr(rule, "ge", lo), getattr(rule, "le", hi)
+    return lo, hi
+
+
+def check_setting(name: str, value: Any, field: str | None = None) -> None:
+    """Refuse a value of setting ``name`` outside its field's choices or bounds: a :class:`UserError` naming
+    ``field`` (default: the setting), for the surfaces that take a setting without the whole model."""
+    field = field or name
+    info = EngineSettings.model_fields[name]
+    if get_origin(info.annotation) is Literal and value not in get_args(info.annotation):
+        raise UserError(f"must be one of {', '.join(get_args(info.annotation))}, got {value!r}", field)
+    if value is None:
+        return
+    for gt in (rule.gt for rule in info.metadata if getattr(rule, "gt", None) is not None):
+        if not value > gt:
+            raise UserError(f"must be > {gt}, got {value}", field)
+    lo, hi = bounds(name)
+    if (lo is None or value >= lo) and (hi is None or value <= hi):
+        return
+    if lo is not None and hi is not None:
+        rule = f"{lo}..{hi}"
+    else:
+        rule = f">= {lo}" if lo is not None else f"<= {hi}"
+    raise UserError(f"must be {rule}, got {value}", field)
