@@ -1,25 +1,27 @@
 """``rolloutctl bench memory``: the paged KV pool against the dense slab it replaced, on the same long-tailed
-requests and the same KV budget, side by side in one run.
+requests and the same KV budget, side by side.
 
-* the dense slab: the engine of an older commit (default 5904b9b, the last with the slab), extracted with
-  ``git archive`` under the work folder (or any checkout given as ``--slab-tree``). Its KV cache is one
-  slab ``[slots, heads, capacity, dim]`` per layer, whose capacity follows the longest running request,
-  and it admits a request only while the ``prompt + max_new_tokens`` of those running fit the budget;
-* the paged engine: this tree (pages of ``page_size`` tokens, optimistic admission, retraction), twice:
-  with the same budget setting, and with a pool of the bytes the slab actually allocated at most (its
+* the dense slab: recorded, not run (:mod:`rollout_bench.memory_baseline`): the figures of the engine of
+  commit 5904b9b, the last with the slab, measured once on a named machine and date and kept as JSON. Its
+  KV cache is one slab ``[slots, heads, capacity, dim]`` per layer, whose capacity follows the longest
+  running request, and it admits a request only while the ``prompt + max_new_tokens`` of those running fit
+  the budget;
+* the paged engine: this tree (pages of ``page_size`` tokens, optimistic admission, retraction), measured
+  now, twice: with the same budget setting, and with a pool of the bytes the slab allocated at most (its
   slots x capacity can exceed the budget, which bounds only its reservations): the same KV bytes;
 * requests: ``n`` prompts of ``prompt_len`` random tokens, new-token counts lognormal (the quantiles of a
   lognormal with the given median whose longest is ``longest``, in a seeded shuffled order), EOS ignored,
-  one replica of one rank, the tiny random-weight model in float32;
-* each run measures the three (in turn, the order reversed every other run) with the same measuring code
-  (:mod:`rollout_bench.memory_probe`, run in a fresh process against either tree).
+  one replica of one rank, the tiny random-weight model in float32: the recording's workload;
+* each run measures both paged engines (in turn, the order reversed every other run), each in a fresh
+  process (:mod:`rollout_bench.memory_probe`).
 
 Measured per engine and run, from every step's report: KV utilisation in the bulk phase (the decode steps
-while a request waits for memory): tokens held / tokens allocated (paged: the pages in use x page size;
-slab: slots x capacity), the median over those steps, and the budget's use (tokens held / budget); the
-largest running batch; the most tokens allocated at once; generation tokens/s on the whole set (first
-submit to last finish); retractions. Ratios (paged / slab) are taken within each run, then the median.
-The slab's peak is taken from its first run (its schedule does not depend on timing).
+while a request waits for memory): tokens held / tokens allocated (the pages in use x page size), the median
+over those steps, and the budget's use (tokens held / budget); the largest running batch; the most tokens
+allocated at once; generation tokens/s on the whole set (first submit to last finish); retractions. The
+figures that do not depend on the machine (utilisation, batch, tokens allocated, decode steps) compare
+directly with the recording's (ratios paged / slab of the medians); its timings are its machine's, shown
+and labelled as such, and no ratio is taken of them.
 """
 
 from __future__ import annotations
@@ -27,13 +29,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import random
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
+from datetime import date
+from importlib import metadata
 from pathlib import Path
 from statistics import NormalDist
 from typing import Any
@@ -41,17 +45,16 @@ from typing import Any
 from rollout_worker.config.model_config import ModelConfig
 
 from rollout_bench import sharing as bench_sharing
+from rollout_bench.memory_baseline import Baseline, check_model
 
 Echo = Callable[[str], Any]
-SLAB_COMMIT = "5904b9b"  # the last commit with the dense slab
-ENGINES = ("slab", "paged", "paged_at_slab")  # the last: a pool of the bytes the slab allocated at most
-PAGED = ENGINES[1:]
+ENGINES = ("paged", "paged_at_slab")  # measured; the last: a pool of the bytes the slab allocated at most
+COLUMNS = ("slab", *ENGINES)  # the recorded slab first
 LABELS = {
     "slab": "dense slab",
     "paged": "paged, same budget",
     "paged_at_slab": "paged, the slab's peak bytes",
 }
-PROBE = Path(__file__).with_name("bench_memory_probe.py")
 
 
 def tail_lengths(n: int, median: float, longest: int, seed: int = 0) -> list[int]:
@@ -76,7 +79,7 @@ def requests(lengths: Sequence[int], prompt_len: int, vocab: int, seed: int = 0)
 
 
 def summarise(result: dict[str, Any], budget: int) -> dict[str, Any]:
-    """One engine's run: bulk-phase utilisation, largest batch, peak allocation, tokens/s, retractions."""
+    """One paged run: bulk-phase utilisation, largest batch, peak allocation, tokens/s, retractions."""
     steps = result["steps"]
     decode = [s for s in steps if s["kind"] == "decode"]
     bulk = [s for s in decode if s["waiting"] > 0]
@@ -89,18 +92,13 @@ def summarise(result: dict[str, Any], budget: int) -> dict[str, Any]:
         "tokens": tokens,
         "tokens_per_s": tokens / result["gen_s"] if result["gen_s"] > 0 else 0.0,
         "max_running": max((s["running"] for s in steps), default=0),
-        "peak_allocated_tokens": max((allocated(s) for s in steps), default=0),
+        "peak_allocated_tokens": max((s["kv_paged"] for s in steps), default=0),
         "bulk_steps": len(bulk),
         "decode_steps": len(decode),
-        "bulk_utilisation": _median([s["kv_tokens"] / allocated(s) for s in bulk if allocated(s)]),
+        "bulk_utilisation": _median([s["kv_tokens"] / s["kv_paged"] for s in bulk if s["kv_paged"]]),
         "bulk_budget_use": _median([s["kv_tokens"] / budget for s in bulk]),
         "retractions": sum(s["retractions"] for s in steps),
     }
-
-
-def allocated(step: dict[str, Any]) -> int:
-    """KV tokens allocated at a step: the pages in use (paged) or the whole slab, slots x capacity."""
-    return step["kv_paged"] if step["kv_paged"] is not None else step["kv_capacity"]
 
 
 def _median(xs: list[float]) -> float:
@@ -117,16 +115,16 @@ METRICS = (
     ("decode_steps", "decode steps, whole set (load-independent)", "{:.0f}"),
     ("retractions", "retractions", "{:.0f}"),
 )
-RATIOS = ("bulk_utilisation", "max_running", "tokens_per_s")
+TIMINGS = ("tokens_per_s", "gen_s")  # the machine's: the recorded side's are not compared
+RATIOS = ("bulk_utilisation", "max_running")
 
 
-def combine(runs: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
-    """Medians over runs of each engine's figures, and for each paged engine the median of the per-run
-    ratios to the slab (taken side by side within a run, so a run slowed by the machine's load cancels)."""
+def combine(runs: list[dict[str, dict[str, Any]]], slab: dict[str, Any]) -> dict[str, Any]:
+    """Medians over runs of each measured engine's figures beside the recorded slab's medians, and for each
+    measured engine the ratios to the slab of the figures that do not depend on the machine."""
     med = {e: {k: statistics.median(r[e][k] for r in runs) for k, _, _ in METRICS} for e in ENGINES}
-    ratios = {
-        e: {k: statistics.median(_ratio(r[e][k], r["slab"][k]) for r in runs) for k in RATIOS} for e in PAGED
-    }
+    med = {"slab": {k: slab[k] for k, _, _ in METRICS}, **med}
+    ratios = {e: {k: _ratio(med[e][k], slab[k]) for k in RATIOS} for e in ENGINES}
     return {"median": med, "ratios": ratios}
 
 
@@ -135,66 +133,69 @@ def _ratio(a: float, b: float) -> float:
 
 
 def table(report: dict[str, Any]) -> list[str]:
-    """A Markdown table of the medians and the side-by-side ratios."""
-    w = report["workload"]
+    """A Markdown table: the recorded slab's medians, the measured engines', the ratios, each side named."""
+    w, rec, now = report["workload"], report["baseline"]["recorded"], report["measured"]
     med, ratios = report["median"], report["ratios"]
+    where = f"{rec['machine']}, {rec['date']}"
     lines = [
         f"{w['requests']} requests, prompts of {w['prompt_len']} tokens, new tokens lognormal (median "
         f"{w['median_new']:g}, longest {w['longest_new']}; {w['demand_tokens']} tokens in all), EOS "
         f"ignored, one replica; KV budget {report['budget_tokens']} tokens "
         f"({report['budget_bytes'] / 1e6:.2f} MB); the slab's peak: {report['slab_peak_tokens']} tokens "
-        f"({report['slab_peak_bytes'] / 1e6:.2f} MB); page size {report['page_size']}; median of "
-        f"{report['runs']} runs",
+        f"({report['slab_peak_bytes'] / 1e6:.2f} MB); page size {report['page_size']}",
+        f"dense slab: recorded on {where} ({rec['cpu']}; torch {rec['torch']}; median of "
+        f"{report['baseline']['runs']} runs; {report['baseline']['path']}); paged: measured now "
+        f"({now['date']}; {now['cpu']}, {now['cpus']} CPUs; torch {now['torch']}; median of {report['runs']} "
+        "runs)",
         "",
-        "| | "
-        + " | ".join(LABELS[e] for e in ENGINES)
+        f"| | {LABELS['slab']} (recorded: {where}) | "
+        + " | ".join(f"{LABELS[e]} (now)" for e in ENGINES)
         + " | "
-        + " | ".join(f"{LABELS[e]} / slab" for e in PAGED)
+        + " | ".join(f"{LABELS[e]} / slab" for e in ENGINES)
         + " |",
-        "|---" * (len(ENGINES) + len(PAGED) + 1) + "|",
+        "|---" * (len(COLUMNS) + len(ENGINES) + 1) + "|",
     ]
     for key, label, fmt in METRICS:
-        cells = [fmt.format(med[e][key]) for e in ENGINES]
-        cells += [f"{ratios[e][key]:.2f}x" if key in ratios[e] else "" for e in PAGED]
+        cells = [fmt.format(med[e][key]) + (" †" if e == "slab" and key in TIMINGS else "") for e in COLUMNS]
+        cells += [f"{ratios[e][key]:.2f}x" if key in ratios[e] else "" for e in ENGINES]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"† the dense slab's timings are its recording's, on {where}, not this run's: no ratio is taken",
+    ]
     return lines
 
 
-def slab_tree(commit: str, work: Path) -> Path:
-    """The ``worker`` folder of ``commit``, extracted once under ``work`` (``git archive``)."""
-    dest = work / f"slab-{commit}"
-    if (dest / "worker" / "rollout_worker").is_dir():
-        return dest / "worker"
-    top = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True)
-    if top.returncode != 0:
-        raise RuntimeError(
-            "the dense slab is extracted from this repository's history: run inside a checkout"
-        )
-    tmp = Path(tempfile.mkdtemp(dir=work))
-    archive = subprocess.run(
-        ["git", "-C", top.stdout.strip(), "archive", "--format=tar", commit, "worker"], capture_output=True
-    )
-    if archive.returncode != 0:
-        raise RuntimeError(f"git archive {commit}: {archive.stderr.decode(errors='replace').strip()}")
-    subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True)
-    tmp.rename(dest)
-    return dest / "worker"
+def this_host() -> dict[str, Any]:
+    """What the measured side ran on: the date, the CPU, how many, Python's and torch's versions."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    try:
+        torch = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch = "?"
+    return {
+        "date": date.today().isoformat(),
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch,
+    }
 
 
-def run_probe(tree: Path, spec: dict[str, Any], scratch: Path) -> dict[str, Any]:
-    """One engine run in a fresh process whose ``rollout_worker`` is ``tree``'s (checked)."""
-    tree = tree.resolve()
-    shutil.copy(PROBE, scratch / "bench_memory_probe.py")
+def run_probe(spec: dict[str, Any], scratch: Path) -> dict[str, Any]:
+    """One engine run of this tree in a fresh process (:mod:`rollout_bench.memory_probe`)."""
     (scratch / "spec.json").write_text(json.dumps(spec))
     out = scratch / "out.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(scratch), str(tree)])}
-    cmd = [sys.executable, "-m", "bench_memory_probe", str(scratch / "spec.json"), str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=scratch, timeout=3600)
+    cmd = [sys.executable, "-m", "rollout_bench.memory_probe", str(scratch / "spec.json"), str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=scratch, timeout=3600)
     if r.returncode != 0:
-        raise RuntimeError(f"the {tree} engine failed ({r.returncode}):\n{r.stderr[-3000:]}")
+        raise RuntimeError(f"the paged engine failed ({r.returncode}):\n{r.stderr[-3000:]}")
     result: dict[str, Any] = json.loads(out.read_text())
-    if not Path(result["engine"]).resolve().is_relative_to(tree):
-        raise RuntimeError(f"the probe imported {result['engine']}, not the engine under {tree}")
     return result
 
 
@@ -207,12 +208,7 @@ def _line(engine: str, fig: dict[str, Any]) -> str:
 
 def run_memory_bench(
     model: Path,
-    slab: Path,
-    n: int,
-    prompt_len: int,
-    median_new: float,
-    longest_new: int,
-    budget: int,
+    baseline: Baseline,
     page_size: int,
     runs: int,
     json_out: Path | None,
@@ -220,68 +216,62 @@ def run_memory_bench(
     samples: int = 8,
     sharing_prompt_len: int = 128,
 ) -> dict[str, Any]:
-    """The three engines (module docstring), then with ``samples`` > 1 prefix sharing on this tree
-    (:mod:`rollout_bench.sharing`) on prompts of ``sharing_prompt_len`` tokens."""
+    """The paged engines against the recorded slab on its workload and budget (module docstring), then with
+    ``samples`` > 1 prefix sharing on this tree (:mod:`rollout_bench.sharing`) on prompts of
+    ``sharing_prompt_len`` tokens."""
+    w, budget = baseline.workload, baseline.budget_tokens
     cfg = ModelConfig.load(model)
-    lens = tail_lengths(n, median_new, longest_new)
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # float32 K and V
+    n, prompt_len = w["requests"], w["prompt_len"]
+    lens = tail_lengths(n, w["median_new"], w["longest_new"])
+    check_model(baseline, lens, per_token)
     reqs = requests(lens, prompt_len, cfg.vocab_size)
     base: dict[str, Any] = {"model": str(model.resolve()), "dtype": "float32", "requests": reqs}
-    settings: dict[str, Any] = {"max_batch": n}
-    paged_tree = Path(__file__).resolve().parents[2]
-    trees = {"slab": slab, "paged": paged_tree, "paged_at_slab": paged_tree}
-    budgets = {"slab": budget, "paged": budget, "paged_at_slab": 0}  # the last: the slab's peak, once seen
+    settings: dict[str, Any] = {"max_batch": n, "page_size": page_size}
+    budgets = {"paged": budget, "paged_at_slab": baseline.peak_allocated_tokens}
     per_run: list[dict[str, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory() as tmp:
+
+        def probe(spec: dict[str, Any], label: str) -> dict[str, Any]:
+            scratch = Path(tmp) / label
+            scratch.mkdir()
+            return run_probe(spec, scratch)
+
         for i in range(runs):
-            order = ENGINES if i % 2 == 0 else ENGINES[::-1]  # run 1 measures the slab first
             got = {}
-            for e in order:
-                extra = {"page_size": page_size} if e != "slab" else {}
-                spec = {**base, "settings": {**settings, **extra, "kv_budget_tokens": budgets[e]}}
-                scratch = Path(tmp) / f"{e}-{i}"
-                scratch.mkdir()
-                got[e] = summarise(run_probe(trees[e], spec, scratch), budgets[e])
+            for e in ENGINES if i % 2 == 0 else ENGINES[::-1]:
+                spec = {**base, "settings": {**settings, "kv_budget_tokens": budgets[e]}}
+                got[e] = summarise(probe(spec, f"{e}-{i}"), budgets[e])
                 if got[e]["tokens"] != sum(lens):
                     raise RuntimeError(f"{e}: {got[e]['tokens']} tokens generated, {sum(lens)} asked")
-                if e == "slab" and not budgets["paged_at_slab"]:
-                    budgets["paged_at_slab"] = got[e]["peak_allocated_tokens"]
             per_run.append(got)
             echo(f"run {i + 1}/{runs}: " + "; ".join(_line(e, got[e]) for e in ENGINES))
         sharing = None
         if samples > 1:
             grouped = bench_sharing.grouped_requests(lens, sharing_prompt_len, samples, cfg.vocab_size)
-
-            def probe(spec: dict[str, Any], label: str) -> dict[str, Any]:
-                scratch = Path(tmp) / label
-                scratch.mkdir()
-                return run_probe(paged_tree, spec, scratch)
-
-            share_base = {
-                **base,
-                "settings": {**settings, "page_size": page_size, "kv_budget_tokens": budget},
-            }
+            share_base = {**base, "settings": {**settings, "kv_budget_tokens": budget}}
             sharing = bench_sharing.run_sharing(grouped, share_base, runs, probe, echo)
-    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # float32 K and V
     report: dict[str, Any] = {
         "benchmark": "memory",
         "model": str(model),
-        "slab_tree": str(slab),
+        "baseline": {"path": str(baseline.path), "recorded": baseline.recorded, "runs": baseline.runs},
+        "measured": this_host(),
         "workload": {
             "requests": n,
             "prompt_len": prompt_len,
-            "median_new": median_new,
-            "longest_new": longest_new,
+            "median_new": w["median_new"],
+            "longest_new": w["longest_new"],
             "new_tokens": lens,
             "demand_tokens": sum(prompt_len + k for k in lens),
         },
         "budget_tokens": budget,
         "budget_bytes": budget * per_token,
-        "slab_peak_tokens": budgets["paged_at_slab"],
-        "slab_peak_bytes": budgets["paged_at_slab"] * per_token,
+        "slab_peak_tokens": baseline.peak_allocated_tokens,
+        "slab_peak_bytes": baseline.peak_allocated_tokens * per_token,
         "page_size": page_size,
         "runs": runs,
         "per_run": per_run,
-        **combine(per_run),
+        **combine(per_run, baseline.median),
         "sharing": sharing,
     }
     echo("")

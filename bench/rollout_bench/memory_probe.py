@@ -1,11 +1,8 @@
-"""One run of ``rolloutctl bench memory``, in its own process, against whichever engine tree is first on
-``PYTHONPATH``: the paged engine of this tree or the dense slab of an older commit. It uses only what both
-trees have (``EngineConfig.load``, ``Engine`` with an ``Observer``, ``Collector``, the ``StepReport`` fields
-``running``, ``waiting``, ``kv_tokens``, ``kv_capacity``); the paged engine's ``kv_paged``,
-``retractions`` and ``prefill_tokens`` are read when present; a request may name its sampling. The
-benchmark copies this file alone into a scratch folder and runs it as ``python -m bench_memory_probe SPEC
-OUT`` (SPEC: model, settings, requests; OUT: the step reports and the generation time), so the same
-measuring code runs against both engines.
+"""One engine run of ``rolloutctl bench memory`` (and of its prefix-sharing part), in a fresh process:
+``python -m rollout_bench.memory_probe SPEC OUT``. SPEC: the model, the engine's settings and the requests
+(a request may name its sampling); OUT: every step's report (kind, time, running, waiting, finished, KV
+tokens held, capacity and pages in use, retractions, prompt tokens prefilled), the tokens generated per
+request and the generation time (first submit to last finish).
 """
 
 from __future__ import annotations
@@ -18,13 +15,13 @@ from typing import Any
 
 
 def probe(spec: dict[str, Any]) -> dict[str, Any]:
-    import rollout_worker
     from rollout_worker.api.requests import RequestSpec
     from rollout_worker.api.sampling import Sampling
     from rollout_worker.engine.config import EngineConfig
     from rollout_worker.engine.driver.engine import Engine, Observer
     from rollout_worker.engine.driver.fixed_batch import Collector
     from rollout_worker.engine.driver.lifecycle import Health
+    from rollout_worker.engine.messages import StepReport
 
     cfg = EngineConfig.load(spec["model"], 1, dtype=spec["dtype"], **spec["settings"])
     reqs = [
@@ -39,7 +36,7 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
     ]
     steps: list[dict[str, Any]] = []
 
-    def on_report(r: Any) -> None:
+    def on_report(r: StepReport) -> None:
         steps.append(
             {
                 "kind": r.kind,
@@ -49,9 +46,9 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
                 "finished": len(r.finished),
                 "kv_tokens": r.kv_tokens,
                 "kv_capacity": r.kv_capacity,
-                "kv_paged": getattr(r, "kv_paged", None),
-                "retractions": getattr(r, "retractions", 0),
-                "prefill_tokens": getattr(r, "prefill_tokens", 0),
+                "kv_paged": r.kv_paged,
+                "retractions": r.retractions,
+                "prefill_tokens": r.prefill_tokens,
             }
         )
 
@@ -69,7 +66,7 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
     finally:
         engine.shutdown()
     tokens = {rid: len(out.output_ids) for rid, out in col.outs.items()}
-    return {"engine": rollout_worker.__file__, "gen_s": gen_s, "tokens": tokens, "steps": steps}
+    return {"gen_s": gen_s, "tokens": tokens, "steps": steps}
 
 
 def main(argv: list[str]) -> int:

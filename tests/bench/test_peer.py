@@ -9,7 +9,7 @@ from rollout_bench.peer import NATURAL_CAP, _until_eos, natural_set, request_set
 from rollout_worker.data.prompts import ChatTemplate, load_prompts
 from rollout_worker.engine.model.tokenizer import load_tokenizer
 
-ROOT = Path(__file__).parents[3]
+ROOT = Path(__file__).parents[2]
 
 
 def test_the_natural_set_is_the_chat_prompts_rendered_with_eos_honoured(smollm2: Path) -> None:

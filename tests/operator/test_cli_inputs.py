@@ -118,7 +118,9 @@ def test_bench_lossless_refuses_before_making_anything(
             ["--sharing-prompt-len", "1800"],
             "--sharing-prompt-len: must be >= 1, and with the longest request",
         ),
-        (["--slab-tree", "{missing}"], "--slab-tree: "),
+        (["--baseline", "{missing}"], "--baseline: cannot read "),
+        (["--requests", "256"], "--requests: the baseline "),  # the default baseline: 64 requests
+        (["--kv-tokens", "4096"], "--kv-tokens: the baseline "),
         (["--json", "{unwritable}"], "--json: "),
     ],
 )

@@ -1,4 +1,5 @@
-"""`rolloutctl bench memory`: the paged KV pool against the dense slab, same requests, same KV budget."""
+"""`rolloutctl bench memory`: the paged KV pool against the dense slab's recorded figures, same requests, same
+KV budget."""
 
 from __future__ import annotations
 
@@ -70,53 +71,46 @@ def bench_memory_cmd(
         typer.Option(help="KV budget of the one replica, in tokens (both engines): small enough to queue."),
     ] = 2048,
     page_size: Annotated[
-        int, setting_option("page_size", note="the paged engine's only (the slab has none)")
+        int, setting_option("page_size", note="the paged engines' only (the slab has none)")
     ] = setting_default("bench memory", "page_size"),
-    runs: Annotated[int, typer.Option(help="Runs (both engines each, alternating which goes first).")] = 3,
+    runs: Annotated[
+        int, typer.Option(help="Runs (both paged engines each, alternating which goes first).")
+    ] = 3,
     samples: Annotated[
         int, typer.Option(help="Samples per prompt of the prefix-sharing part (1: leave it out).")
     ] = 8,
     sharing_prompt_len: Annotated[int, typer.Option(help="Prompt tokens of the prefix-sharing part.")] = 128,
-    slab_commit: Annotated[
-        str, typer.Option(help="The commit whose dense-slab engine is measured (git archive of its worker/).")
-    ] = "5904b9b",
-    slab_tree: Annotated[
-        Path | None, typer.Option(help="A checkout's worker/ folder to measure instead of --slab-commit's.")
+    baseline: Annotated[
+        Path | None,
+        typer.Option(
+            help="The dense slab's recorded results to compare against (JSON; the workload flags must "
+            "be its own). Default: bench-memory-slab.json in bench/epyc-2026-11-28/ beside the rollout_bench "
+            "package (64 requests; for --requests 256: bench-memory-slab-256.json there)."
+        ),
     ] = None,
-    work: Annotated[Path, typer.Option(help="Where the model and the slab's tree are kept.")] = WORK,
+    work: Annotated[Path, typer.Option(help="Where the model is kept.")] = WORK,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON here.")] = None,
 ) -> None:
-    """KV utilisation in the bulk phase, the largest running batch and tokens/s of the dense slab (an
-    older commit's engine) and the paged engine, on one replica of the tiny model; then prefix sharing:
-    the samples of each prompt with the prefix cache on and off (prompt tokens prefilled, time)."""
+    """KV utilisation in the bulk phase, the largest running batch and tokens/s of the paged engine, measured
+    now on one replica of the tiny model, beside the dense slab's (an older commit's engine), recorded on a
+    named machine and date; then prefix sharing: the samples of each prompt with the prefix cache on and
+    off (prompt tokens prefilled, time)."""
+    from rollout_bench import memory_baseline
     from rollout_bench.memory import run_memory_bench
-    from rollout_bench.memory import slab_tree as extract
     from rollout_worker.engine.model.checkpoint import ensure_model
 
     check_memory_args(
         requests, prompt_len, median_new, longest_new, kv_tokens, page_size, runs, samples, sharing_prompt_len
     )
-    if slab_tree is not None and not (slab_tree / "rollout_worker" / "engine" / "driver.py").is_file():
-        raise UserError(
-            f"{slab_tree} has no rollout_worker/engine/driver/engine.py (give a worker/ folder)",
-            "--slab-tree",
-        )
+    recorded = memory_baseline.load(baseline if baseline is not None else memory_baseline.RECORDED)
+    memory_baseline.check_workload(recorded, requests, prompt_len, median_new, longest_new, kv_tokens)
     if json_out is not None:
         check_writable(json_out, "--json")
     work.mkdir(parents=True, exist_ok=True)
-    try:
-        slab = slab_tree if slab_tree is not None else extract(slab_commit, work)
-    except RuntimeError as exc:
-        raise UserError(str(exc), "--slab-commit") from None
     model = ensure_model("tiny", work)
     run_memory_bench(
         model,
-        slab,
-        requests,
-        prompt_len,
-        median_new,
-        longest_new,
-        kv_tokens,
+        recorded,
         page_size,
         runs,
         json_out,
