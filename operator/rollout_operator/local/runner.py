@@ -12,7 +12,7 @@ import secrets
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ import httpx
 from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.planning.planner import PlannerPolicy
 from rollout_profiler.planning.predictor import Prior
+from rollout_worker.api.plan import ReconfigEvent
 from rollout_worker.api.sidecar import Progress, Sample, output_files, read_outputs
 from rollout_worker.errors import EngineError
 from rollout_worker.proc import free_port
@@ -115,11 +116,66 @@ def _serving(info: dict[str, Any], echo: Callable[[str], Any]) -> None:
     echo("serving until Ctrl-C or SIGTERM")
 
 
+@dataclass
+class Running:
+    """What a run of the pods holds from its start to its finish (``_start``, ``_monitor``, ``_finish``)."""
+
+    run: PodRun
+    service: bool
+    before: list[Sample]  # samples already written (by an earlier, interrupted run)
+    local: LocalPods
+    links: list[SidecarLink]
+    loop: PlannerLoop | None  # None: static
+    info: dict[str, Any]  # endpoints.json
+    log_file: logging.Handler
+    stop: asyncio.Event  # set by SIGINT / SIGTERM
+    timeline: list[Point] = field(default_factory=list)
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    closest: dict[str, dict[str, Any]] = field(default_factory=dict)
+    progress: dict[str, Progress] = field(default_factory=dict)
+
+    def done(self) -> bool:
+        """Every sample written (job mode); EngineError once a pod died."""
+        if self.local.dead():
+            c = self.local.dead()[0]
+            raise EngineError(f"{c.name} exited with code {c.proc.returncode}:\n{c.tail()}")
+        if self.service or len(self.progress) != len(self.links):
+            return False
+        return all(p.done for p in self.progress.values())
+
+
+@dataclass(frozen=True)
+class Ended:
+    """How the monitored run ended."""
+
+    seconds: float  # from every pod ready until the end
+    events: dict[str, list[ReconfigEvent]]  # per pod, its switches
+    served: int  # service mode: the requests the engines finished
+
+
 async def run_pods(
     run: PodRun, on_progress: Callable[[dict[str, Progress]], Any], echo: Callable[[str], Any]
 ) -> RunResult:
+    r = _start(run)
+    try:
+        ended = await _monitor(r, on_progress, echo)
+    except EngineError as exc:  # a pod died, while starting or later: the log says which and how
+        log.error("%s: stopping every pod", str(exc).splitlines()[0].rstrip(":"))
+        raise
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().remove_signal_handler(sig)
+        for link in r.links:
+            await link.aclose()
+        r.local.stop()
+        log.info("every pod stopped")
+        _unlog(r.log_file)
+    return _finish(r, ended)
+
+
+def _start(run: PodRun) -> Running:
+    """Write the secrets and the endpoints, take SIGINT / SIGTERM and start every pod (without waiting)."""
     spec = run.loaded.job.spec
-    service = spec.mode == "service"
     run.out_dir.mkdir(parents=True, exist_ok=True)
     secrets_dir, token = _secrets(run.out_dir / ".secrets")
     before = read_outputs(run.out_dir)
@@ -143,10 +199,6 @@ async def run_pods(
     links = [SidecarLink(p.name, p.api_url, p.admin_url, token) for p in pods]
     plan = run.planning
     loop = PlannerLoop(list(links), plan.model, plan.policy, plan.prior, plan.recorder) if plan else None
-    timeline: list[Point] = []
-    decisions: list[dict[str, Any]] = []
-    closest: dict[str, dict[str, Any]] = {}
-    progress: dict[str, Progress] = {}
     stop = asyncio.Event()
     aio = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -155,69 +207,69 @@ async def run_pods(
     for p in pods:
         log.info("%s: engine %s, sidecar %s (admin %s)", p.name, p.engine_url, p.api_url, p.admin_url)
     local.start()
-    try:
-        await _until(local.wait_ready(), stop)
-        t0 = time.monotonic()
-        log.info("every pod is ready; generation starts")
-        if service:
-            _serving(info, echo)
+    return Running(run, spec.mode == "service", before, local, links, loop, info, log_file, stop)
 
-        async def poll() -> None:
-            for link in links:
-                with contextlib.suppress(httpx.HTTPError, ValueError):
-                    p = progress[link.name] = await link.progress()
-                    tp = Layout.parse(p.layout).tp if p.layout else run.layout.tp
-                    timeline.append(Point(time.monotonic() - t0, link.name, p.running, tp))
-            on_progress(progress)
 
-        def done() -> bool:
-            if local.dead():
-                c = local.dead()[0]
-                raise EngineError(f"{c.name} exited with code {c.proc.returncode}:\n{c.tail()}")
-            return not service and len(progress) == len(links) and all(p.done for p in progress.values())
+async def _monitor(
+    r: Running, on_progress: Callable[[dict[str, Progress]], Any], echo: Callable[[str], Any]
+) -> Ended:
+    """Wait until every pod is ready, then poll the progress and tick the planner until every sample is
+    written (job mode) or until SIGINT / SIGTERM (service mode; Interrupted in job mode)."""
+    await _until(r.local.wait_ready(), r.stop)
+    t0 = time.monotonic()
+    log.info("every pod is ready; generation starts")
+    if r.service:
+        _serving(r.info, echo)
+    while not r.done() and not r.stop.is_set():
+        await _poll(r, t0, on_progress)
+        if r.loop is not None:
+            outcomes = await r.loop.run_once()
+            r.decisions += _pushed(outcomes)
+            _nearest(r.closest, outcomes)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(r.stop.wait(), TICK_S)
+    if r.stop.is_set() and not r.service:
+        log.info("interrupted (Ctrl-C or SIGTERM): stopping every pod")
+        raise Interrupted
+    await _poll(r, t0, on_progress)
+    seconds = time.monotonic() - t0
+    log.info("%s after %.2f s", "stopped serving" if r.service else "every sample written", seconds)
+    events = {link.name: await link.events() for link in r.links}
+    served = 0
+    if r.service:  # the engines' own count, live (the sidecars' progress lags by a poll)
+        for link in r.links:
+            state, _ = await link.state(LATEST)
+            served += state.finished.total
+    if r.loop is not None:
+        await r.loop.run_once()  # records the outcome of the switches since the last tick
+        plan = r.run.planning
+        if r.service and plan is not None and plan.recorder is not None:
+            for mem in r.loop.memory.values():
+                plan.recorder.lengths(mem.lengths, mem.capped)
+    return Ended(seconds, events, served)
 
-        while not done() and not stop.is_set():
-            await poll()
-            if loop is not None:
-                outcomes = await loop.run_once()
-                decisions += _pushed(outcomes)
-                _nearest(closest, outcomes)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), TICK_S)
-        if stop.is_set() and not service:
-            log.info("interrupted (Ctrl-C or SIGTERM): stopping every pod")
-            raise Interrupted
-        await poll()
-        seconds = time.monotonic() - t0
-        log.info("%s after %.2f s", "stopped serving" if service else "every sample written", seconds)
-        events = {link.name: await link.events() for link in links}
-        served = 0
-        if service:  # the engines' own count, live (the sidecars' progress lags by a poll)
-            for link in links:
-                state, _ = await link.state(LATEST)
-                served += state.finished.total
-        if loop is not None:
-            await loop.run_once()  # records the outcome of the switches since the last tick
-            if service and plan is not None and plan.recorder is not None:
-                for mem in loop.memory.values():
-                    plan.recorder.lengths(mem.lengths, mem.capped)
-    except EngineError as exc:  # a pod died, while starting or later: the log says which and how
-        log.error("%s: stopping every pod", str(exc).splitlines()[0].rstrip(":"))
-        raise
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            aio.remove_signal_handler(sig)
-        for link in links:
-            await link.aclose()
-        local.stop()
-        log.info("every pod stopped")
-        _unlog(log_file)
-    result = RunResult(run.policy, run.layout, run.out_dir, seconds, 0, 0, events, decisions, timeline)
-    result.closest = closest
-    if service:
-        result.samples, result.service = served, True
+
+async def _poll(r: Running, t0: float, on_progress: Callable[[dict[str, Progress]], Any]) -> None:
+    """Every pod's progress, and a point of the timeline per pod that answered."""
+    for link in r.links:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            p = r.progress[link.name] = await link.progress()
+            tp = Layout.parse(p.layout).tp if p.layout else r.run.layout.tp
+            r.timeline.append(Point(time.monotonic() - t0, link.name, p.running, tp))
+    on_progress(r.progress)
+
+
+def _finish(r: Running, ended: Ended) -> RunResult:
+    """The run's result; in job mode also the samples counted, the manifest and the run's record written."""
+    run = r.run
+    result = RunResult(
+        run.policy, run.layout, run.out_dir, ended.seconds, 0, 0, ended.events, r.decisions, r.timeline
+    )
+    result.closest = r.closest
+    if r.service:
+        result.samples, result.service = ended.served, True
     else:
-        _tally(result, before)
+        _tally(result, r.before)
         write_manifest(
             run.out_dir,
             output_files(run.out_dir),

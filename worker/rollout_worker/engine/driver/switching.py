@@ -56,9 +56,14 @@ class Switching:
 
     def start(self, layout: Layout, method: Method, reason: str, awaited: bool = True) -> int:
         """Send every rank the switch; returns its ticket."""
-        self.ticket = self.tickets.open(1, awaited)
-        self.broadcast(m.Reconfigure(layout, method, reason, self.ticket))
-        return self.ticket
+        cmd = m.Reconfigure(layout, method, reason, self.tickets.open(1, awaited))
+        self.began(cmd)
+        self.broadcast(cmd)
+        return cmd.ticket
+
+    def began(self, cmd: m.Reconfigure) -> None:
+        """``cmd`` (being sent to every rank) is the switch in flight."""
+        self.ticket = cmd.ticket
 
     def fire(self) -> None:
         """Start the plan's switch when a trigger fires now (unless a switch is in flight)."""

@@ -16,7 +16,6 @@ request's: it fails the rank.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -28,22 +27,19 @@ from rollout_worker.engine.messages import PromptLogprobs
 from rollout_worker.engine.model.decoder import Decoder
 from rollout_worker.engine.model.kv_cache import GatheredKV, KVPool
 from rollout_worker.engine.rank.cuda_graphs import DecodeGraphs, key_span
-from rollout_worker.engine.rank.sampling import Draw, Failure, prompt_logprobs, sample
-from rollout_worker.engine.rank.sequence import Sequence
-from rollout_worker.scheduling.admission import (
-    SGLANG_RATIO,
-    RatioPolicy,
-    Req,
-    admit,
-    ratio_after_retraction,
-    to_retract,
+from rollout_worker.engine.rank.sampling import Draw, Failure, prompts_logprobs, sample
+from rollout_worker.engine.rank.scheduler import (
+    PASS_TOKENS,
+    Limits,
+    admissible,
+    cacheable_row,
+    prefill_passes,
+    prefill_row,
+    prompts_first,
+    to_retract_now,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    max_batch: int
-    max_prefill_tokens: int
+from rollout_worker.engine.rank.sequence import Sequence
+from rollout_worker.scheduling.admission import SGLANG_RATIO, RatioPolicy, ratio_after_retraction
 
 
 @dataclass(slots=True)
@@ -170,60 +166,17 @@ class Replica:
             self.pool.bind(row, seq.pages)
 
     # -- stepping ------------------------------------------------------------------------------------
-    def _req(self, seq: Sequence, shared: bool = False, cached: int = 0) -> Req:
-        """The scheduler's view of ``seq``; with ``shared``, how many of its pages others hold too (a
-        retraction does not free those); ``cached``: prefill tokens the prefix cache holds."""
-        n_shared = 0
-        if shared:
-            held = self.pool.shared.holders
-            n_shared = sum(1 for p in seq.pages if held(p) > 1)
-        return seq.sched(n_shared, cached)
-
-    def _cacheable(self, seq: Sequence) -> tuple[list[int], int]:
-        """The tokens a prefill of ``seq`` computes K/V for, and how many of them it may take from the
-        prefix cache (all but the last, whose logits it needs; none when it wants its prompt's logprobs)."""
-        row = prefill_row(seq)
-        wants_prompt = not seq.output and seq.spec.wants_input_logprobs
-        return row, 0 if wants_prompt else len(row) - 1
-
     def _admit(self) -> list[Sequence]:
-        lim = self.limits
-        room = lim.max_batch - len(self.running)
-        if not self.waiting or room <= 0:
-            return []
-        pool = self.pool
-        candidates: list[Req] = []
-        shared_idle: set[int] = set()
-        for seq in itertools.islice(self.waiting, room):
-            pages = pool.shared.match(*self._cacheable(seq)) if pool.shared.cached else []
-            shared_idle.update(p for p in pages if pool.shared.is_idle(p))  # taken off the free ones
-            candidates.append(self._req(seq, cached=len(pages) * pool.page_size))
-        n = admit(
-            [s.req for s in self.running],
-            candidates,
-            pool.free_pages - len(shared_idle),
-            pool.page_size,
-            self.ratio,
-            lim.max_batch,
-            lim.max_prefill_tokens,
-        )
+        n = admissible(self.waiting, self.running, self.pool, self.ratio, self.limits)
         return [self.waiting.popleft() for _ in range(n)]
 
     def _retract_for_step(self) -> list[str]:
-        """Make room for the next decode step's pages: retract what :func:`to_retract` picks (back to the
-        front of the queue, pages freed) and re-estimate the ratio; else let the ratio decay. Ties are
-        broken by the order of admission, not by row (rows are compacted as requests finish), so the
-        choice depends only on the requests (the simulator makes the same one)."""
-        free, ps = self.pool.free_pages, self.pool.page_size
-        order: list[Sequence] = []
-        pick: list[int] = []
-        if sum(s.req.step_pages(ps) for s in self.running) > free:  # (sorted only when short of pages)
-            order = sorted(self.running, key=lambda s: s.admitted)
-            pick = to_retract([self._req(s, shared=True) for s in order], free, ps)  # frees unshared pages
-        if not pick:
+        """Make room for the next decode step's pages: retract what :func:`scheduler.to_retract_now` picks
+        (back to the front of the queue, pages freed) and re-estimate the ratio; else let the ratio decay."""
+        seqs = to_retract_now(self.running, self.pool)
+        if not seqs:
             self.ratio = self.policy.decayed(self.ratio)
             return []
-        seqs = [order[i] for i in pick]
         for seq in seqs:
             self._release(seq)
         self.waiting.extendleft(reversed(seqs))
@@ -256,7 +209,7 @@ class Replica:
         :func:`prompts_first`.)
         """
         slot0, pool = len(self.running), self.pool
-        cacheable = [self._cacheable(s) for s in seqs]
+        cacheable = [cacheable_row(s) for s in seqs]
         # Held while the rows take their pages, so that no row's allocation evicts a cached prefix another
         # row was admitted to share (admission counted on it).
         pinned = [p for row, limit in cacheable for p in pool.shared.match(row, limit)]
@@ -282,7 +235,10 @@ class Replica:
             at = torch.tensor([widths[i] - 1 for i in run], device=x.device)
             last.append(x[torch.arange(len(run), device=x.device), at])
             if fresh:
-                out.prompt_logprobs |= self._prompt_logprobs(x, seqs[run.start : run.stop], fresh, out)
+                got, failed = prompts_logprobs(self.decoder.logits, x, seqs[run.start : run.stop], fresh)
+                for seq, failure in failed:  # this request's, not the engine's
+                    self._fail(seq, failure, out)
+                out.prompt_logprobs |= got
         logits = self._poisoned(self.decoder.logits(torch.cat(last)), seqs)
         self.prefill_tokens_per_ms = out.computed / max((time.perf_counter() - t0) * 1e3, 1e-3)
         live = [s for s in fresh if s.finish is None]  # (a request whose prompt logprobs failed is aborted)
@@ -312,50 +268,6 @@ class Replica:
             write[i, :n] = pool.table[slot0 + i, c : len(r)]
         read = pool.table[slot0 : slot0 + len(rows), :keys]
         return self.decoder.hidden(tokens.to(dev), positions.to(dev), pool, write, read)
-
-    def _prompt_logprobs(
-        self, x: torch.Tensor, seqs: list[Sequence], fresh: list[Sequence], out: StepOutput
-    ) -> dict[str, PromptLogprobs]:
-        """Logprob of each prompt token from ``logprob_start_len`` on, for requests that asked for it. Token
-        0 has none (None, as SGLang): a one-token prompt from 0 gets ``(None,)`` and needs no logits."""
-        want = [(b, s) for b, s in enumerate(seqs) if s in fresh and s.spec.wants_input_logprobs]
-        if not want:
-            return {}
-        rows: list[int] = []
-        pos: list[int] = []
-        targets: list[int] = []
-        spans: list[tuple[Sequence, int, int]] = []  # (request, offset, count) into rows
-        for b, s in want:
-            ids, start = s.spec.prompt_ids, s.spec.logprob_start_len
-            js = range(max(start, 1), len(ids))
-            spans.append((s, len(rows), len(js)))
-            rows += [b] * len(js)
-            pos += [j - 1 for j in js]
-            targets += [ids[j] for j in js]
-        logits = None
-        if rows:  # (the same on every rank: the logits are a collective)
-            dev = x.device
-            at = (
-                torch.tensor(rows, dtype=torch.long, device=dev),
-                torch.tensor(pos, dtype=torch.long, device=dev),
-            )
-            logits = self.decoder.logits(x[at])
-        got: dict[str, PromptLogprobs] = {}
-        for s, off, n in spans:
-            k, start = s.spec.top_logprobs_num, s.spec.logprob_start_len
-            try:
-                vals, tops = (
-                    prompt_logprobs(logits[off : off + n], targets[off : off + n], k)
-                    if logits is not None and n
-                    else ([], [] if k > 0 else None)
-                )
-            except Exception as exc:  # this request's, not the engine's
-                self._fail(s, Failure.of(exc), out)
-                continue
-            head: list[None] = [None] if start == 0 else []
-            top = None if tops is None else (*head, *tops)
-            got[s.spec.id] = PromptLogprobs(start, (*head, *vals), top)
-        return got
 
     def _reserve(self, seq: Sequence, tokens: int) -> None:
         if not self.pool.reserve(seq.pages, tokens):
@@ -465,48 +377,6 @@ class Replica:
         else:
             self.pool.clear_row(slot)
         self.running.pop()
-
-
-# What one more forward pass costs, in tokens computed: about the tokens whose products cost as much as
-# reading the weights once (the roofline's ridge: tens on a CPU core, hundreds on a GPU). The same on every
-# rank of a replica (a constant per device), so its ranks cut a prefill into the same passes.
-PASS_TOKENS = {"cpu": 32, "cuda": 256}
-
-
-def prompts_first(seqs: list[Sequence]) -> list[Sequence]:
-    """``seqs`` with the first request of each prompt ahead of the later ones (each kind in its order): the
-    samples of a prompt, which clients send together, then prefill as one pass of whole prompts and one of
-    later samples (each computing one token on its prompt's cached pages, :func:`prefill_passes`), not as
-    alternating wide and narrow rows. Every later sample still comes after the first of its prompt, whose
-    pages it reads."""
-    seen: set[tuple[int, ...]] = set()
-    first: list[Sequence] = []
-    later: list[Sequence] = []
-    for s in seqs:
-        (later if s.spec.prompt_ids in seen else first).append(s)
-        seen.add(s.spec.prompt_ids)
-    return first + later
-
-
-def prefill_passes(widths: list[int], pass_tokens: int) -> list[range]:
-    """Consecutive runs of prefill rows (``widths``: tokens each computes), each run one padded pass: a row
-    starts a new pass when padding it and the pass so far to one width computes more than a pass costs
-    (``pass_tokens``). Rows keep their order: a row may read the pages a row before it writes."""
-    passes: list[range] = []
-    start, width = 0, 0
-    for i, w in enumerate(widths):
-        rows = i - start
-        if rows and (rows + 1) * max(width, w) > rows * width + w + pass_tokens:
-            passes.append(range(start, i))
-            start, width = i, w
-        else:
-            width = max(width, w)
-    return [*passes, range(start, len(widths))]
-
-
-def prefill_row(seq: Sequence) -> list[int]:
-    """The tokens whose K/V a prefill of ``seq`` computes: its prompt and all but its last output token."""
-    return list(seq.spec.prompt_ids) + seq.output[:-1] if seq.output else list(seq.spec.prompt_ids)
 
 
 def _aborted(failure: Failure) -> FinishAbort:

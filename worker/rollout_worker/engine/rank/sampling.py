@@ -7,7 +7,8 @@ exactly the tokens the uninterrupted request would have drawn.
 
 Logprobs (what RL trainers use for importance weights) are the log-probability of the sampled token under
 the distribution it was drawn from: softmax(logits / temperature) cut by top-k, top-p and min-p and
-renormalised; for greedy requests the plain log-softmax. Computed in float64.
+renormalised; for greedy requests the plain log-softmax. Computed in float64. A prefill also gives the
+prompt's own tokens their logprobs, for the requests that ask (:func:`prompts_logprobs`).
 
 A row that cannot be sampled (non-finite logits, a distribution that does not sum to a positive number, any
 error while drawing it) gives a :class:`Failure` for that request alone: every rank of a replica holds the
@@ -17,12 +18,13 @@ same logits (all-gathered) and runs the same code, so every rank fails the same 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from rollout_worker.api.sampling import Sampling
-from rollout_worker.engine.messages import TopLogprobs
+from rollout_worker.engine.messages import PromptLogprobs, TopLogprobs
 from rollout_worker.engine.rank.sequence import Sequence
 
 
@@ -153,3 +155,54 @@ def prompt_logprobs(
         raise ValueError("the prompt's logits are not finite")
     tops = [_top(logp[i], top_n) for i in range(len(targets))] if top_n > 0 else None
     return picked.tolist(), tops
+
+
+def prompts_logprobs(
+    logits_of: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    seqs: list[Sequence],
+    fresh: list[Sequence],
+) -> tuple[dict[str, PromptLogprobs], list[tuple[Sequence, Failure]]]:
+    """Logprob of each prompt token from ``logprob_start_len`` on, for requests that asked for it. Token
+    0 has none (None, as SGLang): a one-token prompt from 0 gets ``(None,)`` and needs no logits. ``x``: a
+    prefill pass's hidden states of ``seqs`` (``logits_of`` turns the rows needed into logits); a request
+    whose logprobs could not be computed comes back as a failure (its own, not the engine's)."""
+    want = [(b, s) for b, s in enumerate(seqs) if s in fresh and s.spec.wants_input_logprobs]
+    if not want:
+        return {}, []
+    rows: list[int] = []
+    pos: list[int] = []
+    targets: list[int] = []
+    spans: list[tuple[Sequence, int, int]] = []  # (request, offset, count) into rows
+    for b, s in want:
+        ids, start = s.spec.prompt_ids, s.spec.logprob_start_len
+        js = range(max(start, 1), len(ids))
+        spans.append((s, len(rows), len(js)))
+        rows += [b] * len(js)
+        pos += [j - 1 for j in js]
+        targets += [ids[j] for j in js]
+    logits = None
+    if rows:  # (the same on every rank: the logits are a collective)
+        dev = x.device
+        at = (
+            torch.tensor(rows, dtype=torch.long, device=dev),
+            torch.tensor(pos, dtype=torch.long, device=dev),
+        )
+        logits = logits_of(x[at])
+    got: dict[str, PromptLogprobs] = {}
+    failed: list[tuple[Sequence, Failure]] = []
+    for s, off, n in spans:
+        k, start = s.spec.top_logprobs_num, s.spec.logprob_start_len
+        try:
+            vals, tops = (
+                prompt_logprobs(logits[off : off + n], targets[off : off + n], k)
+                if logits is not None and n
+                else ([], [] if k > 0 else None)
+            )
+        except Exception as exc:  # this request's, not the engine's
+            failed.append((s, Failure.of(exc)))
+            continue
+        head: list[None] = [None] if start == 0 else []
+        top = None if tops is None else (*head, *tops)
+        got[s.spec.id] = PromptLogprobs(start, (*head, *vals), top)
+    return got, failed
