@@ -2,7 +2,8 @@
 
 For each kernel, the first row's result computed alone and among other rows (the shapes of Llama-3.1-8B's
 layers, bfloat16), compared bitwise; the default torch kernel beside the deterministic one
-(``rollout_worker.engine.kernels.deterministic``). Prints a table and writes JSON.
+(``rollout_worker.engine.kernels``: row_rules, row_parallel, tree_sums, deterministic_attention). Prints a
+table and writes JSON.
 Usage (repository root, on a GPU machine): python3 bench/cuda_invariance.py [OUT.json]
 """
 
@@ -16,7 +17,8 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from rollout_worker.engine.kernels import deterministic as invariant
+from rollout_worker.engine.kernels import deterministic_attention, row_parallel, row_rules, tree_sums
+from rollout_worker.engine.kernels.row_chunks import Chunks
 
 ROWS = (1, 2, 3, 4, 5, 8, 16, 31, 32, 63, 64, 128, 200, 256, 257, 512)
 BATCHES = (1, 2, 3, 4, 7, 8, 16, 31, 64)
@@ -75,20 +77,20 @@ def main(device: str = "cuda") -> None:
     ):
         w = rand(n, k)
         check(f"F.linear {what}", _rows_of(F.linear, x[:, :k], w), ROWS)
-        check(f"invariant.linear {what}", _rows_of(invariant.linear, x[:, :k], w), ROWS)
+        check(f"invariant.linear {what}", _rows_of(row_rules.linear, x[:, :k], w), ROWS)
     w_down = rand(4096, 14336)
-    chunks = invariant.Chunks(1792, (8,), 0)
+    chunks = Chunks(1792, (8,), 0)
     check(
         "invariant.partials down (8 x 1792)",
-        lambda m: invariant.partials(x[:m], invariant.ChunkedWeight(w_down, "rows"), chunks).sum(0),
+        lambda m: row_parallel.partials(x[:m], row_parallel.ChunkedWeight(w_down, "rows"), chunks).sum(0),
         ROWS,
     )
     h = rand(max(ROWS), 4096).float()
     check("mean(-1) of 4096", lambda m: h[:m].pow(2).mean(-1, keepdim=True), ROWS)
-    check("invariant.mean_last of 4096", lambda m: invariant.mean_last(h[:m].pow(2)), ROWS)
+    check("invariant.mean_last of 4096", lambda m: tree_sums.mean_last(h[:m].pow(2)), ROWS)
     e = rand(max(BATCHES), 8, 4, 5, 128).float()
     check("sum(-1) of 128 (softmax chunks)", lambda b: e[:b].sum(-1), BATCHES)
-    check("invariant.sum_last of 128", lambda b: invariant.sum_last(e[:b]), BATCHES)
+    check("invariant.sum_last of 128", lambda b: tree_sums.sum_last(e[:b]), BATCHES)
     q, kk, vv = (
         rand(max(BATCHES), 1, 32, 128),
         rand(max(BATCHES), 8, 640, 128),
@@ -103,14 +105,14 @@ def main(device: str = "cuda") -> None:
     )
     check(
         "invariant.attend (600 of 640 keys)",
-        lambda b: invariant.attend(q[:b], kk[:b].transpose(-1, -2), vv[:b], mask[:b], 0.088),
+        lambda b: deterministic_attention.attend(q[:b], kk[:b], vv[:b], mask[:b], 0.088),
         BATCHES,
     )
     check(
         "invariant.attend, keys 600 vs 640",
-        lambda b: invariant.attend(
+        lambda b: deterministic_attention.attend(
             q[:1],
-            kk[:1, :, : 600 + (b % 2) * 40].transpose(-1, -2),
+            kk[:1, :, : 600 + (b % 2) * 40],
             vv[:1, :, : 600 + (b % 2) * 40],
             mask[:1, ..., : 600 + (b % 2) * 40],
             0.088,
@@ -123,7 +125,7 @@ def main(device: str = "cuda") -> None:
         w = rand(n, k)
         for m in (1, 16, 64, 256, 512):
             a = timed(partial(F.linear, x[:m, :k], w))
-            b = timed(partial(invariant.linear, x[:m, :k], w))
+            b = timed(partial(row_rules.linear, x[:m, :k], w))
             cost.append({"product": what, "rows": m, "f_linear_ms": a, "invariant_ms": b})
             print(f"{what:<28} {m:>5} {a:>9.3f} {b:>9.3f}")
     out = {"device": name, "torch": torch.__version__, "kernels": rows, "cost": cost}

@@ -21,7 +21,7 @@ import time
 
 import torch
 from rollout_worker.config.model_config import ModelConfig
-from rollout_worker.engine.kernels.deterministic import RowChunks
+from rollout_worker.engine.kernels.choice import Kernels
 from rollout_worker.engine.model.decoder import Decoder
 from rollout_worker.engine.model.kv_cache import GatheredKV, KVPool
 from rollout_worker.engine.model.parallel import SINGLE
@@ -81,11 +81,13 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     cfg = ModelConfig.from_dict(preset_config(args.preset), where=args.preset)
-    weights = random_shard(cfg, 1, 0, torch.float32, torch.device("cpu"))
-    decoders = {
-        "default": Decoder(cfg, weights, SINGLE, pack=args.pack == "on"),
-        "deterministic": Decoder(cfg, weights, SINGLE, RowChunks.of(cfg, 2), pack=args.pack == "on"),
+    cpu, pack = torch.device("cpu"), args.pack == "on"
+    weights = random_shard(cfg, 1, 0, torch.float32, cpu)
+    kernels = {
+        name: Kernels.of(cfg, torch.float32, cpu, deterministic=det, pack=pack, world=2)
+        for name, det in (("default", False), ("deterministic", True))
     }
+    decoders = {name: Decoder(cfg, weights, SINGLE, k) for name, k in kernels.items()}
     batches = [int(b) for b in args.batch.split(",")]
     runs: dict[str, dict[int, list[float]]] = {k: {b: [] for b in batches} for k in decoders}
     for _ in range(args.runs):

@@ -26,9 +26,10 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from rollout_worker.engine.kernels import deterministic as invariant
 from rollout_worker.engine.kernels import fixed_order as native
 from rollout_worker.engine.kernels import packed_linear as packed
+from rollout_worker.engine.kernels import row_parallel, row_rules
+from rollout_worker.engine.kernels.row_chunks import Chunks
 
 # per set: its layers cycled, and name: (outputs, inputs, chunks), as RowChunks cuts them for 2 ranks
 SHAPES: dict[str, tuple[int, dict[str, tuple[int, int, int]]]] = {
@@ -65,25 +66,25 @@ def kernels_of(x: torch.Tensor, ws: list[torch.Tensor], n: int, packs: bool) -> 
     """Each kernel's product of x by layer i's weight: the default's whole product, the MKL form the
     deterministic kernels take without the fixed-order kernel, and the fixed-order kernel's forms (the one
     a decoder that ``packs`` takes last)."""
-    chunks = invariant.Chunks(ws[0].shape[1] // n, (n,), 0)
-    dense = [invariant.row_weight(w, chunks, "dense") for w in ws]
+    chunks = Chunks(ws[0].shape[1] // n, (n,), 0)
+    dense = [row_parallel.row_weight(w, chunks, "dense") for w in ws]
     whole = [packed.pack(w) for w in ws] if packs else ws
     mkl: Kernel
     if n == 1:  # a one-chunk product: padded to its row rule
-        one = invariant.packed_linear if packs else invariant.linear
+        one = row_rules.packed_linear if packs else row_rules.linear
         mkl = lambda i: one(x, whole[i])  # noqa: E731
     else:
-        form = invariant.mkl_form(chunks.width, x.dtype)
-        chunked = [invariant.row_weight(w, chunks, form) for w in ws]
-        mkl = lambda i: invariant.partials(x, chunked[i], chunks)  # noqa: E731
+        form = row_parallel.mkl_form(chunks.width, x.dtype)
+        chunked = [row_parallel.row_weight(w, chunks, form) for w in ws]
+        mkl = lambda i: row_parallel.partials(x, chunked[i], chunks)  # noqa: E731
     kernels: dict[str, Kernel] = {
         "default": (lambda i: packed.linear(x, whole[i], None)) if packs else (lambda i: F.linear(x, ws[i])),
         "mkl": mkl,
-        "dense": lambda i: invariant.partials(x, dense[i], chunks),
+        "dense": lambda i: row_parallel.partials(x, dense[i], chunks),
     }
     if packs:
-        fixed = [invariant.row_weight(w, chunks, "native") for w in ws]
-        kernels["packed"] = lambda i: invariant.partials(x, fixed[i], chunks)
+        fixed = [row_parallel.row_weight(w, chunks, "native") for w in ws]
+        kernels["packed"] = lambda i: row_parallel.partials(x, fixed[i], chunks)
     return kernels
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 from rollout_worker.config.model_config import ModelConfig
-from rollout_worker.engine.kernels.deterministic import RowChunks
+from rollout_worker.engine.kernels.choice import Kernels
 from rollout_worker.engine.model.checkpoint import CheckpointReader
 from rollout_worker.engine.model.decoder import Decoder
 from rollout_worker.engine.model.kv_cache import KVPool
@@ -30,7 +30,7 @@ def replica(
     cfg = ModelConfig.load(model_dir)
     cpu = torch.device("cpu")
     w = load_shard(CheckpointReader(model_dir, cfg), cfg, 1, 0, dtype, cpu)
-    dec = Decoder(cfg, w, SINGLE, RowChunks.of(cfg, 1) if deterministic else None, pack)
+    dec = Decoder(cfg, w, SINGLE, Kernels.of(cfg, dtype, cpu, deterministic=deterministic, pack=pack))
     pool = KVPool(
         cfg.num_layers,
         cfg.num_kv_heads,

@@ -27,7 +27,7 @@ def _decoder_on_cuda(
     ``max_batch`` token-table rows each hold pages of 600 tokens of random K/V (returned: decoder, pool,
     each row's pages)."""
     from rollout_worker.config.model_config import ModelConfig
-    from rollout_worker.engine.kernels.deterministic import RowChunks
+    from rollout_worker.engine.kernels.choice import Kernels
     from rollout_worker.engine.model.decoder import Decoder
     from rollout_worker.engine.model.kv_cache import KVPool
     from rollout_worker.engine.model.parallel import SINGLE
@@ -36,8 +36,8 @@ def _decoder_on_cuda(
 
     cfg = ModelConfig.from_dict(preset_config(preset), where=preset)
     dev = torch.device("cuda")
-    chunks = RowChunks.of(cfg, 1) if deterministic else None
-    dec = Decoder(cfg, random_shard(cfg, 1, 0, dtype, dev), SINGLE, chunks)
+    kernels = Kernels.of(cfg, dtype, dev, deterministic=deterministic)
+    dec = Decoder(cfg, random_shard(cfg, 1, 0, dtype, dev), SINGLE, kernels)
     pool = KVPool(
         cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, max_batch * 64, max_batch, 2048, dtype, dev
     )

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from rollout_worker.engine.model.decoder import attend_kv_major
+from rollout_worker.engine.kernels.torch_attention import attend_kv_major
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3), (32, 8)])

@@ -16,9 +16,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from rollout_worker.config.model_config import ModelConfig
-from rollout_worker.engine.kernels import deterministic as inv
+from rollout_worker.engine.kernels import deterministic_attention as attn
 from rollout_worker.engine.kernels import fixed_order as native
 from rollout_worker.engine.kernels import packed_linear as packed
+from rollout_worker.engine.kernels import row_chunks as chunking
+from rollout_worker.engine.kernels import row_parallel, row_rules, tree_sums
+from rollout_worker.engine.kernels.choice import Attend
 from rollout_worker.engine.model.presets import preset_config
 from rollout_worker.engine.model.sharding import kv_head_range, q_head_range
 
@@ -38,8 +41,8 @@ def _unpacked(w: native.Packed) -> torch.Tensor:
 
 # kernel: (the invariant product, how it takes a weight, the default product on that weight)
 KERNELS: dict[str, tuple[Product, Callable[[torch.Tensor], object], Product]] = {
-    "sgemm": (inv.linear, lambda w: w, F.linear),
-    "packed": (inv.packed_linear, packed.pack, packed.linear),
+    "sgemm": (row_rules.linear, lambda w: w, F.linear),
+    "packed": (row_rules.packed_linear, packed.pack, packed.linear),
     # the fixed-order kernel, whose default is sgemm on the same weight
     "native": (native.linear, native.pack, lambda x, w: F.linear(x, _unpacked(w))),
     "dense": (native.linear, lambda w: w, F.linear),
@@ -135,35 +138,35 @@ def _row_parallel(
     w: torch.Tensor,
     bounds: tuple[int, ...],
     shards: list[tuple[int, int]],
-    kernel: inv.ChunkKernel,
+    kernel: row_rules.ChunkKernel,
 ) -> torch.Tensor:
     """The row-parallel product as the ranks compute it on ``kernel``: each shard's partials added into its
     whole subtrees, gathered (here in one process), added up the fixed tree; also checked against the
     tree over every chunk's partial."""
     sums, parts = [], []
     for s, (lo, hi) in enumerate(shards):
-        chunks = inv.Chunks.of(bounds, shards, s)
+        chunks = chunking.Chunks.of(bounds, shards, s)
         shard = w[:, lo:hi].contiguous()
-        mine = inv.partials(x[..., lo:hi], inv.row_weight(shard, chunks, kernel), chunks)
+        mine = row_parallel.partials(x[..., lo:hi], row_parallel.row_weight(shard, chunks, kernel), chunks)
         parts.append(mine)
-        sums.append(inv.shard_sums(mine, chunks))
-    every = inv.gathered_sum(sums, inv.Chunks.of(bounds, shards, 0))
-    assert torch.equal(every, inv.tree_sum(torch.cat(parts)))
+        sums.append(chunking.shard_sums(mine, chunks))
+    every = chunking.gathered_sum(sums, chunking.Chunks.of(bounds, shards, 0))
+    assert torch.equal(every, tree_sums.tree_sum(torch.cat(parts)))
     return every
 
 
 @pytest.mark.parametrize("kernel", [NATIVE, DENSE, "partials", "rows"])
-def test_row_parallel_sum_does_not_depend_on_tp_or_batch(kernel: inv.ChunkKernel) -> None:
+def test_row_parallel_sum_does_not_depend_on_tp_or_batch(kernel: row_rules.ChunkKernel) -> None:
     """Attention output (9 heads of 64, uneven at TP 2 and 4) and MLP down (1536) of the real model, on
     each chunk kernel: the fixed-order kernel (packed or dense), or one batched sgemm product over the
     dense weight, the tokens as its columns (a row alone: one MKL product over the stacked chunks, where
     this CPU's MKL computes the same bits) or as its rows."""
     cfg = _smollm2()
-    chunks = inv.RowChunks.of(cfg, 4)
+    chunks = chunking.RowChunks.of(cfg, 4)
     gen = torch.Generator().manual_seed(3)
     cases = [
-        (chunks.attn_out, inv.attn_shards, cfg.num_heads * cfg.head_dim),
-        (chunks.mlp_down, inv.mlp_shards, cfg.intermediate_size),
+        (chunks.attn_out, chunking.attn_shards, cfg.num_heads * cfg.head_dim),
+        (chunks.mlp_down, chunking.mlp_shards, cfg.intermediate_size),
     ]
     default_differs = False
     for bounds, shards_of, k in cases:
@@ -187,12 +190,12 @@ def test_fused_rows_is_the_fewest_rows_that_give_the_batched_products_bits(width
     every product of ``fused_rows`` rows or more (first, middle, last; the chunk first or last among three
     in the stack), and not with one row fewer; where the probe says it never does (None), the largest
     probe count differs indeed."""
-    least = inv.fused_rows(width, torch.float32)
+    least = row_parallel.fused_rows(width, torch.float32)
     gen = torch.Generator().manual_seed(width + 1)
     w = torch.randn(48, width, generator=gen)
     row = torch.randn(width, generator=gen)
-    rule = inv.least_rows("partials", width, torch.float32)
-    batched = inv._chunk_products("partials", w, row.expand(rule, width), 1)[0, 0]
+    rule = row_rules.least_rows("partials", width, torch.float32)
+    batched = row_rules.chunk_products("partials", w, row.expand(rule, width), 1)[0, 0]
     stacked = w.repeat(3, 1)
 
     def among(count: int, at: int) -> list[torch.Tensor]:
@@ -202,7 +205,7 @@ def test_fused_rows_is_the_fewest_rows_that_give_the_batched_products_bits(width
         return [out[:48], out[96:]]
 
     if least is None:
-        assert not all(torch.equal(got, batched) for got in among(inv.PROBE_ROWS[-1], 0))
+        assert not all(torch.equal(got, batched) for got in among(row_rules.PROBE_ROWS[-1], 0))
         return
     for count in sorted({least, least + 1, 2 * least + 3, 100}):
         for at in (0, count // 2, count - 1):
@@ -216,7 +219,7 @@ def test_a_few_tokens_take_the_stacked_product_and_get_the_batched_bits() -> Non
     a token's partials come from the stacked product (it is called), bitwise those of the batched product
     over the dense weight; 2 tokens too where the packing's rows hold them."""
     cfg = _smollm2()
-    row_chunks = inv.RowChunks.of(cfg, 4)
+    row_chunks = chunking.RowChunks.of(cfg, 4)
     gen = torch.Generator().manual_seed(9)
     calls = 0
     real = packed.mkl_linear
@@ -227,30 +230,30 @@ def test_a_few_tokens_take_the_stacked_product_and_get_the_batched_bits() -> Non
         return real(x, w)
 
     for bounds, shards_of, k in (
-        (row_chunks.attn_out, inv.attn_shards, cfg.num_heads * cfg.head_dim),
-        (row_chunks.mlp_down, inv.mlp_shards, cfg.intermediate_size),
+        (row_chunks.attn_out, chunking.attn_shards, cfg.num_heads * cfg.head_dim),
+        (row_chunks.mlp_down, chunking.mlp_shards, cfg.intermediate_size),
     ):
         w = torch.randn(cfg.hidden_size, k, generator=gen)
         for tp in (1, 2, 4):
             shards = shards_of(cfg, tp)
             for s, (lo, hi) in enumerate(shards):
-                chunks = inv.Chunks.of(bounds, shards, s)
-                weight = inv.row_weight(w[:, lo:hi].contiguous(), chunks, "partials")
-                rows = inv.stacked_rows(chunks, torch.float32)
+                chunks = chunking.Chunks.of(bounds, shards, s)
+                weight = row_parallel.row_weight(w[:, lo:hi].contiguous(), chunks, "partials")
+                rows = row_parallel.stacked_rows(chunks, torch.float32)
                 assert (weight.fused is None) == (rows is None)
                 if weight.fused is None:
                     continue
                 assert weight.fused.rows == rows and rows >= chunks.local
-                dense = inv.ChunkedWeight(weight.dense, "partials")
+                dense = row_parallel.ChunkedWeight(weight.dense, "partials")
                 for tokens in range(1, weight.fused.rows // chunks.local + 1):
                     x = torch.randn(tokens, 1, hi - lo, generator=gen)
                     before = calls
                     with pytest.MonkeyPatch.context() as m:
                         m.setattr(packed, "mkl_linear", counted)
-                        got = inv.partials(x, weight, chunks)
+                        got = row_parallel.partials(x, weight, chunks)
                     assert calls == before + 1
-                    assert torch.equal(got, inv.partials(x, dense, chunks)), (k, tp, s, tokens)
-    assert calls > 0 or inv.fused_rows(64, torch.float32) is None
+                    assert torch.equal(got, row_parallel.partials(x, dense, chunks)), (k, tp, s, tokens)
+    assert calls > 0 or row_parallel.fused_rows(64, torch.float32) is None
 
 
 def test_each_shard_adds_its_whole_subtrees_first_and_the_tree_is_the_same() -> None:
@@ -259,28 +262,30 @@ def test_each_shard_adds_its_whole_subtrees_first_and_the_tree_is_the_same() -> 
     the tree, are bitwise the tree over every chunk, negative zeros included (a zero added to -0.0 makes
     +0.0, so the tree's padding zeros must be added where it adds them)."""
     gen = torch.Generator().manual_seed(6)
-    assert inv.tree_nodes(0, 5, 9) == ((2, 0), (0, 4)) and inv.tree_nodes(5, 9, 9) == ((0, 5), (1, 3), (3, 1))
-    assert inv.tree_nodes(0, 4, 8) == ((2, 0),) and inv.tree_nodes(0, 1, 1) == ((0, 0),)
+    assert tree_sums.tree_nodes(0, 5, 9) == ((2, 0), (0, 4))
+    assert tree_sums.tree_nodes(5, 9, 9) == ((0, 5), (1, 3), (3, 1))
+    assert tree_sums.tree_nodes(0, 4, 8) == ((2, 0),) and tree_sums.tree_nodes(0, 1, 1) == ((0, 0),)
     for n in range(1, 18):
         parts = torch.randn(n, 6, generator=gen)
         parts[:, 0] = -0.0  # every partial's first column: -0.0, whose tree sum is +0.0 only where it pads
         parts[n // 2 :, 1] = -0.0
-        want = inv.tree_sum(parts)
+        want = tree_sums.tree_sum(parts)
         for shards in range(1, min(n, 4) + 1):
             for cuts in _splits(n, shards):
                 per_shard = tuple(b - a for a, b in zip((0, *cuts), (*cuts, n), strict=True))
                 everyone = []
                 for s in range(shards):
-                    chunks = inv.Chunks(1, per_shard, s)
+                    chunks = chunking.Chunks(1, per_shard, s)
                     nodes = chunks.nodes(s)
                     covered = [c for lv, j in nodes for c in range(j << lv, min((j + 1) << lv, n))]
                     assert covered == list(range(chunks.start, chunks.start + chunks.local))  # in order
-                    everyone.append(inv.shard_sums(parts[chunks.start : chunks.start + chunks.local], chunks))
-                got = inv.gathered_sum(everyone, inv.Chunks(1, per_shard, 0))
+                    mine = parts[chunks.start : chunks.start + chunks.local]
+                    everyone.append(chunking.shard_sums(mine, chunks))
+                got = chunking.gathered_sum(everyone, chunking.Chunks(1, per_shard, 0))
                 assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (n, cuts)  # signs of 0
-    uneven = inv.Chunks(64, (5, 4), 0)  # SmolLM2's 9 attention chunks at TP 2: 2 + 3 subtrees, not 5 + 4
+    uneven = chunking.Chunks(64, (5, 4), 0)  # SmolLM2's 9 attention chunks at TP 2: 2 + 3 subtrees, not 5 + 4
     assert [len(uneven.nodes(s)) for s in (0, 1)] == [2, 3]
-    assert [len(inv.Chunks(192, (4, 4), 0).nodes(s)) for s in (0, 1)] == [1, 1]
+    assert [len(chunking.Chunks(192, (4, 4), 0).nodes(s)) for s in (0, 1)] == [1, 1]
 
 
 def _splits(n: int, shards: int) -> list[tuple[int, ...]]:
@@ -294,11 +299,11 @@ def _splits(n: int, shards: int) -> list[tuple[int, ...]]:
 
 def test_chunks_are_never_split_by_a_layout() -> None:
     cfg = _smollm2()
-    chunks = inv.RowChunks.of(cfg, 4)
+    chunks = chunking.RowChunks.of(cfg, 4)
     for tp in (1, 2, 4):
-        for lo, hi in inv.attn_shards(cfg, tp):
+        for lo, hi in chunking.attn_shards(cfg, tp):
             assert lo in chunks.attn_out and hi in chunks.attn_out
-        for lo, hi in inv.mlp_shards(cfg, tp):
+        for lo, hi in chunking.mlp_shards(cfg, tp):
             assert lo in chunks.mlp_down and hi in chunks.mlp_down
     assert chunks.attn_out[0] == 0 and chunks.attn_out[-1] == cfg.num_heads * cfg.head_dim
     assert chunks.mlp_down[-1] == cfg.intermediate_size
@@ -307,26 +312,25 @@ def test_chunks_are_never_split_by_a_layout() -> None:
 def test_tree_sum_ignores_trailing_zeros() -> None:
     gen = torch.Generator().manual_seed(4)
     parts = torch.randn(5, 3, 7, generator=gen)
-    ref = inv.tree_sum(parts)
+    ref = tree_sums.tree_sum(parts)
     for extra in (1, 3, 11):
-        assert torch.equal(inv.tree_sum(torch.cat((parts, torch.zeros(extra, 3, 7)))), ref)
-    assert not all(torch.equal(inv.tree_sum(parts[p]), ref) for p in ([4, 3, 2, 1, 0], [1, 0, 2, 3, 4]))
+        assert torch.equal(tree_sums.tree_sum(torch.cat((parts, torch.zeros(extra, 3, 7)))), ref)
+    assert not all(torch.equal(tree_sums.tree_sum(parts[p]), ref) for p in ([4, 3, 2, 1, 0], [1, 0, 2, 3, 4]))
 
 
 def _t(keys: torch.Tensor) -> torch.Tensor:
-    """Keys [B, KVh, L, hd] as attend takes them on CPU: each KV head's [hd, L] row-major."""
-    return keys.transpose(-1, -2).contiguous()
+    """Keys [B, KVh, L, hd] as attend takes them on CPU: a view of each KV head's [hd, L] row-major."""
+    return keys.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
 @pytest.fixture(params=["torch", NATIVE])
-def attention(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """attend on the fixed-order kernel (where it is built) or on torch's operations (as elsewhere)."""
-    if request.param == "torch":
-        monkeypatch.setattr(inv, "native_attention", lambda *_, **__: False)
-    return str(request.param)
+def attend(request: pytest.FixtureRequest) -> Attend:
+    """The deterministic attention on the fixed-order kernel (where it is built) or on torch's operations
+    (as elsewhere)."""
+    return attn.attend if request.param == "torch" else native.attend
 
 
-def test_attention_row_does_not_depend_on_batch_padding_prefill_or_tp(attention: str) -> None:
+def test_attention_row_does_not_depend_on_batch_padding_prefill_or_tp(attend: Attend) -> None:
     """A query's output: decoded alone over its own keys; among 3, 4 and 63 other rows whose keys are
     longer (its keys padded to theirs); as the last row of a prefill of its whole sequence; and per TP
     shard of the real model's heads (9 query heads over 3 KV heads; at TP 4 a KV head is duplicated).
@@ -339,7 +343,7 @@ def test_attention_row_does_not_depend_on_batch_padding_prefill_or_tp(attention:
     k = torch.randn(1, kvh, own, hd, generator=gen)
     v = torch.randn(1, kvh, own, hd, generator=gen)
     q = seq_q[:, -1:]
-    ref = inv.attend(q, _t(k), v, torch.ones(1, 1, 1, own, dtype=torch.bool), 0.125)
+    ref = attend(q, _t(k), v, torch.ones(1, 1, 1, own, dtype=torch.bool), 0.125)
     default_ref = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, scale=0.125, enable_gqa=True)
     assert torch.allclose(ref, default_ref.transpose(1, 2).reshape(ref.shape), atol=1e-5)
     default_differs = False
@@ -354,18 +358,18 @@ def test_attention_row_does_not_depend_on_batch_padding_prefill_or_tp(attention:
             )
             mask = torch.ones(n + 1, 1, 1, length, dtype=torch.bool)
             mask[0, ..., own:] = False
-            assert torch.equal(inv.attend(qs, _t(ks), vs, mask, 0.125)[:1], ref), (n, length)
+            assert torch.equal(attend(qs, _t(ks), vs, mask, 0.125)[:1], ref), (n, length)
             default = F.scaled_dot_product_attention(
                 qs.transpose(1, 2), ks, vs, attn_mask=mask, scale=0.125, enable_gqa=True
             )
             default_differs |= not torch.equal(default[:1], default_ref)
     causal = torch.tril(torch.ones(own, own, dtype=torch.bool))[None, None]
-    assert torch.equal(inv.attend(seq_q, _t(k), v, causal, 0.125)[:, -1:], ref)  # the prefill's last row
+    assert torch.equal(attend(seq_q, _t(k), v, causal, 0.125)[:, -1:], ref)  # the prefill's last row
     for tp in (2, 4):
         for s in range(tp):
             qlo, qhi = q_head_range(cfg, tp, s)
             klo, khi = kv_head_range(cfg, tp, s)
-            got = inv.attend(q[:, :, qlo:qhi], _t(k[:, klo:khi]), v[:, klo:khi], causal[..., -1:, :], 0.125)
+            got = attend(q[:, :, qlo:qhi], _t(k[:, klo:khi]), v[:, klo:khi], causal[..., -1:, :], 0.125)
             assert torch.equal(got, ref[..., qlo * hd : qhi * hd]), (tp, s)
     assert default_differs  # SDPA's sums change with the padded key length
 
@@ -378,11 +382,10 @@ def test_attention_over_keys_cut_to_key_step_is_bitwise_whole_chunks(
     bits of whole ``KEY_CHUNK`` chunks: rows seeing 1 to 300 keys, alone and in a batch whose longest row
     sees up to 300, decode rows and a prefill. Where no finer step holds (``KEY_CHUNK``), every candidate
     is shown to disagree. (torch's operations: the fixed-order kernel reads no further than ``seen``.)"""
-    monkeypatch.setattr(inv, "native_attention", lambda *_, **__: False)
-    step = inv.key_step(hd, torch.float32)
-    if step == inv.KEY_CHUNK:
-        least = inv.query_rows(hd, torch.float32)
-        assert not any(inv._cuts_agree(s, hd, torch.float32, least) for s in inv.KEY_STEPS)
+    step = attn.key_step(hd, torch.float32)
+    if step == row_rules.KEY_CHUNK:
+        least = attn.query_rows(hd, torch.float32)
+        assert not any(attn._cuts_agree(s, hd, torch.float32, least) for s in attn.KEY_STEPS)
         return
     gen = torch.Generator().manual_seed(hd)
     heads, kvh, length = 4, 2, 384
@@ -393,29 +396,29 @@ def test_attention_over_keys_cut_to_key_step_is_bitwise_whole_chunks(
         q = torch.randn(rows, 1, heads, hd, generator=gen)
         mask = torch.arange(length)[None, None, None, :] < torch.tensor(sees)[:, None, None, None]
         seen = max(sees)
-        cut = inv.attend(q, _t(k[:rows]), v[:rows], mask, 0.125, seen)
+        cut = attn.attend(q, _t(k[:rows]), v[:rows], mask, 0.125, seen)
         with monkeypatch.context() as m:
-            m.setattr(inv, "key_step", lambda *_: inv.KEY_CHUNK)
-            whole = inv.attend(q, _t(k[:rows]), v[:rows], mask, 0.125, seen)
+            m.setattr(attn, "key_step", lambda *_: row_rules.KEY_CHUNK)
+            whole = attn.attend(q, _t(k[:rows]), v[:rows], mask, 0.125, seen)
         assert torch.equal(cut, whole), sees
     causal = torch.tril(torch.ones(37, 37, dtype=torch.bool))[None, None]  # a prefill of 37 tokens
     q = torch.randn(1, 37, heads, hd, generator=gen)
-    cut = inv.attend(q, _t(k[:1, :, :37]), v[:1, :, :37], causal, 0.125)
+    cut = attn.attend(q, _t(k[:1, :, :37]), v[:1, :, :37], causal, 0.125)
     with monkeypatch.context() as m:
-        m.setattr(inv, "key_step", lambda *_: inv.KEY_CHUNK)
-        assert torch.equal(cut, inv.attend(q, _t(k[:1, :, :37]), v[:1, :, :37], causal, 0.125))
+        m.setattr(attn, "key_step", lambda *_: row_rules.KEY_CHUNK)
+        assert torch.equal(cut, attn.attend(q, _t(k[:1, :, :37]), v[:1, :, :37], causal, 0.125))
 
 
 @pytest.mark.parametrize("kernel", ["linear", NATIVE, DENSE, "partials", "rows", "scores", "values"])
 @pytest.mark.parametrize("k", [64, 128, 576, 1536])
-def test_least_rows_is_the_fewest_rows_that_agree(kernel: inv.Kernel, k: int) -> None:
+def test_least_rows_is_the_fewest_rows_that_agree(kernel: row_rules.Kernel, k: int) -> None:
     """Measured on this machine's BLAS: a row among ``least`` rows or more (first, middle, last; up to
     300) has one value, and among ``least - 1`` rows another (the rule is the smallest that holds). The
     fixed-order kernel's is 1 row, by construction."""
-    least = inv.least_rows(kernel, k, torch.float32)
+    least = row_rules.least_rows(kernel, k, torch.float32)
     assert kernel not in ("native", "dense") or least == 1
     gen = torch.Generator().manual_seed(k)
-    probe = inv._probe(kernel, k, torch.float32, gen)
+    probe = row_rules._probe(kernel, k, torch.float32, gen)
     row = torch.randn(k, generator=gen)
 
     def among(count: int, at: int) -> torch.Tensor:
@@ -445,14 +448,14 @@ def test_chunk_kernel_takes_the_form_that_pads_to_fewer_tokens(monkeypatch: pyte
             raise RuntimeError(f"no rule for {kernel}")
         return rule
 
-    monkeypatch.setattr(inv, "least_rows", least)
+    monkeypatch.setattr(row_rules, "least_rows", least)
     monkeypatch.setattr(native, "kernels", lambda: None)  # the MKL forms' choice, as on a CPU without it
     for columns, rows, want in ((2, 9, "partials"), (4, 4, "partials"), (12, 4, "rows"), (None, 12, "rows")):
         rules.update(partials=columns, rows=rows)
-        assert inv.chunk_kernel(192, torch.float32, copies=False) == want
+        assert row_parallel.chunk_kernel(192, torch.float32, copies=False) == want
     rules.update(partials=None, rows=None)
     with pytest.raises(RuntimeError, match=r"chunk products over K=192 .*run without --deterministic"):
-        inv.chunk_kernel(192, torch.float32, copies=False)
+        row_parallel.chunk_kernel(192, torch.float32, copies=False)
 
 
 def test_chunk_kernel_takes_the_fixed_order_kernel_where_it_is_built_and_may_copy(
@@ -462,18 +465,18 @@ def test_chunk_kernel_takes_the_fixed_order_kernel_where_it_is_built_and_may_cop
     row: over a packed copy where the decoder may hold one (it packs), else over the weight as it is;
     elsewhere the MKL forms' choice."""
     rules = {"native": 1, "dense": 1, "partials": 2, "rows": 9}
-    monkeypatch.setattr(inv, "least_rows", lambda kernel, k, dtype: rules[kernel])
+    monkeypatch.setattr(row_rules, "least_rows", lambda kernel, k, dtype: rules[kernel])
     built: list[object | None] = [object()]
     monkeypatch.setattr(native, "kernels", lambda: built[0])
-    assert inv.chunk_kernel(192, torch.float32) == "native"
-    assert inv.chunk_kernel(192, torch.float32, copies=False) == "dense"
-    assert inv.chunk_kernel(192, torch.float64) == "partials"
+    assert row_parallel.chunk_kernel(192, torch.float32) == "native"
+    assert row_parallel.chunk_kernel(192, torch.float32, copies=False) == "dense"
+    assert row_parallel.chunk_kernel(192, torch.float64) == "partials"
     rules["native"] = rules["dense"] = 2  # not what the kernel is built to do: not taken
-    assert inv.chunk_kernel(192, torch.float32) == "partials"
-    assert inv.chunk_kernel(192, torch.float32, copies=False) == "partials"
+    assert row_parallel.chunk_kernel(192, torch.float32) == "partials"
+    assert row_parallel.chunk_kernel(192, torch.float32, copies=False) == "partials"
     rules["native"], rules["dense"], built[0] = 1, 1, None  # not built here
-    assert inv.chunk_kernel(192, torch.float32) == "partials"
-    assert inv.chunk_kernel(192, torch.float32, copies=False) == "partials"
+    assert row_parallel.chunk_kernel(192, torch.float32) == "partials"
+    assert row_parallel.chunk_kernel(192, torch.float32, copies=False) == "partials"
 
 
 def test_native_kernel_is_not_taken_where_it_does_not_build(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -594,29 +597,29 @@ def test_least_rows_finds_a_kernels_rule_or_says_it_has_none(monkeypatch: pytest
         return [x * x.shape[0]]
 
     for product, want in ((below_five, 5), (variants, 2), (every_count, None)):
-        monkeypatch.setattr(inv, "_probe", lambda *_, p=product: p)
-        inv.least_rows.cache_clear()
+        monkeypatch.setattr(row_rules, "_probe", lambda *_, p=product: p)
+        row_rules.least_rows.cache_clear()
         if want is None:
             with pytest.raises(RuntimeError, match=r"linear product over K=8 .*every row count up to 256"):
-                inv.least_rows("linear", 8, torch.float32)
+                row_rules.least_rows("linear", 8, torch.float32)
         else:
-            assert inv.least_rows("linear", 8, torch.float32) == want
-    inv.least_rows.cache_clear()
+            assert row_rules.least_rows("linear", 8, torch.float32) == want
+    row_rules.least_rows.cache_clear()
 
 
 def test_cuda_row_blocks_are_fixed_and_reassembled_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA every product has exactly ``CUDA_ROWS`` rows per block (one cuBLAS kernel whatever the
     batch; measured on a GPU in test_gpu.py). The padding rule, and the blocks' reassembly run here on CPU
     (the split forced): each row's result is the unblocked product's, in order, for 1 to 3 blocks."""
-    assert [inv.padded_rows(n, True, 0) for n in (1, 127, 128, 129, 300)] == [128, 128, 128, 256, 384]
-    assert [inv.padded_rows(n, False, 4) for n in (1, 3, 4, 63)] == [4, 4, 4, 63]
+    assert [row_rules.padded_rows(n, True, 0) for n in (1, 127, 128, 129, 300)] == [128, 128, 128, 256, 384]
+    assert [row_rules.padded_rows(n, False, 4) for n in (1, 3, 4, 63)] == [4, 4, 4, 63]
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(24, 64, generator=gen, dtype=torch.float64)
-    chunks = inv.Chunks(16, (4,), 0)
-    monkeypatch.setattr(inv, "_blocks", lambda flat: flat.split(8))
+    chunks = chunking.Chunks(16, (4,), 0)
+    monkeypatch.setattr(row_rules, "row_blocks", lambda flat: flat.split(8))
     for rows in (1, 8, 9, 20):
         x = torch.randn(rows, 64, generator=gen, dtype=torch.float64)
-        assert torch.allclose(inv.linear(x, w), F.linear(x, w), rtol=0, atol=1e-12)
-        parts = inv.partials(x, inv.ChunkedWeight(w, "rows"), chunks)
+        assert torch.allclose(row_rules.linear(x, w), F.linear(x, w), rtol=0, atol=1e-12)
+        parts = row_parallel.partials(x, row_parallel.ChunkedWeight(w, "rows"), chunks)
         assert parts.shape == (4, rows, 24)
         assert torch.allclose(parts.sum(0), F.linear(x, w), rtol=0, atol=1e-12)

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from rollout_worker.config.model_config import ModelConfig
-from rollout_worker.engine.kernels import deterministic as invariant
 from rollout_worker.engine.kernels import fixed_order as native
 from rollout_worker.engine.kernels import packed_linear as packed
+from rollout_worker.engine.kernels import row_parallel
 from rollout_worker.engine.model.checkpoint import CheckpointReader
 from rollout_worker.engine.model.presets import preset_config
 from rollout_worker.engine.model.weights import load_shard
@@ -73,30 +73,34 @@ def test_packs_float32_on_cpu_only() -> None:
 def test_decoder_packs_float32_weights_only(tiny32: Path, tiny64: Path) -> None:
     default = replica(tiny32, 64, 4, dtype=torch.float32).decoder
     wo = default.layers[0].wo
-    assert default.packed and isinstance(wo, torch.Tensor) and wo.is_mkldnn
+    assert default.kernels.packed and isinstance(wo, torch.Tensor) and wo.is_mkldnn
     det = replica(tiny32, 64, 4, dtype=torch.float32, deterministic=True).decoder
-    assert det.packed and det.o_chunks is not None
+    assert det.kernels.packed and det.o_chunks is not None
     # the column-parallel weights: for the fixed-order kernel where this machine builds it, else oneDNN's
     wq = det.layers[0].wq
-    assert det.native == det.native_attention == (native.kernels() is not None)
-    assert det.keys_t == (not det.native_attention)  # torch's attention reads the kept keys transposed
-    assert isinstance(wq, native.Packed) if det.native else isinstance(wq, torch.Tensor) and wq.is_mkldnn
+    det_native = det.kernels.linear == "fixed_order"
+    det_native_attention = det.kernels.attention == "fixed_order"
+    assert det_native == det_native_attention == (native.kernels() is not None)
+    # torch's attention reads the kept keys transposed
+    assert (det.kernels.keys == "transposed") == (not det_native_attention)
+    assert isinstance(wq, native.Packed) if det_native else isinstance(wq, torch.Tensor) and wq.is_mkldnn
     # the row-parallel weights: in chunks as this CPU's rules choose (chunk_kernel)
     assert det.down_chunks is not None
     for w, c in ((det.layers[0].wo, det.o_chunks), (det.layers[0].w_down, det.down_chunks)):
-        assert isinstance(w, invariant.ChunkedWeight) and not w.dense.is_mkldnn
+        assert isinstance(w, row_parallel.ChunkedWeight) and not w.dense.is_mkldnn
         # a batched product, and with the tokens as columns the stacked one, where this CPU's MKL agrees
-        assert w.kernel == invariant.chunk_kernel(c.width, torch.float32)
-        want = w.kernel == "partials" and invariant.stacked_rows(c, torch.float32) is not None
+        assert w.kernel == row_parallel.chunk_kernel(c.width, torch.float32)
+        want = w.kernel == "partials" and row_parallel.stacked_rows(c, torch.float32) is not None
         assert (w.fused is not None) == want
     # not packing: the fixed-order kernel over the weights as they are, where it is built
     dense = replica(tiny32, 64, 4, dtype=torch.float32, deterministic=True, pack=False).decoder
     wq, wo = dense.layers[0].wq, dense.layers[0].wo
-    assert not dense.packed and dense.native == (native.kernels() is not None)
+    dense_native = dense.kernels.linear == "fixed_order"
+    assert not dense.kernels.packed and dense_native == (native.kernels() is not None)
     assert isinstance(wq, torch.Tensor) and not wq.is_mkldnn
-    assert isinstance(wo, invariant.ChunkedWeight) and not wo.dense.is_mkldnn and wo.blocks is None
-    assert (wo.kernel == "dense") == dense.native
-    assert not replica(tiny64, 64, 4).decoder.packed  # float64: sgemm
+    assert isinstance(wo, row_parallel.ChunkedWeight) and not wo.dense.is_mkldnn and wo.blocks is None
+    assert (wo.kernel == "dense") == dense_native
+    assert not replica(tiny64, 64, 4).decoder.kernels.packed  # float64: sgemm
 
 
 def test_packed_replica_decodes_as_one_on_f_linear(tiny32: Path) -> None:
@@ -105,7 +109,7 @@ def test_packed_replica_decodes_as_one_on_f_linear(tiny32: Path) -> None:
     float32 rounding (the kernels add in other orders, so not bitwise)."""
     on = replica(tiny32, 4096, 4, dtype=torch.float32)
     off = replica(tiny32, 4096, 4, dtype=torch.float32, pack=False)
-    assert on.decoder.packed and not off.decoder.packed
+    assert on.decoder.kernels.packed and not off.decoder.kernels.packed
     specs = [dataclasses.replace(s, return_logprob=True) for s in requests(10, 3)]
     for rep in (on, off):
         for s in specs:

@@ -1,40 +1,38 @@
-"""The deterministic kernels' own fixed-order products (``csrc/fixed_order.cpp``), built on first use: a
-row-parallel weight's chunks (:func:`partials`) and, as one chunk, the row-independent products
-(:func:`linear`: q/k/v, gate/up, the logits); and attention (:func:`attend`).
+"""The fixed-order C++ kernel (``csrc/fixed_order.cpp``), built on first use: the deterministic setting's
+products and attention on CPUs, where it makes that setting nearly free.
+
+It serves CPUs only (AVX-512 or AVX2): on CUDA the deterministic setting runs torch's own products in fixed
+shapes and chunks and torch's operations for attention
+(:mod:`~rollout_worker.engine.kernels.row_parallel`,
+:mod:`~rollout_worker.engine.kernels.deterministic_attention`). Where it is built,
+:class:`~rollout_worker.engine.kernels.choice.Kernels` takes it for a row-parallel weight's chunks
+(:func:`partials`), as one chunk for the row-independent products (:func:`linear`: q/k/v, gate/up, the
+logits), and for attention (:func:`attend`).
 
 A row-parallel chunk's partial product on MKL or oneDNN has a row rule (a token alone and among others
-round alike only from so many rows, :func:`~rollout_worker.engine.kernels.deterministic.least_rows`), so a
-decode step
-of a few tokens pads them, and MKL copies the weight into its panels on every call. These kernels fix the
-order themselves, so their rule is 1 at every width, and they read the weight once per call whatever the
-tokens. Two forms, one per weight layout (the engine's ``packed_weights`` chooses, the same on every
-layout):
+round alike only from so many rows,
+:func:`~rollout_worker.engine.kernels.row_rules.least_rows`), so a decode step of a few tokens pads them,
+and MKL copies the weight into its panels on every call. These kernels fix the order themselves, so their
+rule is 1 at every width, and they read the weight once per call whatever the tokens. Two forms, one per
+weight layout (the engine's ``packed_weights`` chooses, the same on every layout):
 
 - **packed** (where the decoder packs its weights, :func:`pack`): each output is one chain of fused
   multiply-adds over the chunk's inputs in order, a vector's 16 lanes being 16 outputs (no sum across
-  lanes), over a weight copied once into blocks of 64 outputs. Measured with one thread on an AVX-512 Xeon
-  (``bench/fixed_order.py``: SmolLM2-135M's and ``small``'s row-parallel weights, read from memory):
-  1.2-2.2x faster than the MKL chunk products at 1 to 64 tokens, and against oneDNN's whole product on
-  packed weights (the default kernels', not invariant) 1.2-1.4x faster at one token and within 11% either
-  way at 4 to 64; on an AVX-512 AMD EPYC 1.3-3.7x faster than the MKL chunk products, and against
-  oneDNN's 1.7-1.9x faster at one token, 0.94-1.8x at 4 to 64.
+  lanes), over a weight copied once into blocks of 64 outputs (``bench/fixed_order.py`` compares it with
+  the MKL and oneDNN products).
 - **dense** (the weight as it is, where copies do not fit: ``medium`` and larger): a vector's 16 lanes are
   16 of an output's inputs, lane ``l`` one chain over inputs ``l, l + 16, ...`` in order, the lanes then
   added in one fixed order; tiles of 4 tokens x 4 outputs (1 to 3 tokens in one pass), the next rows
-  prefetched. Measured with one thread on an AVX-512 AMD EPYC (``bench/fixed_order.py --shapes medium``:
-  ``medium``'s q, gate, attention output and MLP down): 1.2-1.3x faster than MKL's own ``sgemm`` (the
-  default kernels', not invariant) at one token and 1.1-3.1x at 4 to 64; 1.1-4.2x faster than the MKL
-  forms it replaces, which pad a decode step to 4 or 16 rows. Over narrow chunks (``small``'s 64 inputs)
-  the packed form is faster (``--shapes small``: up to 2.7x at 4 to 64 tokens).
+  prefetched. Over narrow chunks the packed form is the faster (``bench/fixed_order.py --shapes``).
 
 Built for AVX-512 or for AVX2 (with FMA), whichever the CPU runs (:func:`machine_isa`): one source, a vector
 being 16 lanes in one AVX-512 register or two AVX2 ones, with the same operation on every lane and the
-same pairs in every sum across lanes, so both builds compute the same bits (``test_invariant`` compares
+same pairs in every sum across lanes, so both builds compute the same bits (the kernels' tests compare
 them on an AVX-512 CPU, which runs both): an engine on an AVX2 CPU and one on an AVX-512 CPU agree. Built
 with the C++ compiler torch's extensions use (``g++``) and ninja (the ``engine`` extra installs it), once
-per machine, into torch's extension cache (``TORCH_EXTENSIONS_DIR``; about 25-45 s; ``make setup`` builds
-it). Where either is missing, or the CPU has neither, :func:`kernels` is None and the deterministic
-kernels use MKL's products (their other chunk kernels).
+per machine, into torch's extension cache (``TORCH_EXTENSIONS_DIR``; ``make setup`` builds it). Where
+either is missing, or the CPU has neither, :func:`kernels` is None and the deterministic kernels use MKL's
+products (their other chunk kernels) and torch's operations.
 """
 
 from __future__ import annotations
@@ -160,14 +158,13 @@ def attend(
 ) -> torch.Tensor:
     """Attention of q [B, S, H, hd] over keys and vals [B, KVh, L, hd] (each head's vectors of unit stride;
     else copied) under mask [B, 1, S, L] (a query's visible keys): [B, S, H * hd], as
-    :func:`~rollout_worker.engine.kernels.deterministic.attend` computes it but in the kernel's fixed orders
-    (float32 on
-    CPU, ``hd`` a multiple of 16 up to 128). Each query row on its own: its scores (per key, the head
-    dimension's 16 lanes summed over its vectors in order, then the lanes in one order), its maximum, its
-    exponentials (the kernel's own polynomial), their sum (a lane per key modulo 16, then the lanes) and
-    its weighted values (a lane per head dimension, over the keys in order); keys past ``seen`` are not
-    read. A row's result depends on nothing else in the batch, on the keys it does not see, or on their
-    number."""
+    :func:`~rollout_worker.engine.kernels.deterministic_attention.attend` computes it but in the kernel's
+    fixed orders (float32 on CPU, ``hd`` a multiple of 16 up to 128). Each query row on its own: its scores
+    (per key, the head dimension's 16 lanes summed over its vectors in order, then the lanes in one
+    order), its maximum, its exponentials (the kernel's own polynomial), their sum (a lane per key modulo
+    16, then the lanes) and its weighted values (a lane per head dimension, over the keys in order); keys
+    past ``seen`` are not read. A row's result depends on nothing else in the batch, on the keys it does
+    not see, or on their number."""
     mod = _built()
     bsz, seq, length = q.shape[0], q.shape[1], keys.shape[2]
     keys, vals = (t if t.stride(-1) == 1 else t.contiguous() for t in (keys, vals))

@@ -2,17 +2,15 @@
 
 ``F.linear`` on CPU runs MKL's ``sgemm``, which copies the weight into its blocked panels on every call.
 oneDNN's linear over a weight reordered once, when the decoder is built, into the blocked layout its kernels
-read (``torch.ops.mkldnn._reorder_linear_weight``, the prepacking inductor's CPU backend uses) does not.
-Measured with one thread (AMD EPYC, AVX2; ``bench/packed_linear.py``): 1.6-3.9x faster at 4 to 64 rows;
-at 1 row 1.5-2.6x on large matrices and 0.4-0.9x on matrices under a million elements (whose ``gemv`` runs
-from cache). It costs a second copy of the weights, made in about 0.5 ms per MB at each decoder build (a
-layout switch, a weight load): the engine setting ``packed_weights`` (:func:`wanted`) packs only while
-that fits, or as told.
+read (``torch.ops.mkldnn._reorder_linear_weight``, the prepacking inductor's CPU backend uses) does not:
+faster from a few rows on (``bench/packed_linear.py`` measures it; at 1 row, on matrices small enough for
+``gemv`` to run from cache, it can be slower). It costs a second copy of the weights, made at each decoder
+build (a layout switch, a weight load): the engine setting ``packed_weights`` (:func:`wanted`) packs only
+while that fits, or as told.
 
 Its rounding differs from ``sgemm``'s (both are float32 products, its errors against float64 about twice
-``sgemm``'s). The deterministic kernels use it too, under its own row rule, measured on the machine (on
-the AMD EPYC and the Xeon seen so far a row's bits are the same in every product of 2 rows or more:
-:func:`~rollout_worker.engine.kernels.deterministic.least_rows`). float64 (the lossless tests'
+``sgemm``'s). The deterministic kernels use it too, under its own row rule, measured on the machine
+(:func:`~rollout_worker.engine.kernels.row_rules.least_rows`). float64 (the lossless tests'
 dtype) and other dtypes keep ``F.linear``.
 """
 
@@ -51,7 +49,12 @@ def wanted(setting: PackedWeights, model: ModelConfig, ranks: int, memory: int |
 def packs(w: torch.Tensor) -> bool:
     """Whether a decoder that packs (:func:`wanted`) multiplies by ``w`` through a packed copy: float32 on
     CPU, with a torch that has oneDNN."""
-    return w.device.type == "cpu" and w.dtype == torch.float32 and available()
+    return packs_on(w.device.type, w.dtype)
+
+
+def packs_on(device: str, dtype: torch.dtype) -> bool:
+    """:func:`packs` for weights of ``dtype`` on a device of type ``device``."""
+    return device == "cpu" and dtype == torch.float32 and available()
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
@@ -74,7 +77,7 @@ def mkl_available() -> bool:
 class MklPacked:
     """A float32 weight [out, in] packed once for MKL's GEMM, for products of exactly ``rows`` rows: MKL
     computes as its ``sgemm`` does, without copying the weight into its panels on each call, and with a
-    few microseconds per call where oneDNN's product costs tens (measured on an AVX-512 Xeon). Its packed
+    a smaller cost per call than oneDNN's product. Its packed
     layout is chosen for the row count, so torch runs it only on that many rows (any other count falls
     back to ``F.linear`` on ``origin``); :func:`mkl_linear` refuses other counts instead."""
 

@@ -2,28 +2,26 @@
 
 Attention is written out explicitly and shared by prefill and decode: both write K/V into the paged pool at
 the tokens' slots and attend over the keys gathered from the pool, with a causal mask. The only TP code is
-two all-reduces per layer (after o_proj and down_proj; with the deterministic kernels of
-:mod:`~rollout_worker.engine.kernels.deterministic`, all-gathers of fixed chunks' partial products added in
-one fixed
-order) and one all-gather of the vocab-parallel logits. A
-shard's width (its query and KV heads) comes from :mod:`~rollout_worker.engine.model.sharding`: whole heads,
-unevenly when the head counts do not divide TP, so each rank runs plain grouped-query attention over its
-own heads.
+two all-reduces per layer (after o_proj and down_proj; with the deterministic kernels, all-gathers of
+fixed chunks' partial products added in one fixed order) and one all-gather of the vocab-parallel logits.
+Which kernel runs each product, the attention and RMSNorm's mean is the decoder's
+:class:`~rollout_worker.engine.kernels.choice.Kernels`, chosen once before it is built. A shard's width
+(its query and KV heads) comes from :mod:`~rollout_worker.engine.model.sharding`: whole heads, unevenly
+when the head counts do not divide TP, so each rank runs plain grouped-query attention over its own heads.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from rollout_worker.config.model_config import ModelConfig
-from rollout_worker.engine.kernels import deterministic as invariant
-from rollout_worker.engine.kernels import fixed_order as native
-from rollout_worker.engine.kernels import packed_linear as packed
+from rollout_worker.engine.kernels.choice import Kernels, RowProjection, RowWeight, Weight
+from rollout_worker.engine.kernels.row_chunks import Chunks, attn_shards, mlp_shards
+from rollout_worker.engine.kernels.row_parallel import ChunkedWeight, chunked_product
 from rollout_worker.engine.model.kv_cache import GatheredKV, KVPool, gather_slots
 from rollout_worker.engine.model.parallel import ParallelState
 from rollout_worker.engine.model.sharding import kv_head_range, q_head_range
@@ -47,21 +45,6 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         medium = ~(wavelen < old / hi_f) & ~(wavelen > old / lo_f)
         inv = torch.where(medium, smoothed, scaled)
     return inv
-
-
-def _mean_last(x: torch.Tensor) -> torch.Tensor:
-    return x.mean(-1, keepdim=True)
-
-
-class Linear(Protocol):
-    """A product as ``F.linear`` takes it: (x, w, b=None), w as the decoder prepared it (:data:`Weight`)."""
-
-    def __call__(self, x: torch.Tensor, w: Any, b: torch.Tensor | None = None, /) -> torch.Tensor: ...
-
-
-# a column-parallel or replicated weight: dense, packed for oneDNN, or for the fixed-order kernel
-Weight = torch.Tensor | native.Packed
-RowWeight = torch.Tensor | invariant.ChunkedWeight  # a row-parallel weight (chunked: deterministic)
 
 
 @dataclass(slots=True)
@@ -90,52 +73,34 @@ class Decoder:
         cfg: ModelConfig,
         weights: dict[str, torch.Tensor],
         ps: ParallelState,
-        chunks: invariant.RowChunks | None = None,
-        pack: bool = True,
+        kernels: Kernels | None = None,
     ) -> None:
-        """``chunks``: the deterministic kernels (:mod:`~rollout_worker.engine.kernels.deterministic`) with
-        these
-        row-parallel chunks; None: the BLAS's and the backend's own orders. ``pack``: float32 products on
-        CPU run on weights packed once for oneDNN (:mod:`~rollout_worker.engine.kernels.packed_linear`), or
-        with the
-        deterministic kernels for the fixed-order kernel where this machine has it
-        (:func:`~rollout_worker.engine.kernels.deterministic.native_rule`); not packing, the deterministic
-        kernels
-        run the fixed-order kernel over the weights as they are."""
+        """``kernels``: the products, attention and mean this decoder runs
+        (:meth:`~rollout_worker.engine.kernels.choice.Kernels.choose`, for the weights' dtype and device);
+        None: the default kernels, weights packed where that helps."""
         self.cfg, self.ps = cfg, ps
         embed = weights["model.embed_tokens.weight"]
-        self.packed = pack and packed.packs(embed)
-        self.native = (
-            bool(chunks)
-            and not embed.is_cuda
-            and invariant.native_rule(cfg.hidden_size, embed.dtype, self.packed)
-        )
-        # the deterministic kernels' attention: on the fixed-order kernel (which reads the keys as they are,
-        # and no further than any row sees), else on torch's operations (on CPU over transposed keys)
-        self.native_attention = bool(chunks) and invariant.native_attention(
-            cfg.head_dim, embed.dtype, embed.is_cuda
-        )
-        self.keys_t = bool(chunks) and not embed.is_cuda and not self.native_attention
-        kernels: tuple[Linear, Linear] = (
-            (invariant.packed_linear, invariant.linear) if chunks else (packed.linear, F.linear)
-        )
-        self.linear: Linear = native.linear if self.native else kernels[0] if self.packed else kernels[1]
-        self.mean_last = invariant.mean_last if chunks else _mean_last
-        self.o_chunks = self.down_chunks = None
-        if chunks:
-            self.o_chunks = invariant.Chunks.of(chunks.attn_out, invariant.attn_shards(cfg, ps.tp), ps.shard)
-            self.down_chunks = invariant.Chunks.of(
-                chunks.mlp_down, invariant.mlp_shards(cfg, ps.tp), ps.shard
+        self.kernels = kernels or Kernels.of(cfg, embed.dtype, embed.device)
+        if (self.kernels.dtype, self.kernels.device) != (embed.dtype, embed.device.type):
+            raise ValueError(
+                f"kernels chosen for {self.kernels.dtype} on {self.kernels.device}, weights in {embed.dtype} "
+                f"on {embed.device.type}"
             )
-            if not embed.is_cuda:  # each product's row rule, before the first forward needs it
-                widths = (self.o_chunks.width, self.down_chunks.width)
-                invariant.measure_rules(cfg, embed.dtype, self.packed, widths)
+        self.linear = self.kernels.product()
+        self.attend = self.kernels.attention_entry()
+        self.mean_last = self.kernels.mean_last()
+        self.o_chunks: Chunks | None = None
+        self.down_chunks: Chunks | None = None
+        fixed = self.kernels.chunks
+        if fixed is not None:  # this shard's fixed chunks of the row-parallel products
+            self.o_chunks = Chunks.of(fixed.bounds.attn_out, attn_shards(cfg, ps.tp), ps.shard)
+            self.down_chunks = Chunks.of(fixed.bounds.mlp_down, mlp_shards(cfg, ps.tp), ps.shard)
         q_lo, q_hi = q_head_range(cfg, ps.tp, ps.shard)  # shards may differ in width (uneven heads)
         kv_lo, kv_hi = kv_head_range(cfg, ps.tp, ps.shard)
         self.heads, self.kv_heads = q_hi - q_lo, kv_hi - kv_lo
         self.embed = embed
         self.norm = weights["model.norm.weight"]
-        self.lm_head: Weight = self._product(weights["lm_head.weight"])
+        self.lm_head: Weight = self.kernels.weight(weights["lm_head.weight"])
         self.layers: list[Layer] = [self._layer(weights, i) for i in range(cfg.num_layers)]
         dev = self.embed.device
         self.inv_freq = rope_inv_freq(cfg).to(dev)
@@ -147,26 +112,14 @@ class Decoder:
         self.layers = []
         self.embed = self.norm = self.lm_head = torch.empty(0, device=self.embed.device)
 
-    def _product(self, w: torch.Tensor) -> Weight:
-        """A projection's weight as :attr:`linear` reads it (packed: a copy in oneDNN's layout, or in the
-        fixed-order kernel's; else as it is)."""
-        if self.packed:
-            return native.pack(w) if self.native else packed.pack(w)
-        return w
-
-    def _row_product(self, w: torch.Tensor, chunks: invariant.Chunks | None) -> RowWeight:
-        """A row-parallel projection's weight as :meth:`_row_parallel` reads it (with the deterministic
-        kernels, in chunks as :func:`~rollout_worker.engine.kernels.deterministic.chunk_kernel` chooses: a
-        copy in the
-        fixed-order kernel's layout only where the decoder packs its weights)."""
-        if chunks is None:  # the default kernels (never the fixed-order one)
-            return packed.pack(w) if self.packed else w
-        return invariant.row_weight(w, chunks, copies=self.packed)
+    def _row_product(self, w: torch.Tensor, projection: RowProjection) -> RowWeight:
+        chunks = self.o_chunks if projection == "attn_out" else self.down_chunks
+        return self.kernels.row_weight(w, chunks, projection)
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> Layer:
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        product = self._product
+        product = self.kernels.weight
         return Layer(
             ln1=w[p + "input_layernorm.weight"],
             wq=product(w[a + "q_proj.weight"]),
@@ -177,11 +130,11 @@ class Decoder:
             bv=w.get(a + "v_proj.bias"),
             q_norm=w.get(a + "q_norm.weight"),
             k_norm=w.get(a + "k_norm.weight"),
-            wo=self._row_product(w[a + "o_proj.weight"], self.o_chunks),
+            wo=self._row_product(w[a + "o_proj.weight"], "attn_out"),
             ln2=w[p + "post_attention_layernorm.weight"],
             w_gate=product(w[p + "mlp.gate_proj.weight"]),
             w_up=product(w[p + "mlp.up_proj.weight"]),
-            w_down=self._row_product(w[p + "mlp.down_proj.weight"], self.down_chunks),
+            w_down=self._row_product(w[p + "mlp.down_proj.weight"], "mlp_down"),
         )
 
     def rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -240,18 +193,18 @@ class Decoder:
         bsz, seq = tokens.shape
         cos, sin = self.rope(positions)
         seen = read.shape[1]  # keys any query sees (the padding past them is masked)
-        whole_chunks = self.o_chunks is not None and not self.native_attention  # torch ops read whole chunks
-        if whole_chunks and seen < invariant.key_span(seen):
-            read = F.pad(read, (0, invariant.key_span(seen) - seen))  # slot 0: masked
+        span = self.kernels.read_keys(seen)
+        if seen < span:  # the attention reads whole key chunks
+            read = F.pad(read, (0, span - seen))  # slot 0: masked
         key_pos = torch.arange(read.shape[1], device=tokens.device)
         mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, S, L]: keys a query sees
         hd = self.cfg.head_dim
         scale = 1.0 / math.sqrt(hd)
         x = F.embedding(tokens, self.embed)
         # a CUDA decode step (default kernels) gathers its keys KV-head-major, as its products read them
-        kv_major = gathered is None and seq == 1 and self.o_chunks is None and tokens.is_cuda
+        kv_major = gathered is None and self.kernels.kv_major(seq)
         if gathered is not None:
-            gathered.begin(pool, read, positions[:, 0], keys_t=self.keys_t)
+            gathered.begin(pool, read, positions[:, 0], self.kernels)
         else:
             pool.version += 1  # writes that no GatheredKV mirrors
         for i, lw in enumerate(self.layers):
@@ -265,13 +218,14 @@ class Decoder:
             pool.k[i][write] = k
             pool.v[i][write] = v
             if gathered is not None:
-                attn = self._attend(q, *gathered.layer(i, pool, read, (k, v)), mask, scale, seen)
+                keys, vals = gathered.layer(i, pool, read, (k, v))
             elif kv_major:  # [KVh, B, L, hd]: one gather from the request's pages into the products' layout
-                k_all, v_all = gather_slots(pool.k[i], read, True), gather_slots(pool.v[i], read, True)
-                attn = attend_kv_major(q, k_all, v_all, mask, scale)
+                keys = gather_slots(pool.k[i], read, True).transpose(0, 1)
+                vals = gather_slots(pool.v[i], read, True).transpose(0, 1)
             else:  # [B, KVh, L, hd], gathered from the request's pages
-                k_all, v_all = gather_slots(pool.k[i], read), gather_slots(pool.v[i], read)
-                attn = self._attend(q, self._keys(k_all), v_all.transpose(1, 2), mask, scale, seen)
+                keys = self.kernels.keys_of(gather_slots(pool.k[i], read))
+                vals = gather_slots(pool.v[i], read).transpose(1, 2)
+            attn = self.attend(q, keys, vals, mask, scale, seen)
             x = x + self._row_parallel(attn, lw.wo, self.o_chunks)
             h = self.rms(x, lw.ln2)
             act = F.silu(self.linear(h, lw.w_gate)) * self.linear(h, lw.w_up)
@@ -280,72 +234,12 @@ class Decoder:
             gathered.end(pool, read)
         return x
 
-    def _row_parallel(self, x: torch.Tensor, w: RowWeight, chunks: invariant.Chunks | None) -> torch.Tensor:
+    def _row_parallel(self, x: torch.Tensor, w: RowWeight, chunks: Chunks | None) -> torch.Tensor:
         """The full product of a row-parallel projection: summed by the backend's all-reduce, or (the
-        deterministic kernels) its fixed chunks' partials added in one fixed tree, each shard's whole
-        subtrees before the all-gather (SmolLM2's 9 attention chunks at TP 2: 2 + 3 sums, not 5 + 4)."""
+        deterministic kernels) its fixed chunks' partials added in one fixed tree
+        (:func:`~rollout_worker.engine.kernels.row_parallel.chunked_product`)."""
         if chunks is None:
             assert isinstance(w, torch.Tensor)  # only the deterministic kernels keep a weight in chunks
             return self.ps.all_reduce(self.linear(x, w))
-        assert isinstance(w, invariant.ChunkedWeight)
-        parts = invariant.partials(x, w, chunks)
-        if self.ps.tp == 1:
-            return invariant.tree_sum(parts)
-        mine = invariant.shard_sums(parts, chunks)  # each shard adds its whole subtrees of the tree first
-        everyone = self.ps.all_gather_cat(mine, dim=0).split(mine.shape[0])
-        return invariant.gathered_sum(list(everyone), chunks)
-
-    def _keys(self, gathered: torch.Tensor) -> torch.Tensor:
-        """Keys gathered from the pool [B, L, KVh, hd] as :meth:`_attend` takes them, [B, KVh, L, hd]: with
-        the deterministic kernels on CPU's torch operations (:attr:`keys_t`) a transposed view of each KV
-        head's [hd, L] row-major (as :class:`GatheredKV` keeps them there: one layout, one kernel; MKL's
-        3-row product with a transposed operand took about 3x longer). The fixed-order kernel reads them as
-        they are, and so does :class:`GatheredKV`, whose writes of a step's keys are then contiguous (into
-        the transposed layout, one scattered element per head dimension)."""
-        if not self.keys_t:
-            return gathered.transpose(1, 2)
-        return gathered.permute(0, 2, 3, 1).contiguous().transpose(2, 3)
-
-    def _attend(
-        self,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        vals: torch.Tensor,
-        mask: torch.Tensor,
-        scale: float,
-        seen: int | None = None,
-    ) -> torch.Tensor:
-        """Attention of q [B, S, H, hd] over keys/vals [B, KVh, L, hd] (the keys as :meth:`_keys` lays them
-        out) under mask [B, 1, S, L]: [B, S, H*hd]. ``seen``: the keys any query sees (the deterministic
-        kernels read no further, rounded up to their key step; L may be padded past them).
-
-        Each head is computed on its own, so TP (which splits heads) changes nothing. (A CUDA decode step
-        with the default kernels goes through :func:`attend_kv_major` instead.)
-        """
-        if self.o_chunks is not None:
-            return invariant.attend(q, keys.transpose(-1, -2), vals, mask, scale, seen)
-        bsz, seq = q.shape[0], q.shape[1]
-        attn = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, vals, attn_mask=mask, scale=scale, enable_gqa=True
-        )  # [B, H, S, hd]
-        return attn.transpose(1, 2).reshape(bsz, seq, self.heads * q.shape[-1])
-
-
-def attend_kv_major(
-    q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """One decode step's attention (the default kernels on CUDA): q [B, 1, H, hd] over keys/vals
-    [KVh, B, L, hd] (gathered KV-head-major) under mask [B, 1, 1, L]: [B, 1, H * hd].
-
-    The query heads of each KV head form one matrix (head ``h`` uses KV head ``h // (H // KVh)``), so the
-    scores and the weighted values are two batched products that read the gathered keys in place. SDPA with
-    a mask falls back to its math kernel here, which first copies K and V once per query head
-    (``enable_gqa``); and keys gathered ``[B, L, KVh, hd]`` would be copied once more into a product's layout.
-    """
-    kvh, bsz, length, hd = keys.shape
-    heads = q.shape[2]
-    qg = q.view(bsz, kvh, heads // kvh, hd).transpose(0, 1)  # [KVh, B, G, hd]
-    scores = torch.matmul(qg * scale, keys.transpose(-1, -2))  # [KVh, B, G, L]
-    scores = scores.masked_fill(~mask.view(1, bsz, 1, length), float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(vals.dtype, torch.float32)).to(vals.dtype)
-    return torch.matmul(probs, vals).transpose(0, 1).reshape(bsz, 1, heads * hd)  # [B, KVh, G, hd] flat
+        assert isinstance(w, ChunkedWeight)
+        return chunked_product(x, w, chunks, self.ps)

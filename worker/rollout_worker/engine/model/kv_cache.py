@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from rollout_worker.engine.kernels.choice import Kernels
 from rollout_worker.scheduling.pages import PageAllocator, pages_for, round_up
 from rollout_worker.scheduling.prefix_cache import SharedPages
 
@@ -224,9 +225,9 @@ class GatheredKV:
     _STEP = 64  # positions are allocated in multiples of these
 
     def __init__(self) -> None:
-        # per layer [B, KVh, capacity, hd], as attention reads them; with keys_t the keys are a transposed
-        # view of [B, KVh, hd, capacity] (each KV head's keys row-major [hd, capacity], as the deterministic
-        # kernels' products read them)
+        # per layer [B, KVh, capacity, hd], as attention reads them; with transposed keys (the kernels'
+        # keys layout) the keys are a view of [B, KVh, hd, capacity] (each KV head's keys row-major [hd,
+        # capacity], as the deterministic attention's products read them)
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.keys_t = False
@@ -241,12 +242,14 @@ class GatheredKV:
         self.writes = (torch.zeros(0, dtype=torch.long),) * 2
         self.read = torch.zeros((0, 0), dtype=torch.long)
 
-    def begin(self, pool: KVPool, read: torch.Tensor, positions: torch.Tensor, keys_t: bool = False) -> None:
+    def begin(self, pool: KVPool, read: torch.Tensor, positions: torch.Tensor, kernels: Kernels) -> None:
         """Before a decode step over ``read`` [B, L] writing row b's K/V at ``positions[b]``: keep what is
         still the gather, else start over. A row is still gathered when some row of the last step read the
         same slots (but at its new position, which then read the null slot): the same row, or the one a
         finished request's row took over (the replica moves its last row into the hole), which is copied.
-        ``keys_t``: keep the keys transposed (another layout than the last step's starts over)."""
+        The keys are kept in the layout ``kernels`` reads them in (:attr:`Kernels.keys`; another layout than
+        the last step's starts over)."""
+        keys_t = kernels.keys == "transposed"
         if keys_t != self.keys_t:
             self.clear()
             self.keys_t = keys_t
@@ -338,8 +341,8 @@ class GatheredKV:
 def _offsets(buf: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The elements of a kept buffer's storage (:func:`_storage`) that rows 0..B-1 of a decode step write
     at their ``positions`` [B]: [B * KVh * hd], in the order of a step's K/V [B, KVh, hd]. One scatter into
-    the flat storage instead of ``buf[rows, :, positions] = kv``, whose index kernel took 80 us a layer
-    for the transposed keys of 16 rows (an AVX-512 Xeon); the same positions for every layer of a step."""
+    the flat storage instead of ``buf[rows, :, positions] = kv``, whose index kernel is slow on transposed
+    keys; the same positions for every layer of a step."""
     s0, s1, s2, s3 = buf.stride()
     kvh, hd = buf.shape[1], buf.shape[3]
     dev = positions.device

@@ -17,8 +17,7 @@ import torch.distributed as dist
 
 from rollout_worker.config.model_config import ModelConfig
 from rollout_worker.engine.config import EngineConfig
-from rollout_worker.engine.kernels import packed_linear as packed
-from rollout_worker.engine.kernels.deterministic import RowChunks
+from rollout_worker.engine.kernels.choice import Kernels
 from rollout_worker.engine.messages import Faults
 from rollout_worker.engine.model.checkpoint import CheckpointReader, parse_dtype
 from rollout_worker.engine.model.decoder import Decoder
@@ -143,11 +142,11 @@ def parallel_state(rank: int, lay: Layout, groups: Groups, stage_cpu: bool) -> P
 
 
 def make_decoder(cfg: EngineConfig, weights: Weights, ps: ParallelState) -> Decoder:
-    """The decoder of ``weights`` on ``ps``, with the deterministic kernels and packed weights when the
-    settings ask for them."""
-    chunks = RowChunks.of(cfg.model, cfg.world) if cfg.engine.deterministic else None
-    pack = packed.wanted(cfg.engine.packed_weights, cfg.model, cfg.world)
-    return Decoder(cfg.model, weights, ps, chunks, pack)
+    """The decoder of ``weights`` on ``ps``, on the kernels the settings choose for the weights' dtype and
+    device (the deterministic ones, packed weights)."""
+    embed = weights["model.embed_tokens.weight"]
+    kernels = Kernels.choose(cfg.engine, cfg.model, embed.dtype, embed.device, cfg.world)
+    return Decoder(cfg.model, weights, ps, kernels)
 
 
 def make_replica(
