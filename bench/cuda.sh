@@ -7,9 +7,8 @@
 #                  of each step, several minutes more)
 #   deterministic  the same shape, the deterministic kernels against the default ones, eager
 #   det-graphs     the same, both with CUDA graphs
-#   paged          the paged engine at batch 64 and 256, eager and with CUDA graphs
-#   slab           the dense slab of 5904b9b (its worker/ tree in .slab/) at batch 64 and 256, for the paged
-#                  engine's figures of the same call
+#   paged          the paged engine at batch 64 and 256, eager and with CUDA graphs (the dense slab it replaced
+#                  is not run: its figures are recorded in bench/h200-2026-11-26b/call*/bench-engine-slab-h200.json)
 # Usage (repository root, on the GPU machine): [OUT=DIR] bench/cuda.sh [PART ...]   (default: all)
 # Uses the machine's own torch; our small pure-Python dependencies come as wheels in .whl/ when present.
 set -uo pipefail
@@ -20,7 +19,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH=/tmp/site
 fi
 root="$PWD"
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$root/worker:$root/profiler:$root/operator:$root"
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$root/worker:$root/profiler:$root/operator:$root/bench:$root"
 export PYTHONUNBUFFERED=1
 py=$(python3 -c 'import sys; print(sys.executable)')
 cli="$(dirname "$py")/rolloutctl"  # the servers the tests start run the console script next to python
@@ -38,7 +37,7 @@ bench_engine() {  # bench engine of Llama-3.1-8B's shape, bfloat16, one rank: SE
     --ranks 1 "$@" --json "$out/bench-engine-$name-$gpu.json" 2>&1 | tee "$out/bench-engine-$name.log"
 }
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests invariance paged slab deterministic det-graphs bench)
+[ ${#parts[@]} -eq 0 ] && parts=(tests invariance paged deterministic det-graphs bench)
 rc=0
 for what in "${parts[@]}"; do
   echo "=== $what ($(date +%T))"
@@ -65,14 +64,7 @@ for what in "${parts[@]}"; do
     paged)
       bench_engine 200 paged --batch 64,256 --context 512,4096 --steps 20 --runs 2 --cuda-graphs both
       rc=$((rc || PIPESTATUS[0])) ;;
-    slab)
-      [ -d .slab/worker ] || { echo "slab: no .slab/ (git archive 5904b9b worker operator profiler | tar -x -C .slab)"; exit 2; }
-      (
-        export PYTHONPATH="${PYTHONPATH//$root\//$root/.slab/}"
-        bench_engine 200 slab --batch 64,256 --context 512,4096 --steps 20 --runs 2
-      )
-      rc=$((rc || $?)) ;;
-    *) echo "unknown part $what (tests | invariance | bench | deterministic | det-graphs | paged | slab)"; exit 2 ;;
+    *) echo "unknown part $what (tests | invariance | bench | deterministic | det-graphs | paged)"; exit 2 ;;
   esac
 done
 exit $rc
