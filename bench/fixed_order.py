@@ -26,9 +26,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from rollout_worker.engine.kernels import fixed_order as native
-from rollout_worker.engine.kernels import packed_linear as packed
-from rollout_worker.engine.kernels import row_parallel, row_rules
+from rollout_worker.engine.kernels import fixed_order, packed_linear, row_parallel, row_rules
 from rollout_worker.engine.kernels.row_chunks import Chunks
 
 # per set: its layers cycled, and name: (outputs, inputs, chunks), as RowChunks cuts them for 2 ranks
@@ -68,7 +66,7 @@ def kernels_of(x: torch.Tensor, ws: list[torch.Tensor], n: int, packs: bool) -> 
     a decoder that ``packs`` takes last)."""
     chunks = Chunks(ws[0].shape[1] // n, (n,), 0)
     dense = [row_parallel.row_weight(w, chunks, "dense") for w in ws]
-    whole = [packed.pack(w) for w in ws] if packs else ws
+    whole = [packed_linear.pack(w) for w in ws] if packs else ws
     mkl: Kernel
     if n == 1:  # a one-chunk product: padded to its row rule
         one = row_rules.packed_linear if packs else row_rules.linear
@@ -78,7 +76,9 @@ def kernels_of(x: torch.Tensor, ws: list[torch.Tensor], n: int, packs: bool) -> 
         chunked = [row_parallel.row_weight(w, chunks, form) for w in ws]
         mkl = lambda i: row_parallel.partials(x, chunked[i], chunks)  # noqa: E731
     kernels: dict[str, Kernel] = {
-        "default": (lambda i: packed.linear(x, whole[i], None)) if packs else (lambda i: F.linear(x, ws[i])),
+        "default": (lambda i: packed_linear.linear(x, whole[i], None))
+        if packs
+        else (lambda i: F.linear(x, ws[i])),
         "mkl": mkl,
         "dense": lambda i: row_parallel.partials(x, dense[i], chunks),
     }
@@ -97,10 +97,10 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    if args.isa:  # every caller reaches the kernel through native.kernels()
-        built = native.build(args.isa)
-        native.kernels = lambda: built  # type: ignore[method-assign]
-    if native.kernels() is None:
+    if args.isa:  # every caller reaches the kernel through fixed_order.kernels()
+        built = fixed_order.build(args.isa)
+        fixed_order.kernels = lambda: built  # type: ignore[method-assign]
+    if fixed_order.kernels() is None:
         raise SystemExit("the fixed-order kernel does not build here (it needs AVX-512 or AVX2 and g++)")
     gen = torch.Generator().manual_seed(0)
     layers, shapes = SHAPES[args.shapes]
@@ -130,7 +130,12 @@ def main() -> None:
             print(f"{name:18s} {tokens:6d} {row}  {med['default'] / f:9.2f}x {med['mkl'] / f:6.2f}x")
     if args.json:
         with open(args.json, "w") as fh:
-            meta = {"shapes": args.shapes, "isa": native.kernels().isa, "layers": layers, "runs": args.runs}
+            meta = {
+                "shapes": args.shapes,
+                "isa": fixed_order.kernels().isa,
+                "layers": layers,
+                "runs": args.runs,
+            }
             json.dump({**meta, "points": points}, fh, indent=1)
         print(f"wrote {args.json}")
 

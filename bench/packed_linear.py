@@ -19,7 +19,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from rollout_worker.config.model_config import ModelConfig
-from rollout_worker.engine.kernels import packed_linear as packed
+from rollout_worker.engine.kernels import packed_linear
 from rollout_worker.engine.model.presets import preset_config
 
 ROWS = (1, 4, 16, 64)
@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    if not packed.available():
+    if not packed_linear.available():
         raise SystemExit("this torch has no oneDNN packed linear")
     torch.set_num_threads(1)
     cfg = ModelConfig.from_dict(preset_config(args.preset))
@@ -63,13 +63,15 @@ def main() -> None:
     for name, (out, k) in shapes(cfg).items():
         w = torch.randn(out, k, generator=gen) / k**0.5
         t0 = time.perf_counter()
-        wp = packed.pack(w)
+        wp = packed_linear.pack(w)
         pack_ms = (time.perf_counter() - t0) * 1e3
         for m in ROWS:
             x = torch.randn(m, k, generator=gen)
             ref = x.double() @ w.double().T
-            err = [float((y.double() - ref).abs().max()) for y in (F.linear(x, w), packed.linear(x, wp))]
-            ours, theirs = partial(packed.linear, x, wp), partial(F.linear, x, w)
+            err = [
+                float((y.double() - ref).abs().max()) for y in (F.linear(x, w), packed_linear.linear(x, wp))
+            ]
+            ours, theirs = partial(packed_linear.linear, x, wp), partial(F.linear, x, w)
             runs = [(mean_ms(theirs), mean_ms(ours)) for _ in range(args.runs)]
             sgemm, onednn = (statistics.median(r[j] for r in runs) for j in (0, 1))
             rows.append({

@@ -14,8 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from rollout_profiler.store import database as db_engine
-from rollout_profiler.store import runs
+from rollout_profiler.store import database, runs
 from rollout_worker.api.sidecar import read_outputs
 from sqlalchemy.orm import Session
 
@@ -120,7 +119,7 @@ def test_the_main_job_runs_as_written(tmp_path: Path) -> None:
     )  # every sample's reward
     run = json.loads((tmp_path / "build/quickstart/adaptive/run.json").read_text())
     events = [e for evs in run["events"].values() for e in evs if e["outcome"] == "committed"]
-    with Session(db_engine.make_engine(f"sqlite:///{home / 'rollout.db'}")) as session:
+    with Session(database.make_engine(f"sqlite:///{home / 'rollout.db'}")) as session:
         decisions = [d for d in runs.list_decisions(session) if d.outcome == "committed"]
     if events:  # the planner switched: on its own, because the profile said it pays
         assert re.search(r"quickstart-0: 2x1 -> 1x2 \((migrate|recompute)\) at step \d+", out), out

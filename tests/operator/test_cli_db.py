@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from rollout_operator.cli.main import main
-from rollout_profiler.store import database as db_engine
+from rollout_profiler.store import database
 from rollout_profiler.store.testing import (
     sample_profile,
 )
@@ -216,23 +216,22 @@ def test_console_script_prints_error_and_exits_2(tmp_path: Path) -> None:
 
 def test_url_precedence(tmp_path: Path) -> None:
     env = {"ROLLOUT_DB_URL": "postgresql+psycopg://u@h/d", "ROLLOUT_HOME": str(tmp_path)}
-    assert db_engine.resolve_url("sqlite:///x.db", env) == "sqlite:///x.db"
-    assert db_engine.resolve_url(None, env) == "postgresql+psycopg://u@h/d"
-    assert db_engine.resolve_url(None, {"ROLLOUT_HOME": str(tmp_path)}) == f"sqlite:///{tmp_path}/rollout.db"
-    default = db_engine.resolve_url(None, {})
+    assert database.resolve_url("sqlite:///x.db", env) == "sqlite:///x.db"
+    assert database.resolve_url(None, env) == "postgresql+psycopg://u@h/d"
+    assert database.resolve_url(None, {"ROLLOUT_HOME": str(tmp_path)}) == f"sqlite:///{tmp_path}/rollout.db"
+    default = database.resolve_url(None, {})
     assert default == f"sqlite:///{Path('~/.local/share/elastic-rollout').expanduser()}/rollout.db"
 
 
 def test_make_engine_creates_the_sqlite_folder_and_masks_passwords(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'a' / 'b' / 'r.db'}"
-    db_engine.make_engine(url).dispose()
+    database.make_engine(url).dispose()
     assert (tmp_path / "a" / "b").is_dir()
     assert (
-        db_engine.mask_url("postgresql+psycopg://me:s3cret@h:5432/d")
-        == "postgresql+psycopg://me:***@h:5432/d"
+        database.mask_url("postgresql+psycopg://me:s3cret@h:5432/d") == "postgresql+psycopg://me:***@h:5432/d"
     )
-    assert db_engine.parse_url("postgresql://me@h/d").drivername == "postgresql+psycopg"
+    assert database.parse_url("postgresql://me@h/d").drivername == "postgresql+psycopg"
     with pytest.raises(UserError, match="not valid"):
-        db_engine.make_engine("not a url")
+        database.make_engine("not a url")
     with pytest.raises(UserError, match="unknown dialect"):
-        db_engine.make_engine("nosuchdb://h/d")
+        database.make_engine("nosuchdb://h/d")

@@ -24,13 +24,12 @@ db_app = typer.Typer(help="The profile/decision database (SQLite or PostgreSQL).
 @db_app.command("upgrade")
 def upgrade(db: DbOption = None) -> None:
     """Create the database tables, or migrate them to this version's schema."""
-    from rollout_profiler.store import database as engine
-    from rollout_profiler.store import migrate
+    from rollout_profiler.store import database, migrate
 
-    url = engine.resolve_url(db)
+    url = database.resolve_url(db)
     before = migrate.current(url)
     reached = migrate.upgrade(url)
-    typer.echo(f"database: {engine.mask_url(url)}")
+    typer.echo(f"database: {database.mask_url(url)}")
     if before == reached:
         typer.echo(f"revision: {reached} (head, already)")
     else:
@@ -40,12 +39,11 @@ def upgrade(db: DbOption = None) -> None:
 @db_app.command("current")
 def current(db: DbOption = None) -> None:
     """Print the revision the database is at, and whether it is this version's head."""
-    from rollout_profiler.store import database as engine
-    from rollout_profiler.store import migrate
+    from rollout_profiler.store import database, migrate
 
-    url = engine.resolve_url(db)
+    url = database.resolve_url(db)
     rev, head = migrate.current(url), migrate.head()
-    typer.echo(f"database: {engine.mask_url(url)}")
+    typer.echo(f"database: {database.mask_url(url)}")
     if rev is None:
         typer.echo("revision: none (empty database: run `rolloutctl db upgrade`)")
     elif rev == head:

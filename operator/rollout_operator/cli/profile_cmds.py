@@ -106,16 +106,15 @@ def profile(
 @contextmanager
 def _session(db: str | None) -> Iterator[tuple[Session, str]]:
     """A session (in one transaction) on a database migrated to head, and its masked URL."""
-    from rollout_profiler.store import database as engine
-    from rollout_profiler.store import migrate
+    from rollout_profiler.store import database, migrate
     from sqlalchemy.orm import Session
 
-    url = engine.resolve_url(db)
-    eng = engine.make_engine(url)
+    url = database.resolve_url(db)
+    eng = database.make_engine(url)
     try:
         migrate.require_head(eng, url)
-        with engine.reachable(url), Session(eng) as session, session.begin():
-            yield session, engine.mask_url(url)
+        with database.reachable(url), Session(eng) as session, session.begin():
+            yield session, database.mask_url(url)
     finally:
         eng.dispose()
 

@@ -68,12 +68,12 @@ def check_options(opts: dict[str, Any]) -> None:
 
 def check_database(db: str | None) -> None:
     """The database can be opened (a bad URL is found before the measurement, not after it)."""
-    from rollout_profiler.store import database as engine
+    from rollout_profiler.store import database
 
-    url = engine.resolve_url(db)
-    eng = engine.make_engine(url)
+    url = database.resolve_url(db)
+    eng = database.make_engine(url)
     try:
-        with engine.reachable(url), eng.connect():
+        with database.reachable(url), eng.connect():
             pass
     finally:
         eng.dispose()
@@ -134,18 +134,17 @@ def run_profile(opts: dict[str, Any]) -> None:
 
 def store(prof: Any, db: str | None) -> str:
     """Save to the database; the embedded SQLite database is migrated on first use."""
-    from rollout_profiler.store import database as engine
-    from rollout_profiler.store import migrate, repo
+    from rollout_profiler.store import database, migrate, repo
     from sqlalchemy.orm import Session
 
-    url = engine.resolve_url(db)
+    url = database.resolve_url(db)
     if url.startswith("sqlite"):
         migrate.upgrade(url)
-    eng = engine.make_engine(url)
+    eng = database.make_engine(url)
     try:
         migrate.require_head(eng, url)
-        with engine.reachable(url), Session(eng) as session, session.begin():
+        with database.reachable(url), Session(eng) as session, session.begin():
             pid = repo.save_profile(session, prof)
     finally:
         eng.dispose()
-    return f"id {pid} in {engine.mask_url(url)}"
+    return f"id {pid} in {database.mask_url(url)}"

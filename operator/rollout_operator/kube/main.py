@@ -27,13 +27,12 @@ def _post(body: dict[str, Any], ev: Event) -> None:
 
 
 def _open_db(settings: OperatorSettings) -> Any:
-    from rollout_profiler.store import database as engine
-    from rollout_profiler.store import migrate
+    from rollout_profiler.store import database, migrate
 
     given = settings.database_url.get_secret_value() if settings.database_url is not None else None
-    url = engine.resolve_url(given)
+    url = database.resolve_url(given)
     migrate.upgrade(url)
-    return engine.make_engine(url)
+    return database.make_engine(url)
 
 
 def registry(settings: OperatorSettings) -> kopf.OperatorRegistry:

@@ -152,12 +152,11 @@ class _Database:
 
     @classmethod
     def open(cls, url: str | None) -> _Database:
-        from rollout_profiler.store import database as db_engine
-        from rollout_profiler.store import migrate
+        from rollout_profiler.store import database, migrate
 
-        resolved = db_engine.resolve_url(url)
+        resolved = database.resolve_url(url)
         migrate.upgrade(resolved)
-        return cls(db_engine.make_engine(resolved))
+        return cls(database.make_engine(resolved))
 
     def profile(self, spec: RolloutJobSpec, shape: str) -> Profile | Refusal | None:
         from sqlalchemy.orm import Session

@@ -5,10 +5,10 @@ Typical use::
 
     from sqlalchemy.orm import Session
     from rollout_profiler.store import migrate, repo
-    from rollout_profiler.store import database as engine
+    from rollout_profiler.store import database
 
-    url = engine.resolve_url(None)  # --db > $ROLLOUT_DB_URL > sqlite:///$ROLLOUT_HOME/rollout.db
+    url = database.resolve_url(None)  # --db > $ROLLOUT_DB_URL > sqlite:///$ROLLOUT_HOME/rollout.db
     migrate.upgrade(url)
-    with Session(engine.make_engine(url)) as session, session.begin():
+    with Session(database.make_engine(url)) as session, session.begin():
         profile_id = repo.save_profile(session, profile)
 """

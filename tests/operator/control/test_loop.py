@@ -16,8 +16,7 @@ from rollout_operator.control.records import DbRecorder
 from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.planning.planner import PlannerPolicy
 from rollout_profiler.profile import Profile
-from rollout_profiler.store import database as db_engine
-from rollout_profiler.store import migrate, runs
+from rollout_profiler.store import database, migrate, runs
 from rollout_worker.api.sglang import GenerateRequest
 from rollout_worker.engine.config import EngineConfig
 from rollout_worker.engine.driver.fixed_batch import run_batch
@@ -52,7 +51,7 @@ def _bodies() -> list[dict[str, Any]]:
 def test_loop_switches_honestly_and_records_it(tiny32: Path, tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'rollout.db'}"
     migrate.upgrade(url)
-    db = db_engine.make_engine(url)
+    db = database.make_engine(url)
     with Session(db) as session, session.begin():
         job = runs.record_job(
             session, name="loop", namespace="test", spec_hash="x", model_shape_hash="7fd6f34429fc31ba"

@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rollout_profiler.store import database as db_engine
-from rollout_profiler.store import runs
+from rollout_profiler.store import database, runs
 from rollout_profiler.store.testing import fresh_database
 from sqlalchemy.orm import Session
 
@@ -104,7 +103,7 @@ def test_a_job_runs_to_succeeded_and_the_planner_switches_honestly(
         assert want in reasons, (want, reasons)
 
     # the database: the job, its outcome, its decisions with the cost they took, the finished lengths
-    db = db_engine.make_engine(pg_url)
+    db = database.make_engine(pg_url)
     with Session(db) as session:
         job = runs.get_job(session, st["recordId"])
         assert (job.name, job.namespace, job.outcome) == ("e2e", NS, "succeeded")

@@ -10,8 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from rollout_profiler.store import database as db_engine
-from rollout_profiler.store import runs
+from rollout_profiler.store import database, runs
 from sqlalchemy.orm import Session
 
 from tests.operator.kube.conftest import Cluster
@@ -72,7 +71,7 @@ def test_the_operator_killed_mid_job_and_a_sidecar_away_for_a_while(
     _exactly_once(out)
     reasons = [r for r, _ in cluster.events("restart")]
     assert "Degraded" in reasons and "Recovered" in reasons and "Completed" in reasons, reasons
-    with Session(db_engine.make_engine(cluster.db_url)) as session:
+    with Session(database.make_engine(cluster.db_url)) as session:
         ran = [(d.pod, d.step) for d in runs.list_decisions(session, st["recordId"]) if d.step is not None]
         assert len(ran) == len(set(ran)), ran  # no switch recorded twice across the restart
         assert runs.get_job(session, st["recordId"]).outcome == "succeeded"
@@ -125,7 +124,7 @@ def test_a_pod_failing_repeatedly_fails_the_job_after_the_backoff_limit(
     )
     reasons = [r for r, _ in cluster.events("broken")]
     assert reasons.count("PodFailed") == 1 and "Failed" in reasons, reasons
-    with Session(db_engine.make_engine(cluster.db_url)) as session:
+    with Session(database.make_engine(cluster.db_url)) as session:
         assert runs.get_job(session, st["recordId"]).outcome == "failed"
     gone = lambda: not any(j["metadata"]["name"] == "broken" for j in cluster.jobs())  # noqa: E731
     wait_until(gone, what="the job deleted after ttlSecondsAfterFinished", timeout=30, explain=why)

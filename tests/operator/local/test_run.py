@@ -21,8 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 from rollout_profiler.profile import Profile
-from rollout_profiler.store import database as db_engine
-from rollout_profiler.store import runs
+from rollout_profiler.store import database, runs
 from rollout_profiler.store.testing import sqlite_url
 from rollout_worker.api.sidecar import read_outputs
 from sqlalchemy.orm import Session
@@ -98,7 +97,7 @@ def test_the_planner_switches_honestly_and_the_outputs_equal_static(
         "pod-1.jsonl",
     ]
 
-    with Session(db_engine.make_engine(empty_url)) as session:
+    with Session(database.make_engine(empty_url)) as session:
         decisions = runs.list_decisions(session)
         lengths = runs.finished_lengths_for_model(session, Profile.from_json(PROFILE).model.shape_hash)
     ran = [d for d in decisions if d.outcome == "committed"]

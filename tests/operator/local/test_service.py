@@ -15,8 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from rollout_profiler.store import database as db_engine
-from rollout_profiler.store import runs
+from rollout_profiler.store import database, runs
 from sqlalchemy.orm import Session
 
 from tests.operator.local.jobs import job_doc, start_run, write_job
@@ -110,7 +109,7 @@ def test_two_waves_consolidate_then_spread_with_static_outputs(tiny64: Path, tmp
     assert all(e["reason"].startswith("plan: unfinished") for e in after_second)  # none by hand
     assert f"{len(WAVE1) + len(WAVE2)} requests served in" in text and "Traceback" not in text
 
-    with Session(db_engine.make_engine(f"sqlite:///{tmp_path / 'adaptive.db'}")) as session:
+    with Session(database.make_engine(f"sqlite:///{tmp_path / 'adaptive.db'}")) as session:
         decisions = runs.list_decisions(session)
         job = runs.get_job(session, decisions[0].job_id or 0)
         lengths = runs.finished_lengths_for_model(session, job.model_shape_hash)

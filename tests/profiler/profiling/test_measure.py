@@ -10,8 +10,7 @@ import pytest
 from rollout_profiler.planning.latency import holdout_error
 from rollout_profiler.profile import Profile
 from rollout_profiler.profiling.measure import shard_config
-from rollout_profiler.store import database as engine
-from rollout_profiler.store import repo
+from rollout_profiler.store import database, repo
 from rollout_worker.config.model_config import ModelConfig
 from rollout_worker.engine.model.presets import preset_config
 from sqlalchemy.orm import Session
@@ -38,7 +37,7 @@ def test_profile_tiny_two_ranks_predicts_held_out_points(tmp_path: Path) -> None
     )
     assert r.returncode == 0, r.stderr
     assert "stored profile id 1" in r.stdout
-    eng = engine.make_engine(db)
+    eng = database.make_engine(db)
     with Session(eng) as s:
         prof = repo.load_profile(s, 1)
     eng.dispose()

@@ -12,8 +12,7 @@ from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from rollout_profiler.profile import KVCapacity, Profile
-from rollout_profiler.store import database as db_engine
-from rollout_profiler.store import migrate, repo
+from rollout_profiler.store import database, migrate, repo
 from rollout_profiler.store.models import Base, ProfileRow, StepLatencyPointRow
 from rollout_profiler.store.testing import (
     sample_profile,
@@ -30,7 +29,7 @@ TABLES = {"profiles", "step_latency_points", "reconfig_cost_points", "jobs", "fi
 def db(empty_url: str) -> Iterator[Engine]:
     """An engine on a database migrated to head."""
     migrate.upgrade(empty_url)
-    eng = db_engine.make_engine(empty_url)
+    eng = database.make_engine(empty_url)
     yield eng
     eng.dispose()
 
@@ -46,7 +45,7 @@ def test_migrations_apply_on_an_empty_database(empty_url: str) -> None:
     assert migrate.current(empty_url) is None
     assert migrate.upgrade(empty_url) == migrate.head() == "0003"
     assert migrate.current(empty_url) == migrate.head()
-    eng = db_engine.make_engine(empty_url)
+    eng = database.make_engine(empty_url)
     try:
         # in the test schema (alone on the search_path) on PostgreSQL
         assert set(inspect(eng).get_table_names()) == {*TABLES, "alembic_version"}
@@ -67,7 +66,7 @@ def test_migrations_apply_on_an_empty_database(empty_url: str) -> None:
 def test_upgrade_downgrade_upgrade(empty_url: str) -> None:
     assert migrate.upgrade(empty_url) == "0003"
     assert migrate.downgrade(empty_url) is None
-    eng = db_engine.make_engine(empty_url)
+    eng = database.make_engine(empty_url)
     try:
         assert set(inspect(eng).get_table_names()) <= {"alembic_version"}
     finally:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from rollout_worker.scheduling import admission as ks
+from rollout_worker.scheduling import admission
 from rollout_worker.scheduling.admission import Req, admit, to_retract
 
-SGLANG_RATIO = ks.SGLANG_RATIO
+SGLANG_RATIO = admission.SGLANG_RATIO
 
 
 def test_ratio_starts_optimistic_and_decays_to_sglangs_floor() -> None:
@@ -21,9 +21,9 @@ def test_ratio_starts_optimistic_and_decays_to_sglangs_floor() -> None:
 
 def test_ratio_after_a_retraction_is_what_the_running_requests_needed() -> None:
     still = [Req(10, 30, 100, 9), Req(5, 10, 50, 4)]
-    assert ks.ratio_after_retraction(still) == pytest.approx((40 + 2 * 20) / 151)
-    assert ks.ratio_after_retraction([Req(1, 90, 100)]) == 1.0  # capped
-    assert ks.ratio_after_retraction([]) == 0.0
+    assert admission.ratio_after_retraction(still) == pytest.approx((40 + 2 * 20) / 151)
+    assert admission.ratio_after_retraction([Req(1, 90, 100)]) == 1.0  # capped
+    assert admission.ratio_after_retraction([]) == 0.0
 
 
 def test_admission_charges_running_requests_by_the_ratio() -> None:
@@ -66,5 +66,5 @@ def test_retraction_picks_the_fewest_decoded_then_the_longest_prompt() -> None:
 
 
 def test_policy_is_a_setting_of_the_replica() -> None:
-    p = ks.RatioPolicy(init=0.0)
+    p = admission.RatioPolicy(init=0.0)
     assert p.floor == 0.0 and p.decayed(0.0) == 0.0

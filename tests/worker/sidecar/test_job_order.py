@@ -10,7 +10,7 @@ from rollout_worker.api.sampling import sample_seed
 from rollout_worker.api.sidecar import Sample
 from rollout_worker.data.prompts import Prompt
 from rollout_worker.sidecar.engine_client import EngineClient
-from rollout_worker.sidecar.job import Job
+from rollout_worker.sidecar.job_mode import Job
 from rollout_worker.sidecar.metrics import SidecarMetrics
 from rollout_worker.sidecar.outputs import SampleWriter
 from rollout_worker.sidecar.settings import SidecarFields

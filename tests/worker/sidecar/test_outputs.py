@@ -11,7 +11,7 @@ from rollout_worker.api.sampling import sample_seed
 from rollout_worker.api.sidecar import Sample, SamplingSettings, read_outputs, read_samples
 from rollout_worker.data.prompts import Prompt
 from rollout_worker.errors import UserError
-from rollout_worker.sidecar.job import Job
+from rollout_worker.sidecar.job_mode import Job
 from rollout_worker.sidecar.outputs import SampleWriter, sha256_of, write_manifest
 
 

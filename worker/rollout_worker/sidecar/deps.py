@@ -10,7 +10,7 @@ from rollout_worker.api.state import EngineState
 from rollout_worker.data.files import check_writable
 from rollout_worker.errors import UserError
 from rollout_worker.sidecar.engine_client import EngineClient
-from rollout_worker.sidecar.job import Job, shard
+from rollout_worker.sidecar.job_mode import Job, shard
 from rollout_worker.sidecar.metrics import SidecarMetrics
 from rollout_worker.sidecar.outputs import SampleWriter
 from rollout_worker.sidecar.settings import SidecarFields

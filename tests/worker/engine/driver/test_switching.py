@@ -8,7 +8,7 @@ from rollout_worker.api.plan import Plan, ReconfigEvent, Trigger
 from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import Sampling
 from rollout_worker.engine import messages as m
-from rollout_worker.engine.driver.request_table import Book
+from rollout_worker.engine.driver.request_table import RequestTable
 from rollout_worker.engine.driver.switching import Switching
 from rollout_worker.engine.driver.tickets import Tickets
 from rollout_worker.engine.finish import FinishLength
@@ -19,11 +19,11 @@ CANDIDATES = (Layout(4, 1), Layout(2, 2), Layout(1, 4))
 
 
 def _setup(n: int = 0) -> tuple[Switching, Tickets, list[m.Command]]:
-    book, tickets, sent = Book(Layout(4, 1)), Tickets(), []
+    table, tickets, sent = RequestTable(Layout(4, 1)), Tickets(), []
     for i in range(n):
-        book.add(RequestSpec(f"r{i}", (1,), 8, Sampling()), (), 0.0)
-    book.dispatch()
-    return Switching(book, tickets, sent.append, CANDIDATES), tickets, sent
+        table.add(RequestSpec(f"r{i}", (1,), 8, Sampling()), (), 0.0)
+    table.dispatch()
+    return Switching(table, tickets, sent.append, CANDIDATES), tickets, sent
 
 
 def _plan(*triggers: tuple[int, Layout], based_on: Layout = Layout(4, 1)) -> Plan:
@@ -58,7 +58,7 @@ def test_a_plans_switch_fires_once_and_needs_no_waiter() -> None:
     sw.set_plan(_plan((2, Layout(1, 4))))
     sw.fire()
     assert sent == [] and not sw.in_flight  # 3 unfinished: not yet
-    sw.book.finalize("r0", FinishLength(8), 1.0)
+    sw.table.finalize("r0", FinishLength(8), 1.0)
     sw.fire()
     sw.fire()  # in flight: no second switch
     assert len(sent) == 1 and sw.in_flight
@@ -66,7 +66,7 @@ def test_a_plans_switch_fires_once_and_needs_no_waiter() -> None:
     assert isinstance(cmd, m.Reconfigure) and cmd.target == Layout(1, 4)
     assert cmd.reason == "plan: unfinished 2 <= 2"
     event = sw.on_switched(_switched(cmd.ticket, Layout(1, 4)), 2.0)
-    assert event.dst == Layout(1, 4) and sw.book.layout == Layout(1, 4)
+    assert event.dst == Layout(1, 4) and sw.table.layout == Layout(1, 4)
     assert not sw.in_flight and len(tickets) == 0  # nobody waited: forgotten once answered
 
 

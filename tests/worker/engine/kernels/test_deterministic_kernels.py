@@ -17,10 +17,8 @@ import torch
 import torch.nn.functional as F
 from rollout_worker.config.model_config import ModelConfig
 from rollout_worker.engine.kernels import deterministic_attention as attn
-from rollout_worker.engine.kernels import fixed_order as native
-from rollout_worker.engine.kernels import packed_linear as packed
+from rollout_worker.engine.kernels import fixed_order, packed_linear, row_parallel, row_rules, tree_sums
 from rollout_worker.engine.kernels import row_chunks as chunking
-from rollout_worker.engine.kernels import row_parallel, row_rules, tree_sums
 from rollout_worker.engine.kernels.choice import Attend
 from rollout_worker.engine.model.presets import preset_config
 from rollout_worker.engine.model.sharding import kv_head_range, q_head_range
@@ -29,12 +27,12 @@ OTHERS = (0, 3, 4, 63)  # other rows in the batch
 Product = Callable[..., torch.Tensor]
 
 # the fixed-order kernel runs where this machine builds it (AVX-512 or AVX2; .ci/run fails where it does not)
-BUILT = pytest.mark.skipif(native.kernels() is None, reason="no AVX-512 or AVX2, or no C++ compiler")
+BUILT = pytest.mark.skipif(fixed_order.kernels() is None, reason="no AVX-512 or AVX2, or no C++ compiler")
 NATIVE, DENSE = pytest.param("native", marks=BUILT), pytest.param("dense", marks=BUILT)
 
 
-def _unpacked(w: native.Packed) -> torch.Tensor:
-    """The dense [out, in] weight a one-chunk :func:`native.pack` holds."""
+def _unpacked(w: fixed_order.Packed) -> torch.Tensor:
+    """The dense [out, in] weight a one-chunk :func:`fixed_order.pack` holds."""
     _, blocks, k, width = w.blocks.shape
     return w.blocks[0].permute(0, 2, 1).reshape(blocks * width, k)[: w.out]
 
@@ -42,17 +40,18 @@ def _unpacked(w: native.Packed) -> torch.Tensor:
 # kernel: (the invariant product, how it takes a weight, the default product on that weight)
 KERNELS: dict[str, tuple[Product, Callable[[torch.Tensor], object], Product]] = {
     "sgemm": (row_rules.linear, lambda w: w, F.linear),
-    "packed": (row_rules.packed_linear, packed.pack, packed.linear),
+    "packed": (row_rules.packed_linear, packed_linear.pack, packed_linear.linear),
     # the fixed-order kernel, whose default is sgemm on the same weight
-    "native": (native.linear, native.pack, lambda x, w: F.linear(x, _unpacked(w))),
-    "dense": (native.linear, lambda w: w, F.linear),
+    "native": (fixed_order.linear, fixed_order.pack, lambda x, w: F.linear(x, _unpacked(w))),
+    "dense": (fixed_order.linear, lambda w: w, F.linear),
 }
 kernels = pytest.mark.parametrize(
     "kernel",
     [
         "sgemm",
         pytest.param(
-            "packed", marks=pytest.mark.skipif(not packed.available(), reason="no oneDNN packed linear")
+            "packed",
+            marks=pytest.mark.skipif(not packed_linear.available(), reason="no oneDNN packed linear"),
         ),
         NATIVE,
         DENSE,
@@ -201,7 +200,7 @@ def test_fused_rows_is_the_fewest_rows_that_give_the_batched_products_bits(width
     def among(count: int, at: int) -> list[torch.Tensor]:
         x = torch.randn(count, width, generator=gen)
         x[at] = row
-        out = packed.mkl_linear(x, packed.mkl_pack(stacked, count))[at]
+        out = packed_linear.mkl_linear(x, packed_linear.mkl_pack(stacked, count))[at]
         return [out[:48], out[96:]]
 
     if least is None:
@@ -222,9 +221,9 @@ def test_a_few_tokens_take_the_stacked_product_and_get_the_batched_bits() -> Non
     row_chunks = chunking.RowChunks.of(cfg, 4)
     gen = torch.Generator().manual_seed(9)
     calls = 0
-    real = packed.mkl_linear
+    real = packed_linear.mkl_linear
 
-    def counted(x: torch.Tensor, w: packed.MklPacked) -> torch.Tensor:
+    def counted(x: torch.Tensor, w: packed_linear.MklPacked) -> torch.Tensor:
         nonlocal calls
         calls += 1
         return real(x, w)
@@ -249,7 +248,7 @@ def test_a_few_tokens_take_the_stacked_product_and_get_the_batched_bits() -> Non
                     x = torch.randn(tokens, 1, hi - lo, generator=gen)
                     before = calls
                     with pytest.MonkeyPatch.context() as m:
-                        m.setattr(packed, "mkl_linear", counted)
+                        m.setattr(packed_linear, "mkl_linear", counted)
                         got = row_parallel.partials(x, weight, chunks)
                     assert calls == before + 1
                     assert torch.equal(got, row_parallel.partials(x, dense, chunks)), (k, tp, s, tokens)
@@ -327,7 +326,7 @@ def _t(keys: torch.Tensor) -> torch.Tensor:
 def attend(request: pytest.FixtureRequest) -> Attend:
     """The deterministic attention on the fixed-order kernel (where it is built) or on torch's operations
     (as elsewhere)."""
-    return attn.attend if request.param == "torch" else native.attend
+    return attn.attend if request.param == "torch" else fixed_order.attend
 
 
 def test_attention_row_does_not_depend_on_batch_padding_prefill_or_tp(attend: Attend) -> None:
@@ -449,7 +448,7 @@ def test_chunk_kernel_takes_the_form_that_pads_to_fewer_tokens(monkeypatch: pyte
         return rule
 
     monkeypatch.setattr(row_rules, "least_rows", least)
-    monkeypatch.setattr(native, "kernels", lambda: None)  # the MKL forms' choice, as on a CPU without it
+    monkeypatch.setattr(fixed_order, "kernels", lambda: None)  # the MKL forms' choice, as on a CPU without it
     for columns, rows, want in ((2, 9, "partials"), (4, 4, "partials"), (12, 4, "rows"), (None, 12, "rows")):
         rules.update(partials=columns, rows=rows)
         assert row_parallel.chunk_kernel(192, torch.float32, copies=False) == want
@@ -467,7 +466,7 @@ def test_chunk_kernel_takes_the_fixed_order_kernel_where_it_is_built_and_may_cop
     rules = {"native": 1, "dense": 1, "partials": 2, "rows": 9}
     monkeypatch.setattr(row_rules, "least_rows", lambda kernel, k, dtype: rules[kernel])
     built: list[object | None] = [object()]
-    monkeypatch.setattr(native, "kernels", lambda: built[0])
+    monkeypatch.setattr(fixed_order, "kernels", lambda: built[0])
     assert row_parallel.chunk_kernel(192, torch.float32) == "native"
     assert row_parallel.chunk_kernel(192, torch.float32, copies=False) == "dense"
     assert row_parallel.chunk_kernel(192, torch.float64) == "partials"
@@ -488,24 +487,24 @@ def test_native_kernel_is_not_taken_where_it_does_not_build(monkeypatch: pytest.
         raise RuntimeError("Error building extension 'rollout_fixed_order'")
 
     monkeypatch.setattr(cpp_extension, "load", fail)
-    monkeypatch.setattr(native, "machine_isa", lambda: "avx2")
-    native.kernels.cache_clear()
-    native.build.cache_clear()
+    monkeypatch.setattr(fixed_order, "machine_isa", lambda: "avx2")
+    fixed_order.kernels.cache_clear()
+    fixed_order.build.cache_clear()
     try:
-        assert native.kernels() is None
-        monkeypatch.setattr(native, "machine_isa", lambda: None)
-        native.kernels.cache_clear()
-        assert native.kernels() is None
+        assert fixed_order.kernels() is None
+        monkeypatch.setattr(fixed_order, "machine_isa", lambda: None)
+        fixed_order.kernels.cache_clear()
+        assert fixed_order.kernels() is None
     finally:
-        native.kernels.cache_clear()
-        native.build.cache_clear()
+        fixed_order.kernels.cache_clear()
+        fixed_order.build.cache_clear()
 
 
-def _fixed(form: str, w: torch.Tensor, n: int) -> native.Packed | torch.Tensor:
+def _fixed(form: str, w: torch.Tensor, n: int) -> fixed_order.Packed | torch.Tensor:
     """w [out, n * width] as the fixed-order kernel's ``form`` reads it: packed in ``n`` chunks (a copy), or
     as it is, a view of a wider matrix (rows of another stride)."""
     if form == "native":
-        return native.pack(w, n)
+        return fixed_order.pack(w, n)
     wide = w.new_zeros(w.shape[0], w.shape[1] + 5)
     wide[:, 3 : 3 + w.shape[1]] = w
     return wide[:, 3 : 3 + w.shape[1]]
@@ -527,7 +526,7 @@ def test_native_partials_are_each_chunks_product_in_one_order_whatever_the_token
     gen = torch.Generator().manual_seed(out + k)
     w, x = torch.randn(out, k, generator=gen), torch.randn(67, k, generator=gen)
     width = k // n
-    every = native.partials(x, _fixed(form, w, n), n)
+    every = fixed_order.partials(x, _fixed(form, w, n), n)
     exact = torch.stack(
         [
             x.double()[:, c * width : (c + 1) * width] @ w.double()[:, c * width : (c + 1) * width].T
@@ -538,25 +537,29 @@ def test_native_partials_are_each_chunks_product_in_one_order_whatever_the_token
     weight = _fixed(form, w, n)
     for t in (1, 2, 3, 4, 5, 6, 7, 17, 63):
         for at in (0, 3, 67 - t):
-            assert torch.equal(native.partials(x[at : at + t], weight, n), every[:, at : at + t]), (t, at)
+            assert torch.equal(fixed_order.partials(x[at : at + t], weight, n), every[:, at : at + t]), (
+                t,
+                at,
+            )
     for c in range(n):
         cols = slice(c * width, (c + 1) * width)
-        alone = native.partials(x[:, cols].contiguous(), _fixed(form, w[:, cols].contiguous(), 1))[0]
+        alone = fixed_order.partials(x[:, cols].contiguous(), _fixed(form, w[:, cols].contiguous(), 1))[0]
         assert torch.equal(alone, every[c])
     for fewer in sorted({1, 3, 5, 15, 17, 63, 65, out - 1} & set(range(1, out))):
-        assert torch.equal(native.partials(x, _fixed(form, w[:fewer], n), n), every[..., :fewer]), fewer
+        assert torch.equal(fixed_order.partials(x, _fixed(form, w[:fewer], n), n), every[..., :fewer]), fewer
     rounded = (x[:, None, :width] * w[None, :, :width]).sum(-1)  # each product rounded, then torch's sum
     assert not torch.equal(rounded, every[0])  # another order gives other bits: the comparisons can fail
 
 
 @pytest.mark.skipif(
-    native.machine_isa() != "avx512" or native.kernels() is None, reason="needs a CPU that runs both builds"
+    fixed_order.machine_isa() != "avx512" or fixed_order.kernels() is None,
+    reason="needs a CPU that runs both builds",
 )
 def test_the_avx2_build_computes_the_avx512_builds_bits() -> None:
     """The kernel built for AVX2 (two 8-lane registers per vector) gives every product, packed and dense,
     and attention (a row that sees no key, scores far enough below the maximum that exp scales by 2^-126)
     the AVX-512 build's bits, so engines on either kind of CPU agree."""
-    wide, narrow = native.build("avx512"), native.build("avx2")
+    wide, narrow = fixed_order.build("avx512"), fixed_order.build("avx2")
     assert wide is not None and narrow is not None and (wide.isa, narrow.isa) == ("avx512", "avx2")
     gen = torch.Generator().manual_seed(7)
     for out, k, n in ((576, 1536, 8), (100, 192, 3), (21, 200, 2), (17, 32, 1)):

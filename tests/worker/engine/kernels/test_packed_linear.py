@@ -12,9 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from rollout_worker.config.model_config import ModelConfig
-from rollout_worker.engine.kernels import fixed_order as native
-from rollout_worker.engine.kernels import packed_linear as packed
-from rollout_worker.engine.kernels import row_parallel
+from rollout_worker.engine.kernels import fixed_order, packed_linear, row_parallel
 from rollout_worker.engine.model.checkpoint import CheckpointReader
 from rollout_worker.engine.model.presets import preset_config
 from rollout_worker.engine.model.weights import load_shard
@@ -23,14 +21,16 @@ from rollout_worker.engine.rank.sequence import Sequence
 from tests.worker.engine.engine_util import requests
 from tests.worker.engine.replica_util import replica
 
-pytestmark = pytest.mark.skipif(not packed.available(), reason="this torch has no oneDNN packed linear")
+pytestmark = pytest.mark.skipif(
+    not packed_linear.available(), reason="this torch has no oneDNN packed linear"
+)
 
 
 @pytest.mark.parametrize("out, k", [(48, 32), (512, 1536), (4096, 512)])
 def test_packed_products_are_f_linear_within_float32_rounding(out: int, k: int) -> None:
     gen = torch.Generator().manual_seed(out + k)
     w, b = torch.randn(out, k, generator=gen) / k**0.5, torch.randn(out, generator=gen)
-    wp = packed.pack(w)
+    wp = packed_linear.pack(w)
     for x in (
         torch.randn(1, k, generator=gen),
         torch.randn(16, k, generator=gen),
@@ -38,10 +38,10 @@ def test_packed_products_are_f_linear_within_float32_rounding(out: int, k: int) 
         torch.randn(4, 2 * k, generator=gen)[:, ::2],  # strided
     ):
         for bias in (None, b):
-            got, want = packed.linear(x, wp, bias), F.linear(x, w, bias)
+            got, want = packed_linear.linear(x, wp, bias), F.linear(x, w, bias)
             assert got.shape == want.shape and got.dtype == torch.float32
             torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
-    assert packed.linear(torch.zeros(0, k), wp).shape == (0, out)
+    assert packed_linear.linear(torch.zeros(0, k), wp).shape == (0, out)
 
 
 def test_auto_packs_while_two_copies_per_rank_fit_in_half_the_memory(tiny32: Path) -> None:
@@ -50,11 +50,13 @@ def test_auto_packs_while_two_copies_per_rank_fit_in_half_the_memory(tiny32: Pat
     weights = load_shard(CheckpointReader(tiny32, cfg), cfg, 1, 0, torch.float32, torch.device("cpu"))
     assert cfg.weight_elements == sum(t.numel() for t in weights.values())  # what a TP=1 rank holds
     need = 2 * 4 * cfg.weight_elements  # bytes of two float32 copies, per rank
-    assert packed.wanted("auto", cfg, 2, memory=2 * 2 * need)
-    assert not packed.wanted("auto", cfg, 2, memory=2 * 2 * need - 2)
-    assert not packed.wanted("auto", cfg, 4, memory=2 * 2 * need)
-    assert packed.wanted("on", cfg, 64, memory=1) and not packed.wanted("off", cfg, 1, memory=1 << 60)
-    assert packed.machine_memory() > 1 << 30
+    assert packed_linear.wanted("auto", cfg, 2, memory=2 * 2 * need)
+    assert not packed_linear.wanted("auto", cfg, 2, memory=2 * 2 * need - 2)
+    assert not packed_linear.wanted("auto", cfg, 4, memory=2 * 2 * need)
+    assert packed_linear.wanted("on", cfg, 64, memory=1) and not packed_linear.wanted(
+        "off", cfg, 1, memory=1 << 60
+    )
+    assert packed_linear.machine_memory() > 1 << 30
 
 
 def test_the_real_models_parameters_are_counted() -> None:
@@ -65,9 +67,9 @@ def test_the_real_models_parameters_are_counted() -> None:
 
 
 def test_packs_float32_on_cpu_only() -> None:
-    assert packed.packs(torch.zeros(2, 2))
-    assert not packed.packs(torch.zeros(2, 2, dtype=torch.float64))
-    assert not packed.packs(torch.zeros(2, 2, dtype=torch.bfloat16))
+    assert packed_linear.packs(torch.zeros(2, 2))
+    assert not packed_linear.packs(torch.zeros(2, 2, dtype=torch.float64))
+    assert not packed_linear.packs(torch.zeros(2, 2, dtype=torch.bfloat16))
 
 
 def test_decoder_packs_float32_weights_only(tiny32: Path, tiny64: Path) -> None:
@@ -80,10 +82,10 @@ def test_decoder_packs_float32_weights_only(tiny32: Path, tiny64: Path) -> None:
     wq = det.layers[0].wq
     det_native = det.kernels.linear == "fixed_order"
     det_native_attention = det.kernels.attention == "fixed_order"
-    assert det_native == det_native_attention == (native.kernels() is not None)
+    assert det_native == det_native_attention == (fixed_order.kernels() is not None)
     # torch's attention reads the kept keys transposed
     assert (det.kernels.keys == "transposed") == (not det_native_attention)
-    assert isinstance(wq, native.Packed) if det_native else isinstance(wq, torch.Tensor) and wq.is_mkldnn
+    assert isinstance(wq, fixed_order.Packed) if det_native else isinstance(wq, torch.Tensor) and wq.is_mkldnn
     # the row-parallel weights: in chunks as this CPU's rules choose (chunk_kernel)
     assert det.down_chunks is not None
     for w, c in ((det.layers[0].wo, det.o_chunks), (det.layers[0].w_down, det.down_chunks)):
@@ -96,7 +98,7 @@ def test_decoder_packs_float32_weights_only(tiny32: Path, tiny64: Path) -> None:
     dense = replica(tiny32, 64, 4, dtype=torch.float32, deterministic=True, pack=False).decoder
     wq, wo = dense.layers[0].wq, dense.layers[0].wo
     dense_native = dense.kernels.linear == "fixed_order"
-    assert not dense.kernels.packed and dense_native == (native.kernels() is not None)
+    assert not dense.kernels.packed and dense_native == (fixed_order.kernels() is not None)
     assert isinstance(wq, torch.Tensor) and not wq.is_mkldnn
     assert isinstance(wo, row_parallel.ChunkedWeight) and not wo.dense.is_mkldnn and wo.blocks is None
     assert (wo.kernel == "dense") == dense_native

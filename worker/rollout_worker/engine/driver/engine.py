@@ -9,7 +9,7 @@ with the updates of every request it touched. The HTTP server and ``rolloutctl g
 of this one object.
 
 This module holds the lifecycle, the readers' view and the request verbs. The driver's parts share one
-:class:`~rollout_worker.engine.driver.core.Core` (the requests, health, tickets, switching and rank
+:class:`~rollout_worker.engine.driver.shared.Shared` (the requests, health, tickets, switching and rank
 processes behind one lock, the engine's flags, and the one shape of a command every rank answers); the
 weight verbs are :mod:`~rollout_worker.engine.driver.weight_verbs`, the memory verbs
 :mod:`~rollout_worker.engine.driver.memory_verbs`, and the reader thread that applies the ranks' reports
@@ -29,10 +29,10 @@ from rollout_worker.api.state import EngineState
 from rollout_worker.engine import messages as m
 from rollout_worker.engine.config import EngineConfig
 from rollout_worker.engine.driver import memory_verbs, snapshot
-from rollout_worker.engine.driver.core import Core, Listener, NothingToSend
 from rollout_worker.engine.driver.lifecycle import Health, Status
 from rollout_worker.engine.driver.reader import Observer, Reader
 from rollout_worker.engine.driver.request_table import Decode, Update
+from rollout_worker.engine.driver.shared import Listener, NothingToSend, Shared
 from rollout_worker.engine.driver.weight_groups import Joining
 from rollout_worker.engine.driver.weight_verbs import WeightVerbs
 from rollout_worker.engine.finish import PAUSE_ABORT, FinishAbort
@@ -56,17 +56,17 @@ class Engine:
         faults: Faults | None = None,
     ) -> None:
         self.cfg = cfg
-        self._core = Core(cfg, decode, faults, listener or (lambda updates: None), on_failure)
-        self._reader = Reader(self._core, observer or Observer())
-        self._weights = WeightVerbs(self._core, lambda message: self.abort(None, message))
+        self._shared = Shared(cfg, decode, faults, listener or (lambda updates: None), on_failure)
+        self._reader = Reader(self._shared, observer or Observer())
+        self._weights = WeightVerbs(self._shared, lambda message: self.abort(None, message))
 
     @property
     def listener(self) -> Listener:
-        return self._core.listener
+        return self._shared.listener
 
     @property
     def on_failure(self) -> Callable[[str], None] | None:
-        return self._core.on_failure
+        return self._shared.on_failure
 
     @property
     def observer(self) -> Observer:
@@ -75,40 +75,42 @@ class Engine:
     # -- lifecycle -----------------------------------------------------------------------------------
     def start(self, timeout_s: float = 900.0) -> Engine:
         """Start the ranks and wait until every one has loaded its weights."""
-        core = self._core
-        core.procs.start()
+        shared = self._shared
+        shared.procs.start()
         self._reader.thread.start()
-        with core.lock:
-            started = core.changed.wait_for(lambda: core.life.status.health is not Health.STARTING, timeout_s)
+        with shared.lock:
+            started = shared.changed.wait_for(
+                lambda: shared.life.status.health is not Health.STARTING, timeout_s
+            )
         if not started:
-            core.fail(f"ranks not ready after {timeout_s:.0f} s")
-        status = core.life.status
+            shared.fail(f"ranks not ready after {timeout_s:.0f} s")
+        status = shared.life.status
         if not status.serving:
             self._reader.thread.join(timeout=5)
             raise EngineError(status.failure or "engine failed to start")
-        core.t0 = time.monotonic()
+        shared.t0 = time.monotonic()
         return self
 
     def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         """Stop: optionally let in-flight requests finish, abort the rest, stop every rank."""
-        core = self._core
-        with core.lock:
-            was_failed = core.life.status.health is Health.FAILED
-            if not core.life.move(Health.STOPPING):  # stopping or stopped already
+        shared = self._shared
+        with shared.lock:
+            was_failed = shared.life.status.health is Health.FAILED
+            if not shared.life.move(Health.STOPPING):  # stopping or stopped already
                 return
-            core.changed.notify_all()
+            shared.changed.notify_all()
             if drain_timeout_s > 0 and not was_failed:
-                core.changed.wait_for(lambda: core.book.unfinished == 0, drain_timeout_s)
-            updates = core.book.abort_all(FinishAbort("engine shutting down"), core.now())
-            core.changed.notify_all()
-        core.listener(updates)
-        core.procs.stop(grace_s=0.0 if was_failed else 10.0)
+                shared.changed.wait_for(lambda: shared.table.unfinished == 0, drain_timeout_s)
+            updates = shared.table.abort_all(FinishAbort("engine shutting down"), shared.now())
+            shared.changed.notify_all()
+        shared.listener(updates)
+        shared.procs.stop(grace_s=0.0 if was_failed else 10.0)
         reader = self._reader.thread
         if reader.is_alive() and threading.current_thread() is not reader:
             reader.join(timeout=5)
-        with core.lock:
-            core.life.move(Health.STOPPED)
-            core.changed.notify_all()
+        with shared.lock:
+            shared.life.move(Health.STOPPED)
+            shared.changed.notify_all()
 
     def __enter__(self) -> Engine:
         return self.start()
@@ -119,63 +121,65 @@ class Engine:
     # -- what readers see (no lock needed: immutable values) -------------------------------------------
     @property
     def status(self) -> Status:
-        return self._core.life.status
+        return self._shared.life.status
 
     @property
     def layout(self) -> Layout:
-        return self._core.book.layout
+        return self._shared.table.layout
 
     @property
     def weight_version(self) -> str:
-        return self._core.flags.weight_version
+        return self._shared.flags.weight_version
 
     @property
     def paused(self) -> str | None:
         """The pause mode while paused."""
-        return self._core.flags.paused
+        return self._shared.flags.paused
 
     @property
     def released(self) -> tuple[str, ...]:
         """The memory tags released (from the moment a release is sent until a resume of them returns)."""
-        return tuple(sorted(self._core.flags.released))
+        return tuple(sorted(self._shared.flags.released))
 
     @property
     def joining(self) -> tuple[Joining, ...]:
         """Joins of trainers' groups under way."""
-        return self._core.groups.joining
+        return self._shared.groups.joining
 
     @property
     def memory_held(self) -> tuple[m.MemoryHeld | None, ...]:
         """Per rank, the bytes it held when it last said (once started, and after each release / resume)."""
-        return self._core.flags.held
+        return self._shared.flags.held
 
     @property
     def rank_pids(self) -> list[int | None]:
-        return [p.pid for p in self._core.procs.procs]
+        return [p.pid for p in self._shared.procs.procs]
 
     def snapshot(self) -> snapshot.Snapshot:
         """Health, layout, requests per replica and KV use, taken together."""
-        core = self._core
-        with core.lock:
-            return snapshot.take(core.book, core.life.status, core.flags.paused, core.flags.weight_version)
+        shared = self._shared
+        with shared.lock:
+            return snapshot.take(
+                shared.table, shared.life.status, shared.flags.paused, shared.flags.weight_version
+            )
 
     def state(self, since_step: int = 0) -> EngineState:
-        core, flags = self._core, self._core.flags
-        with core.lock:
-            ready = core.life.status.serving and not core.switching.in_flight
-            return core.book.snapshot(
+        shared, flags = self._shared, self._shared.flags
+        with shared.lock:
+            ready = shared.life.status.serving and not shared.switching.in_flight
+            return shared.table.snapshot(
                 since_step,
-                core.now() - core.t0,
+                shared.now() - shared.t0,
                 [ready and r in flags.ready for r in range(self.cfg.world)],
                 flags.paused is not None,
-                core.switching.in_flight,
+                shared.switching.in_flight,
                 flags.weight_version,
                 flags.weight_loads,
             )
 
     def reconfigurations(self) -> list[ReconfigEvent]:
-        with self._core.lock:
-            return list(self._core.book.events)
+        with self._shared.lock:
+            return list(self._shared.table.events)
 
     # -- verbs ---------------------------------------------------------------------------------------
     def check(self, spec: RequestSpec) -> None:
@@ -206,87 +210,89 @@ class Engine:
         caller ran :meth:`check` on each already."""
         for spec, _ in () if checked else jobs:
             self.check(spec)
-        core = self._core
-        with core.lock:
-            core.check_serving()
-            if released := core.flags.released:
+        shared = self._shared
+        with shared.lock:
+            shared.check_serving()
+            if released := shared.flags.released:
                 raise Unavailable(f"memory released ({', '.join(sorted(released))}); resume it first")
-            core.book.add_all(jobs, core.now())
-            core.dispatch()
+            shared.table.add_all(jobs, shared.now())
+            shared.dispatch()
 
     def abort(self, rid: str | Collection[str] | None = None, message: str = "aborted by request") -> int:
         """Abort one request, several (unknown ids are a no-op) or all (``rid=None``). Partial output is
         kept."""
-        finish, core = FinishAbort(message), self._core
-        with core.lock:
-            book = core.book
-            asked = book.reqs if rid is None else [rid] if isinstance(rid, str) else dict.fromkeys(rid)
-            rids = [r for r in asked if r in book.reqs]
-            on_ranks = [r for r in rids if book.reqs[r].replica is not None]
+        finish, shared = FinishAbort(message), self._shared
+        with shared.lock:
+            table = shared.table
+            asked = table.reqs if rid is None else [rid] if isinstance(rid, str) else dict.fromkeys(rid)
+            rids = [r for r in asked if r in table.reqs]
+            on_ranks = [r for r in rids if table.reqs[r].replica is not None]
             updates = [
-                book.finalize(r, finish, core.now(), in_report=False)
+                table.finalize(r, finish, shared.now(), in_report=False)
                 for r in rids
-                if book.reqs[r].replica is None
+                if table.reqs[r].replica is None
             ]
             if on_ranks:  # to every rank: a switch may be moving the request to another replica right now
-                core.procs.broadcast(m.Abort(tuple(on_ranks), finish))
+                shared.procs.broadcast(m.Abort(tuple(on_ranks), finish))
             if updates:
-                core.changed.notify_all()
-        core.listener(updates)
+                shared.changed.notify_all()
+        shared.listener(updates)
         return len(rids)
 
     def pause(self, mode: str = "abort") -> None:
         if mode not in m.PAUSE_MODES:
             raise UserError(f"must be one of {', '.join(m.PAUSE_MODES)}, got {mode!r}", "mode")
         updates: list[Update] = []
-        core = self._core
-        with core.lock:
-            core.check_serving()
-            core.flags.paused = mode
-            core.procs.broadcast(m.Pause(mode))
+        shared = self._shared
+        with shared.lock:
+            shared.check_serving()
+            shared.flags.paused = mode
+            shared.procs.broadcast(m.Pause(mode))
             if mode == "abort":  # the ranks abort theirs; the driver, those not on a replica yet
-                updates = [core.book.finalize(r, PAUSE_ABORT, core.now()) for r in list(core.book.queued)]
-            core.changed.notify_all()  # a weight update waiting for requests in flight goes ahead now
-        core.listener(updates)
+                updates = [
+                    shared.table.finalize(r, PAUSE_ABORT, shared.now()) for r in list(shared.table.queued)
+                ]
+            shared.changed.notify_all()  # a weight update waiting for requests in flight goes ahead now
+        shared.listener(updates)
 
     def resume(self) -> None:
-        core = self._core
-        with core.lock:
-            core.check_serving()
-            core.flags.paused = None
-            core.procs.broadcast(m.Resume())
-            core.dispatch()
+        shared = self._shared
+        with shared.lock:
+            shared.check_serving()
+            shared.flags.paused = None
+            shared.procs.broadcast(m.Resume())
+            shared.dispatch()
 
     def set_plan(self, plan: Plan | None) -> None:
         """Replace the plan. Refused (409) unless ``plan.based_on_layout`` is the current layout."""
-        core = self._core
-        with core.lock:
-            core.check_serving()
-            core.switching.set_plan(plan)
-            core.fire()
+        shared = self._shared
+        with shared.lock:
+            shared.check_serving()
+            shared.switching.set_plan(plan)
+            shared.fire()
 
     def reconfigure(
         self, layout: Layout, method: Method = "auto", timeout_s: float | None = None
     ) -> ReconfigEvent | None:
         """Switch to ``layout`` at the next step boundary of every replica; cancels the plan. Returns the
         event (None when already in that layout)."""
-        core = self._core
-        core.switching.check_layout(layout, "layout")
+        shared = self._shared
+        shared.switching.check_layout(layout, "layout")
 
         def check() -> None:
-            core.check_serving()
-            core.switching.set_plan(None)
-            if layout == core.book.layout:
+            shared.check_serving()
+            shared.switching.set_plan(None)
+            if layout == shared.table.layout:
                 raise NothingToSend
 
-        with core.one_at_a_time:
+        with shared.one_at_a_time:
             try:
-                ticket, _ = core.send(
-                    lambda t: m.Reconfigure(layout, method, "requested", t), 1, check, core.switching.began
+                ticket, _ = shared.send(
+                    lambda t: m.Reconfigure(layout, method, "requested", t), 1, check, shared.switching.began
                 )
             except NothingToSend:
                 return None
-            return next(r for r in core.await_(ticket, timeout_s) if isinstance(r, ReconfigEvent))
+            return next(r for r in shared.await_(ticket, timeout_s) if isinstance(r, ReconfigEvent))
 
     def update_weights(
         self, path: str, version: str | None = None, abort_all: bool = False, timeout_s: float = 600.0
@@ -336,12 +342,12 @@ class Engine:
         """Every rank frees the memory of ``tags``; returns once every rank has (refused while requests are
         in flight). New requests are refused (503) from the moment the ranks are told until a resume of
         these tags returns."""
-        memory_verbs.release_or_resume(self._core, m.ReleaseMemory, tags)
+        memory_verbs.release_or_resume(self._shared, m.ReleaseMemory, tags)
 
     def resume_memory(self, tags: tuple[str, ...]) -> None:
         """Every rank takes the memory of ``tags`` again; returns once every rank holds it."""
-        memory_verbs.release_or_resume(self._core, m.ResumeMemory, tags)
+        memory_verbs.release_or_resume(self._shared, m.ResumeMemory, tags)
 
     def flush_cache(self) -> None:
         """Empty every replica's prefix cache (refused while requests are in flight)."""
-        memory_verbs.flush_cache(self._core)
+        memory_verbs.flush_cache(self._shared)

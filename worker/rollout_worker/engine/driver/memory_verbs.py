@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from rollout_worker.api.sglang import MEMORY_TAGS
 from rollout_worker.engine import messages as m
-from rollout_worker.engine.driver.core import Core
+from rollout_worker.engine.driver.shared import Shared
 from rollout_worker.errors import UserError
 
 
 def release_or_resume(
-    core: Core, kind: type[m.ReleaseMemory] | type[m.ResumeMemory], tags: tuple[str, ...]
+    shared: Shared, kind: type[m.ReleaseMemory] | type[m.ResumeMemory], tags: tuple[str, ...]
 ) -> None:
     """Every rank releases (or resumes) the memory of ``tags``; returns once every rank has. New requests
     are refused from the moment a release goes out until a resume of its tags returns."""
@@ -22,16 +22,16 @@ def release_or_resume(
 
     def sent(cmd: m.Command) -> None:  # new requests are refused from the moment a release goes out
         if release:
-            core.flags.released |= set(tags)
+            shared.flags.released |= set(tags)
 
-    with core.one_at_a_time:
-        core.on_every_rank(lambda ticket: kind(tags, ticket), "tags" if release else None, sent)
+    with shared.one_at_a_time:
+        shared.on_every_rank(lambda ticket: kind(tags, ticket), "tags" if release else None, sent)
         if not release:
-            with core.lock:
-                core.flags.released -= set(tags)
+            with shared.lock:
+                shared.flags.released -= set(tags)
 
 
-def flush_cache(core: Core) -> None:
+def flush_cache(shared: Shared) -> None:
     """Every replica empties its prefix cache (refused while requests are in flight)."""
-    with core.one_at_a_time:
-        core.on_every_rank(m.FlushCache, None)
+    with shared.one_at_a_time:
+        shared.on_every_rank(m.FlushCache, None)

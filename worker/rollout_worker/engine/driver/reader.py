@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from rollout_worker.api.plan import ReconfigEvent
 from rollout_worker.engine import messages as m
-from rollout_worker.engine.driver.core import Core
 from rollout_worker.engine.driver.lifecycle import Health
 from rollout_worker.engine.driver.request_table import Outcome, Update
+from rollout_worker.engine.driver.shared import Shared
 
 log = logging.getLogger(__name__)
 
@@ -29,17 +29,17 @@ class Observer:
 
 
 class Reader:
-    def __init__(self, core: Core, observer: Observer) -> None:
-        self.core, self.observer = core, observer
+    def __init__(self, shared: Shared, observer: Observer) -> None:
+        self.shared, self.observer = shared, observer
         self.thread = threading.Thread(target=self._read, name="engine-reader", daemon=True)
 
     def _read(self) -> None:
-        core = self.core
-        while core.life.status.health not in (Health.STOPPED, Health.FAILED):
+        shared = self.shared
+        while shared.life.status.health not in (Health.STOPPED, Health.FAILED):
             try:
-                msgs = core.procs.receive(timeout=0.5)
+                msgs = shared.procs.receive(timeout=0.5)
             except (EOFError, OSError):
-                if core.life.status.health is Health.STOPPING:
+                if shared.life.status.health is Health.STOPPING:
                     return
                 msgs = [m.Failed(-1, "lost the connection to the ranks", "")]
             for msg in msgs:
@@ -47,41 +47,43 @@ class Reader:
                     self._handle(msg)
                 except Exception:  # a bug here must not leave clients hanging
                     log.exception("engine reader failed on %s", type(msg).__name__)
-                    core.fail("internal error in the engine driver (see the server log)")
-            if core.life.status.health is Health.STOPPING and not core.procs.procs[0].is_alive():
+                    shared.fail("internal error in the engine driver (see the server log)")
+            if shared.life.status.health is Health.STOPPING and not shared.procs.procs[0].is_alive():
                 return
 
     def _handle(self, msg: m.Report) -> None:
-        core = self.core
+        shared = self.shared
         if isinstance(msg, m.StepReport):
             self._on_step(msg)
         elif isinstance(msg, m.Switched):
             self._on_switched(msg)
         elif isinstance(msg, m.Done):
-            with core.lock:
-                core.tickets.reply(msg.ticket, msg)
-                core.changed.notify_all()
+            with shared.lock:
+                shared.tickets.reply(msg.ticket, msg)
+                shared.changed.notify_all()
         elif isinstance(msg, m.MemoryHeld):
-            with core.lock:
-                core.flags.held = tuple(msg if r == msg.rank else h for r, h in enumerate(core.flags.held))
+            with shared.lock:
+                shared.flags.held = tuple(
+                    msg if r == msg.rank else h for r, h in enumerate(shared.flags.held)
+                )
         elif isinstance(msg, m.Ready):
-            with core.lock:
-                core.flags.ready.add(msg.rank)
-                if len(core.flags.ready) == core.cfg.world and core.life.move(Health.READY):
-                    core.changed.notify_all()
-        elif isinstance(msg, m.Failed) and core.life.status.health is not Health.STOPPING:
+            with shared.lock:
+                shared.flags.ready.add(msg.rank)
+                if len(shared.flags.ready) == shared.cfg.world and shared.life.move(Health.READY):
+                    shared.changed.notify_all()
+        elif isinstance(msg, m.Failed) and shared.life.status.health is not Health.STOPPING:
             log.debug("rank %d traceback:\n%s", msg.rank, msg.traceback)
-            core.fail(core.procs.blame(msg))
+            shared.fail(shared.procs.blame(msg))
 
     def _on_step(self, msg: m.StepReport) -> None:
-        core, observer = self.core, self.observer
-        with core.lock:
-            out = core.book.on_step(msg, core.now())
+        shared, observer = self.shared, self.observer
+        with shared.lock:
+            out = shared.table.on_step(msg, shared.now())
             for _, rid, finish in out.aborts:
-                core.procs.broadcast(m.Abort((rid,), finish))
+                shared.procs.broadcast(m.Abort((rid,), finish))
             if any(u.finish is not None for u in out.updates):
-                core.changed.notify_all()
-                core.fire()
+                shared.changed.notify_all()
+                shared.fire()
         if observer.on_report:
             observer.on_report(msg)
         if observer.on_tokens:
@@ -90,14 +92,14 @@ class Reader:
             for u in out.updates:
                 if u.finish is not None:
                     observer.on_finish(u)
-        core.listener(out.updates)
+        shared.listener(out.updates)
 
     def _on_switched(self, msg: m.Switched) -> None:
-        core = self.core
-        with core.lock:
-            event = core.switching.on_switched(msg, core.now() - core.t0)
-            core.changed.notify_all()
-            core.dispatch()
-            core.fire()
+        shared = self.shared
+        with shared.lock:
+            event = shared.switching.on_switched(msg, shared.now() - shared.t0)
+            shared.changed.notify_all()
+            shared.dispatch()
+            shared.fire()
         if self.observer.on_switch:
             self.observer.on_switch(event)

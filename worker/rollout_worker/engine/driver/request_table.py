@@ -71,7 +71,7 @@ class Update:
 
 @dataclass(slots=True)
 class Outcome:
-    """The result of feeding the book one report: consumer updates, aborts to send, token timings."""
+    """The result of feeding the table one report: consumer updates, aborts to send, token timings."""
 
     updates: list[Update] = field(default_factory=list)
     aborts: list[tuple[int, str, Finish]] = field(default_factory=list)  # (replica, rid, finish) to stop
@@ -79,7 +79,7 @@ class Outcome:
     ttft_s: list[float] = field(default_factory=list)
 
 
-class Book:
+class RequestTable:
     def __init__(self, layout: Layout, decode: Decode | None = None) -> None:
         self.layout, self.decode = layout, decode
         self.epoch = self.step = 0

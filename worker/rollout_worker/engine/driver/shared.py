@@ -5,9 +5,9 @@ that every rank answers.
 One lock (``lock``) guards all of them, with one condition on it (``changed``) that wakes whoever waits for
 that state to change (requests finished, a ticket answered, the health moved). A second lock
 (``one_at_a_time``) lets one global command (a switch, a weight load, a memory release or resume) run at a
-time: those wait for the ranks' replies without holding the first. Such a command is :meth:`Core.send`
-(under the lock: the verb's checks, a ticket, the command to every rank), then :meth:`Core.await_` or
-:meth:`Core.gather` (the replies, waited for without the lock).
+time: those wait for the ranks' replies without holding the first. Such a command is :meth:`Shared.send`
+(under the lock: the verb's checks, a ticket, the command to every rank), then :meth:`Shared.await_` or
+:meth:`Shared.gather` (the replies, waited for without the lock).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from rollout_worker.engine import messages as m
 from rollout_worker.engine.config import EngineConfig
 from rollout_worker.engine.driver.launcher import RankProcesses
 from rollout_worker.engine.driver.lifecycle import Health, Lifecycle
-from rollout_worker.engine.driver.request_table import Book, Decode, Update
+from rollout_worker.engine.driver.request_table import Decode, RequestTable, Update
 from rollout_worker.engine.driver.switching import Switching
 from rollout_worker.engine.driver.tickets import Reply, Tickets
 from rollout_worker.engine.driver.weight_groups import GroupBook
@@ -54,7 +54,7 @@ class Flags:
     ready: set[int] = field(default_factory=set)  # ranks that loaded their weights
 
 
-class Core:
+class Shared:
     def __init__(
         self,
         cfg: EngineConfig,
@@ -64,11 +64,11 @@ class Core:
         on_failure: Callable[[str], None] | None,
     ) -> None:
         self.cfg, self.listener, self.on_failure = cfg, listener, on_failure
-        self.book = Book(cfg.layout, decode)
+        self.table = RequestTable(cfg.layout, decode)
         self.life = Lifecycle()
         self.tickets = Tickets()
         self.procs = RankProcesses(cfg, faults=faults)
-        self.switching = Switching(self.book, self.tickets, self.procs.broadcast, cfg.candidates)
+        self.switching = Switching(self.table, self.tickets, self.procs.broadcast, cfg.candidates)
         self.groups = GroupBook()  # trainers' groups, joined or joining
         self.flags = Flags(held=(None,) * cfg.world)
         self.lock = threading.Lock()
@@ -86,8 +86,8 @@ class Core:
         flags = self.flags
         if flags.paused is not None or flags.hold or self.switching.in_flight or not self.life.status.serving:
             return
-        for d, spec in self.book.dispatch():
-            self.procs.send(self.book.layout.ranks_of(d), m.Submit(spec))
+        for d, spec in self.table.dispatch():
+            self.procs.send(self.table.layout.ranks_of(d), m.Submit(spec))
 
     def fire(self) -> None:
         if self.life.status.serving:
@@ -134,7 +134,7 @@ class Core:
 
         def check() -> None:
             self.check_serving()
-            busy = self.book.unfinished
+            busy = self.table.unfinished
             if idle_field is not None and busy:
                 raise UserError(f"{busy} request(s) in flight; abort or wait first", idle_field)
 
@@ -180,7 +180,7 @@ class Core:
         with self.lock:
             if not self.life.move(Health.FAILED, reason):  # failed or stopped already
                 return
-            updates = self.book.abort_all(FinishAbort(f"engine failed: {reason}"), self.now())
+            updates = self.table.abort_all(FinishAbort(f"engine failed: {reason}"), self.now())
             self.changed.notify_all()
         log.error("engine failed: %s", reason)
         self.listener(updates)

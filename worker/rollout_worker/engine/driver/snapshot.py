@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rollout_worker.engine.driver.lifecycle import Status
-from rollout_worker.engine.driver.request_table import Book
+from rollout_worker.engine.driver.request_table import RequestTable
 from rollout_worker.scheduling.layout import Layout
 
 
@@ -56,22 +56,22 @@ class Snapshot:
         return sum(r.waiting for r in self.replicas) + self.queued
 
 
-def take(book: Book, status: Status, paused: str | None, weight_version: str) -> Snapshot:
-    running, waiting = [0] * book.layout.replicas, [0] * book.layout.replicas
-    for t in book.reqs.values():
+def take(table: RequestTable, status: Status, paused: str | None, weight_version: str) -> Snapshot:
+    running, waiting = [0] * table.layout.replicas, [0] * table.layout.replicas
+    for t in table.reqs.values():
         if t.replica is not None:
             (running if t.status == "running" else waiting)[t.replica] += 1
     return Snapshot(
         status=status,
-        layout=book.layout,
+        layout=table.layout,
         paused=paused,
         weight_version=weight_version,
-        unfinished=book.unfinished,
-        queued=len(book.queued),
+        unfinished=table.unfinished,
+        queued=len(table.queued),
         replicas=tuple(
-            ReplicaLoad(r, w, *book.kv.get(d, (0, 0)))
+            ReplicaLoad(r, w, *table.kv.get(d, (0, 0)))
             for d, (r, w) in enumerate(zip(running, waiting, strict=True))
         ),
-        prefill_tokens=book.prefill_tokens,
-        reused_tokens=book.reused_tokens,
+        prefill_tokens=table.prefill_tokens,
+        reused_tokens=table.reused_tokens,
     )

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from rollout_worker.api.plan import Plan, ReconfigEvent
 from rollout_worker.engine import messages as m
-from rollout_worker.engine.driver.request_table import Book
+from rollout_worker.engine.driver.request_table import RequestTable
 from rollout_worker.engine.driver.tickets import Tickets
 from rollout_worker.errors import Conflict, UserError
 from rollout_worker.scheduling.costs import Method
@@ -22,12 +22,12 @@ from rollout_worker.scheduling.layout import Layout
 class Switching:
     def __init__(
         self,
-        book: Book,
+        table: RequestTable,
         tickets: Tickets,
         broadcast: Callable[[m.Command], None],
         candidates: Sequence[Layout],
     ) -> None:
-        self.book, self.tickets, self.broadcast, self.candidates = book, tickets, broadcast, candidates
+        self.table, self.tickets, self.broadcast, self.candidates = table, tickets, broadcast, candidates
         self.ticket: int | None = None  # the switch in flight
 
     @property
@@ -45,14 +45,14 @@ class Switching:
         """Replace the plan. Refused (409) unless ``plan.based_on_layout`` is the current layout and no
         switch is in flight."""
         if plan is not None:
-            if self.in_flight or plan.based_on_layout != self.book.layout:
-                now = "switching" if self.in_flight else f"in {self.book.layout}"
+            if self.in_flight or plan.based_on_layout != self.table.layout:
+                now = "switching" if self.in_flight else f"in {self.table.layout}"
                 raise Conflict(
                     f"plan is based on {plan.based_on_layout}, but the engine is {now}", "based_on_layout"
                 )
             for i, trig in enumerate(plan.triggers):
                 self.check_layout(trig.layout, f"triggers[{i}].layout")
-        self.book.set_plan(plan)
+        self.table.set_plan(plan)
 
     def start(self, layout: Layout, method: Method, reason: str, awaited: bool = True) -> int:
         """Send every rank the switch; returns its ticket."""
@@ -69,14 +69,14 @@ class Switching:
         """Start the plan's switch when a trigger fires now (unless a switch is in flight)."""
         if self.in_flight:
             return
-        trig = self.book.fire()
+        trig = self.table.fire()
         if trig is not None:
-            reason = f"plan: unfinished {self.book.unfinished} <= {trig.unfinished_at_most}"
+            reason = f"plan: unfinished {self.table.unfinished} <= {trig.unfinished_at_most}"
             self.start(trig.layout, trig.method, reason, awaited=False)
 
     def on_switched(self, msg: m.Switched, time_s: float) -> ReconfigEvent:
         """The switch ended (committed or rolled back): record it and answer its ticket."""
-        event = self.book.on_switched(msg, time_s)
+        event = self.table.on_switched(msg, time_s)
         self.ticket = None
         self.tickets.reply(msg.ticket, event)
         return event

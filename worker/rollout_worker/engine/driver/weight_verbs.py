@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from rollout_worker.engine import messages as m
-from rollout_worker.engine.driver.core import Core, dones
+from rollout_worker.engine.driver.shared import Shared, dones
 from rollout_worker.errors import EngineError, UserError
 
 
 class WeightVerbs:
-    def __init__(self, core: Core, abort_all: Callable[[str], object]) -> None:
-        self.core = core
+    def __init__(self, shared: Shared, abort_all: Callable[[str], object]) -> None:
+        self.shared = shared
         self.abort_all = abort_all  # aborts every request, with that message
 
     def load(
@@ -32,13 +32,13 @@ class WeightVerbs:
         """Run a weight load (``make``) between steps; ``group``: the trainer's group it receives from,
         checked joined under the global lock (no leave between the check and the receive). Returns how
         many requests waited."""
-        core = self.core
-        with core.one_at_a_time:
-            with core.lock:
-                core.check_serving()
+        shared = self.shared
+        with shared.one_at_a_time:
+            with shared.lock:
+                shared.check_serving()
                 if group is not None:
-                    core.groups.check_joined(group)
-                core.flags.hold = True
+                    shared.groups.check_joined(group)
+                shared.flags.hold = True
             try:
                 if abort_all:
                     self.abort_all("aborted for a weight update")
@@ -46,53 +46,53 @@ class WeightVerbs:
 
                 def idle() -> None:  # paused requests keep their place (see Engine.update_weights)
                     nonlocal waited
-                    if not core.changed.wait_for(
-                        lambda: core.book.dispatched == 0 or core.flags.paused is not None, timeout_s
+                    if not shared.changed.wait_for(
+                        lambda: shared.table.dispatched == 0 or shared.flags.paused is not None, timeout_s
                     ):
                         raise EngineError(
                             f"requests still in flight after {timeout_s:.0f} s; weights not updated"
                         )
-                    waited = core.book.unfinished
+                    waited = shared.table.unfinished
 
-                ticket, _ = core.send(make, 1, idle)
-                (done,) = dones(core.await_(ticket, None))
+                ticket, _ = shared.send(make, 1, idle)
+                (done,) = dones(shared.await_(ticket, None))
                 if not done.ok:
                     raise UserError(f"weights not updated: {done.message}", field)
-                with core.lock:
-                    flags = core.flags
+                with shared.lock:
+                    flags = shared.flags
                     flags.weight_version = flags.weight_version if version is None else version
                     flags.weight_loads += 1
                 return waited
             finally:
-                with core.lock:
-                    core.flags.hold = False
-                    core.dispatch()
+                with shared.lock:
+                    shared.flags.hold = False
+                    shared.dispatch()
 
     def set_version(self, version: str, abort_all: bool = False) -> None:
         if abort_all:
             self.abort_all("aborted for a weight version update")
-        with self.core.lock:
-            self.core.check_serving()
-            self.core.flags.weight_version = version
+        with self.shared.lock:
+            self.shared.check_serving()
+            self.shared.flags.weight_version = version
 
     def check_group(self, name: str) -> None:
-        with self.core.lock:
-            self.core.groups.check_joined(name)
+        with self.shared.lock:
+            self.shared.groups.check_joined(name)
 
     def join_group(self, join: Callable[[int], m.JoinWeightGroup]) -> None:
-        core, world = self.core, self.core.cfg.world
-        ticket, cmd = core.send(join, world, accept=lambda cmd: core.groups.begin(cmd, core.now()))
+        shared, world = self.shared, self.shared.cfg.world
+        ticket, cmd = shared.send(join, world, accept=lambda cmd: shared.groups.begin(cmd, shared.now()))
         name, where = cmd.group_name, f"{cmd.master_address}:{cmd.master_port}"
         try:
-            replies, _ = core.gather(ticket, cmd.timeout_s, lambda rs: any(not d.ok for d in dones(rs)))
+            replies, _ = shared.gather(ticket, cmd.timeout_s, lambda rs: any(not d.ok for d in dones(rs)))
         except BaseException:
             self._give_up(name)
             raise
         joined = dones(replies)
         failed = [d.message for d in joined if not d.ok]
         if not failed and len(joined) == world:
-            with core.lock:
-                core.groups.end(name, joined=True)
+            with shared.lock:
+                shared.groups.end(name, joined=True)
             return
         self._give_up(name)
         if failed:
@@ -107,16 +107,16 @@ class WeightVerbs:
 
     def _give_up(self, name: str) -> None:
         """Every rank leaves ``name`` (a join under way is dropped when it ends); nobody waits for it."""
-        core = self.core
-        with core.lock:
-            core.groups.end(name, joined=False)
-            if core.life.status.serving:
-                core.procs.broadcast(m.LeaveWeightGroup(name, core.tickets.open(core.cfg.world, False)))
+        shared = self.shared
+        with shared.lock:
+            shared.groups.end(name, joined=False)
+            if shared.life.status.serving:
+                shared.procs.broadcast(m.LeaveWeightGroup(name, shared.tickets.open(shared.cfg.world, False)))
 
     def leave_group(self, name: str) -> None:
-        core = self.core
-        with core.one_at_a_time:
+        shared = self.shared
+        with shared.one_at_a_time:
             self.check_group(name)
-            core.on_every_rank(lambda ticket: m.LeaveWeightGroup(name, ticket), None)
-            with core.lock:
-                core.groups.forget(name)
+            shared.on_every_rank(lambda ticket: m.LeaveWeightGroup(name, ticket), None)
+            with shared.lock:
+                shared.groups.forget(name)

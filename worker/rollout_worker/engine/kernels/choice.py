@@ -35,8 +35,7 @@ import torch.nn.functional as F
 from rollout_worker.config.engine_settings import EngineSettings
 from rollout_worker.config.model_config import ModelConfig
 from rollout_worker.engine.kernels import deterministic_attention as det_attention
-from rollout_worker.engine.kernels import fixed_order, row_parallel, torch_attention, tree_sums
-from rollout_worker.engine.kernels import packed_linear as packed
+from rollout_worker.engine.kernels import fixed_order, packed_linear, row_parallel, torch_attention, tree_sums
 from rollout_worker.engine.kernels import row_rules as rules
 from rollout_worker.engine.kernels.row_chunks import Chunks, RowChunks
 from rollout_worker.engine.kernels.row_parallel import ChunkedWeight
@@ -121,7 +120,7 @@ class Kernels:
     ) -> Kernels:
         """The kernels an engine of ``world`` ranks with ``settings`` runs ``model`` on, in ``dtype`` on
         ``device`` (the same on every layout: packing depends on the model, the ranks and the machine)."""
-        pack = packed.wanted(settings.packed_weights, model, world)
+        pack = packed_linear.wanted(settings.packed_weights, model, world)
         return cls.of(model, dtype, device, deterministic=settings.deterministic, pack=pack, world=world)
 
     @classmethod
@@ -139,7 +138,7 @@ class Kernels:
         every layout of ``world`` ranks) or the default ones; ``pack``: float32 weights on CPU are copied
         once into a kernel's layout. On CPU the deterministic kernels' rules are measured here."""
         cuda = device.type == "cuda"
-        packs = pack and packed.packs_on(device.type, dtype)
+        packs = pack and packed_linear.packs_on(device.type, dtype)
         if not deterministic:
             linear: LinearKernel = "onednn" if packs else "torch"
             return cls(dtype, device.type, False, packs, linear, "all_reduce", "torch", "torch", "rows")
@@ -172,7 +171,7 @@ class Kernels:
         if self.linear == "fixed_order":
             return fixed_order.linear
         if self.linear == "onednn":
-            return rules.packed_linear if self.deterministic else packed.linear
+            return rules.packed_linear if self.deterministic else packed_linear.linear
         return rules.linear if self.deterministic else F.linear
 
     def weight(self, w: torch.Tensor) -> Weight:
@@ -180,7 +179,7 @@ class Kernels:
         layout, or in the fixed-order kernel's; else as it is)."""
         if not self.packed:
             return w
-        return fixed_order.pack(w) if self.linear == "fixed_order" else packed.pack(w)
+        return fixed_order.pack(w) if self.linear == "fixed_order" else packed_linear.pack(w)
 
     def row_weight(self, w: torch.Tensor, chunks: Chunks | None, projection: RowProjection) -> RowWeight:
         """A row-parallel weight as the decoder's row-parallel product reads it: for the all-reduce as for
@@ -188,7 +187,7 @@ class Kernels:
         this shard's) as :attr:`chunks` says, a copy in the fixed-order kernel's layout only where the
         weights are packed."""
         if self.chunks is None or chunks is None:
-            return packed.pack(w) if self.packed else w
+            return packed_linear.pack(w) if self.packed else w
         kernel = self.chunks.attn_out if projection == "attn_out" else self.chunks.mlp_down
         return row_parallel.row_weight(w, chunks, kernel, copies=self.packed)
 

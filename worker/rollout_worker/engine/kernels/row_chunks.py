@@ -19,7 +19,7 @@ import torch
 
 from rollout_worker.config.model_config import ModelConfig
 from rollout_worker.engine.kernels.tree_sums import Node, node_sums, tree_nodes, tree_root
-from rollout_worker.scheduling import head_shards as heads
+from rollout_worker.scheduling import head_shards
 
 TP_SIZES = (1, 2, 4, 8)  # chunk bounds cover these TP sizes (and every divisor of the engine's ranks)
 
@@ -101,13 +101,13 @@ def attn_shards(cfg: ModelConfig, tp: int) -> list[tuple[int, int]]:
     hd = cfg.head_dim
     return [
         (lo * hd, hi * hd)
-        for lo, hi in (heads.q_head_range(cfg.num_heads, cfg.num_kv_heads, tp, s) for s in range(tp))
+        for lo, hi in (head_shards.q_head_range(cfg.num_heads, cfg.num_kv_heads, tp, s) for s in range(tp))
     ]
 
 
 def mlp_shards(cfg: ModelConfig, tp: int) -> list[tuple[int, int]]:
     """Each shard's columns of down_proj's input at ``tp``."""
-    return [heads.split(cfg.intermediate_size, tp, s) for s in range(tp)]
+    return [head_shards.split(cfg.intermediate_size, tp, s) for s in range(tp)]
 
 
 def shard_sums(parts: torch.Tensor, chunks: Chunks) -> torch.Tensor:

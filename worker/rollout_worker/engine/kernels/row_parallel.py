@@ -24,8 +24,7 @@ from typing import Protocol
 
 import torch
 
-from rollout_worker.engine.kernels import fixed_order as native
-from rollout_worker.engine.kernels import packed_linear as packed
+from rollout_worker.engine.kernels import fixed_order, packed_linear
 from rollout_worker.engine.kernels import row_rules as rules
 from rollout_worker.engine.kernels.row_chunks import Chunks, gathered_sum, shard_sums
 from rollout_worker.engine.kernels.row_rules import ChunkKernel
@@ -66,8 +65,8 @@ class ChunkedWeight:
 
     dense: torch.Tensor
     kernel: ChunkKernel
-    fused: packed.MklPacked | None = None
-    blocks: native.Packed | None = None
+    fused: packed_linear.MklPacked | None = None
+    blocks: fixed_order.Packed | None = None
 
 
 def chunk_kernel(width: int, dtype: torch.dtype, copies: bool = True) -> ChunkKernel:
@@ -118,13 +117,13 @@ def row_weight(
         return ChunkedWeight(w, "rows")
     kernel = kernel or chunk_kernel(chunks.width, w.dtype, copies)
     if kernel == "native":
-        return ChunkedWeight(w, "native", blocks=native.pack(w, chunks.local))
+        return ChunkedWeight(w, "native", blocks=fixed_order.pack(w, chunks.local))
     if kernel in ("dense", "rows"):
         return ChunkedWeight(w, kernel)
     return ChunkedWeight(w, "partials", fused=fuse(w, chunks))
 
 
-def fuse(w: torch.Tensor, chunks: Chunks) -> packed.MklPacked | None:
+def fuse(w: torch.Tensor, chunks: Chunks) -> packed_linear.MklPacked | None:
     """The local chunks of w [out, K_shard] stacked, [chunks * out, width] (chunk c's ``out`` rows, then
     chunk c + 1's), packed for MKL's GEMM on ``max(chunks, fused_rows)`` rows; None where this CPU's MKL
     does not compute the batched product's bits (:func:`fused_rows`), or past ``FUSED_ROWS``. A decode
@@ -136,7 +135,7 @@ def fuse(w: torch.Tensor, chunks: Chunks) -> packed.MklPacked | None:
     if rows is None:
         return None
     stacked = w.reshape(out, n, chunks.width).transpose(0, 1).reshape(n * out, chunks.width)
-    return packed.mkl_pack(stacked, rows)
+    return packed_linear.mkl_pack(stacked, rows)
 
 
 def stacked_rows(chunks: Chunks, dtype: torch.dtype) -> int | None:
@@ -160,7 +159,7 @@ def fused_rows(width: int, dtype: torch.dtype) -> int | None:
     it does not at ``FUSED_ROWS``, or without MKL's packed GEMM, or not float32. Measured once per process
     (milliseconds). On some CPUs MKL's packed and batched products agree for chunks of up to 512 columns
     and not for 1,792 (Llama-3.1-8B's MLP chunks)."""
-    if dtype != torch.float32 or not packed.mkl_available():
+    if dtype != torch.float32 or not packed_linear.mkl_available():
         return None
     gen = torch.Generator().manual_seed(width)
     w = torch.randn(rules.PROBE_COLS, width, generator=gen)
@@ -174,7 +173,7 @@ def fused_rows(width: int, dtype: torch.dtype) -> int | None:
     for count in counts:
         x = torch.randn(count, width, generator=gen)
         x[0] = x[-1] = row
-        out = packed.mkl_linear(x, packed.mkl_pack(stacked, count))
+        out = packed_linear.mkl_linear(x, packed_linear.mkl_pack(stacked, count))
         blocks = [
             out[at, c * rules.PROBE_COLS : (c + 1) * rules.PROBE_COLS] for at in (0, -1) for c in _STACKED_AT
         ]
@@ -203,10 +202,10 @@ def partials(x: torch.Tensor, w: ChunkedWeight, chunks: Chunks) -> torch.Tensor:
     if w.kernel in ("native", "dense"):
         flat = x.reshape(rows, x.shape[-1]).contiguous()
         weight = dense if w.blocks is None else w.blocks
-        return native.partials(flat, weight, n).view(n, *x.shape[:-1], dense.shape[0])
+        return fixed_order.partials(flat, weight, n).view(n, *x.shape[:-1], dense.shape[0])
     if w.fused is not None and rows * n <= w.fused.rows:
         stacked = rules.pad_rows(x.reshape(rows * n, width), w.fused.rows)  # token t's chunk c: row t*n + c
-        every = packed.mkl_linear(stacked, w.fused)[: rows * n].view(rows, n, n, dense.shape[0])
+        every = packed_linear.mkl_linear(stacked, w.fused)[: rows * n].view(rows, n, n, dense.shape[0])
         return every.diagonal(dim1=1, dim2=2).permute(2, 0, 1).reshape(n, *x.shape[:-1], dense.shape[0])
     flat, rows = rules.padded_matrix(x, w.kernel, width)
     out = rules.cat([rules.chunk_products(w.kernel, dense, block, n) for block in rules.row_blocks(flat)], 1)

@@ -30,8 +30,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from rollout_worker.engine.kernels import fixed_order as native
-from rollout_worker.engine.kernels import packed_linear as packed
+from rollout_worker.engine.kernels import fixed_order
+from rollout_worker.engine.kernels import packed_linear as onednn
 from rollout_worker.scheduling.pages import round_up
 
 CUDA_ROWS = 128  # rows of every product on CUDA: one GEMM shape (still bound by the weights' reads)
@@ -56,8 +56,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 
 
 def packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`linear` on a weight packed for oneDNN (:func:`packed.pack`, float32 on CPU)."""
-    return _padded_product(packed.linear, "packed", x, w, b)
+    """:func:`linear` on a weight packed for oneDNN (:func:`onednn.pack`, float32 on CPU)."""
+    return _padded_product(onednn.linear, "packed", x, w, b)
 
 
 def _padded_product(
@@ -118,20 +118,22 @@ def _probe(kernel: Kernel, k: int, dtype: torch.dtype, gen: torch.Generator) -> 
         w = rand(PROBE_COLS, k)
         return lambda x: [F.linear(x, w)]
     if kernel == "packed":  # x itself, and as a strided view at an offset (no longer 64-byte aligned)
-        pw = packed.pack(rand(PROBE_COLS, k))
-        return lambda x: [packed.linear(v, pw, None) for v in (x, _strided(x))]
+        pw = onednn.pack(rand(PROBE_COLS, k))
+        return lambda x: [onednn.linear(v, pw, None) for v in (x, _strided(x))]
     if kernel in ("partials", "rows"):  # partials' batched products: chunk c of width k of 1 to 3 in one
         w = rand(PROBE_COLS, k)
         return lambda x: [chunk_products(kernel, w.repeat(1, n), x.repeat(1, n), n)[-1] for n in (1, 2, 3)]
     if kernel == "native":  # the last of 1 to 3 chunks, each packed with the others
         w = rand(PROBE_COLS, k)
-        packs = {n: native.pack(w.repeat(1, n), n) for n in (1, 2, 3)}
-        return lambda x: [native.partials(x.repeat(1, n), packs[n])[-1] for n in (1, 2, 3)]
+        packs = {n: fixed_order.pack(w.repeat(1, n), n) for n in (1, 2, 3)}
+        return lambda x: [fixed_order.partials(x.repeat(1, n), packs[n])[-1] for n in (1, 2, 3)]
     if kernel == "dense":  # the last of 1 to 3 chunks of a weight as it is, and of a view of a wider one
         w = rand(PROBE_COLS, k)
         wides = {n: _strided(w.repeat(1, n)) for n in (1, 2, 3)}
         return lambda x: [
-            native.partials(x.repeat(1, n), v, n)[-1] for n in (1, 2, 3) for v in (w.repeat(1, n), wides[n])
+            fixed_order.partials(x.repeat(1, n), v, n)[-1]
+            for n in (1, 2, 3)
+            for v in (w.repeat(1, n), wides[n])
         ]
     if kernel == "scores":  # attention's q [B, KVh, rows, hd] @ keys_t [B, KVh, hd, L], a wider one's slice
         keys_t = rand(1, 2, k, 2 * KEY_CHUNK)[..., :KEY_CHUNK]
@@ -202,6 +204,6 @@ def native_rule(k: int, dtype: torch.dtype, copies: bool = True) -> bool:
     """Whether products over ``k`` run on the fixed-order kernel
     (:mod:`~rollout_worker.engine.kernels.fixed_order`), over a packed copy (``copies``) or over the weight
     as it is: float32, built on this CPU, and measured to have the rule it is built for, 1 row."""
-    if dtype != torch.float32 or native.kernels() is None:
+    if dtype != torch.float32 or fixed_order.kernels() is None:
         return False
     return least_rows("native" if copies else "dense", k, dtype) == 1

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from rollout_worker.config.model_config import ModelConfig
-from rollout_worker.scheduling import head_shards as heads
+from rollout_worker.scheduling import head_shards
 from rollout_worker.scheduling.layout import Layout
 
 Kind = Literal["replicated", "col", "row"]
@@ -37,12 +37,12 @@ class ShardRange:
 
 def kv_head_range(cfg: ModelConfig, tp: int, shard: int) -> tuple[int, int]:
     """KV heads [lo, hi) held by ``shard`` of ``tp`` (one duplicated head when tp > KV heads)."""
-    return heads.kv_head_range(cfg.num_kv_heads, tp, shard)
+    return head_shards.kv_head_range(cfg.num_kv_heads, tp, shard)
 
 
 def q_head_range(cfg: ModelConfig, tp: int, shard: int) -> tuple[int, int]:
     """Query heads [lo, hi) of ``shard`` of ``tp``: those of its KV heads, or its part of one group."""
-    return heads.q_head_range(cfg.num_heads, cfg.num_kv_heads, tp, shard)
+    return head_shards.q_head_range(cfg.num_heads, cfg.num_kv_heads, tp, shard)
 
 
 def kind_of(name: str) -> Kind:
@@ -67,7 +67,7 @@ def shard_range(name: str, cfg: ModelConfig, tp: int, shard: int) -> ShardRange 
         lo, hi = q_head_range(cfg, tp, shard)
         return ShardRange(dim, lo * hd, hi * hd)
     full = cfg.vocab_size if "lm_head" in name else cfg.intermediate_size
-    return ShardRange(dim, *heads.split(full, tp, shard))
+    return ShardRange(dim, *head_shards.split(full, tp, shard))
 
 
 @dataclass(frozen=True, slots=True)
