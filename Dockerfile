@@ -28,6 +28,7 @@ COPY pyproject.toml README.md ./
 COPY worker/ worker/
 COPY profiler/ profiler/
 COPY operator/ operator/
+COPY bench/rollout_bench/ bench/rollout_bench/
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
     && test -f "/wheels/elastic_rollout-${VERSION}-py3-none-any.whl"
 

@@ -20,6 +20,7 @@ assert importlib.util.find_spec("torch") is None, "torch is installed"
 import rollout_operator.cli.main, rollout_operator.local.runner, rollout_operator.control.planner_loop
 import rollout_worker.sidecar.app, rollout_worker.server.app
 import rollout_profiler.planning.planner, rollout_profiler.sim.simulator, rollout_profiler.store.migrate
+import rollout_bench.planner  # `rolloutctl bench planner` ships in the wheel, torch-free
 assert "torch" not in sys.modules
 print("imports ok")
 """
@@ -36,7 +37,7 @@ def bare(tmp_path_factory: pytest.TempPathFactory) -> Path:
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, src / name)
-    for name in ("worker", "profiler", "operator"):
+    for name in ("worker", "profiler", "operator", "bench/rollout_bench"):  # not bench/'s results
         shutil.copytree(ROOT / name, src / name, ignore=skip)
     venv.EnvBuilder(with_pip=True).create(where)
     env = os.environ | {"PIP_DISABLE_PIP_VERSION_CHECK": "1"}
