@@ -13,7 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from rollout_profiler.store.testing import PostgresUnavailable, fresh_database, skip_postgres_requested
+from rollout_profiler.store.database import mask_url
+from rollout_profiler.store.testing import (
+    ENV_PG_URL,
+    PostgresUnavailable,
+    fresh_database,
+    session_postgres,
+    skip_postgres_requested,
+)
 from rollout_worker.engine.model.checkpoint import make_model, write_random_checkpoint
 from rollout_worker.engine.model.presets import PRESETS
 
@@ -77,6 +84,39 @@ def tiny_variant(out: Path, **overrides: object) -> Path:
     raw = {**PRESETS["tiny"], **overrides}
     write_random_checkpoint(raw, 3, out, "float64")
     return out
+
+
+POSTGRES_USED = pytest.StashKey[str]()
+
+
+@pytest.fixture(scope="session")
+def postgres_server(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The session's PostgreSQL (testing.session_postgres: $ROLLOUT_TEST_PG_URL, else the server at the
+    default address, else an embedded one started here), put in $ROLLOUT_TEST_PG_URL for the session."""
+    with session_postgres() as choice, pytest.MonkeyPatch.context() as env:
+        assert choice.url is not None
+        env.setenv(ENV_PG_URL, choice.url)
+        request.config.stash[POSTGRES_USED] = f"{mask_url(choice.url)} ({choice.why})"
+        yield choice.url
+
+
+@pytest.fixture(autouse=True)
+def _postgres_for_marked_tests(request: pytest.FixtureRequest) -> None:
+    """Tests marked `postgres` get the session's server (started on first need); one that cannot be had
+    fails them, or skips them with ROLLOUT_SKIP_POSTGRES=1 set explicitly."""
+    if request.node.get_closest_marker("postgres") is None:
+        return
+    try:
+        request.getfixturevalue("postgres_server")
+    except PostgresUnavailable as exc:
+        if skip_postgres_requested():
+            pytest.skip(f"{exc} [ROLLOUT_SKIP_POSTGRES=1]")
+        pytest.fail(str(exc))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    if POSTGRES_USED in config.stash:
+        terminalreporter.write_line(f"PostgreSQL cases ran against {config.stash[POSTGRES_USED]}")
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

