@@ -2,6 +2,11 @@
 
 Each command module exposes ``register(app)``; heavy imports (torch, SQLAlchemy) happen inside the
 commands so that ``rolloutctl --help`` stays fast.
+
+Help is click's plain layout (``rich_markup_mode=None``, which every command and group added to ``app``
+inherits): flag names on the left, whole, and their help wrapped beside or under them, at 80 columns and
+when output is not a terminal (rich's option table splits 80 columns among five and cuts long flag names
+to ``--max-prefill-t…``). Usage errors take click's plain form with it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ app = typer.Typer(
     name="rolloutctl",
     help="elastic-rollout: adaptive tensor parallelism for RL rollouts.",
     no_args_is_help=True,
+    rich_markup_mode=None,  # plain help: see the module's docstring
     pretty_exceptions_enable=False,
     add_completion=False,
 )
