@@ -100,6 +100,7 @@ def run_cmd(
     from rollout_operator.api.manifest import load_job
     from rollout_operator.local import report as rep
     from rollout_operator.local.local_job import RunOptions, execute, outputs_equal, prepare
+    from rollout_operator.local.result import Comparison
     from rollout_operator.local.runner import Interrupted
 
     if policy not in (None, "adaptive", "static"):
@@ -128,24 +129,15 @@ def run_cmd(
     extra: dict[str, Any] = {"job": loaded.job.metadata.name}
     if len(results) == 2:
         same, detail = outputs_equal(results[0].out_dir, results[1].out_dir)
-        a, b = results
-        ratio = b.seconds / a.seconds if a.seconds else 0.0
-        partial = " (a resumed run: its time covers only what it generated)" if a.resumed or b.resumed else ""
-        typer.echo(
-            f"compare: {a.policy} {a.seconds:.2f} s vs static {b.seconds:.2f} s: {a.policy} is "
-            f"{ratio:.2f}x as fast{partial}; outputs {'identical' if same else 'DIFFER'} ({detail})"
-        )
-        extra["compare"] = {"identical": same, "detail": detail, "speedup": ratio, "partial": bool(partial)}
+        comparison = Comparison(results[0], results[1], same, detail)
         dtype, spec = loaded.job.spec.model.dtype, loaded.job.spec
-        if not same and (dtype == "float64" or spec.engine.deterministic):  # every token must be the same
+        lossless = dtype == "float64" or spec.engine.deterministic  # every token must be the same
+        for line in rep.compare_lines(comparison, None if lossless else dtype):
+            typer.echo(line)
+        extra["compare"] = rep.compare_dict(comparison)
+        if not same and lossless:
             typer.echo(f"error: the outputs differ from the static run's: {detail}", err=True)
             raise typer.Exit(1)
-        if not same:
-            typer.echo(
-                f"  {dtype} is not lossless with the default kernels: a batch or TP change rounds the logits "
-                "differently, and a sampled token can flip where two tokens tie (README: Tokens, "
-                "reconfigurations and dtype); set spec.engine.deterministic: true for identical tokens"
-            )
     typer.echo(f"timeline: {save(png, rep.timeline_png(results), '--timeline')}")
     if report is not None:
         typer.echo(f"report: {save(report, rep.report_json(results, extra), '--report')}")

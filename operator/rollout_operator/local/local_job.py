@@ -1,7 +1,8 @@
 """``rolloutctl run``'s whole course. ``prepare``: every check before anything is made or started (prompts,
 model, layouts, profile file, output directories), then set-up on first use (the model from its preset, a
 profile measured when none is stored), the database's job row and the initial layout. ``execute``: the
-run (and ``--compare static``), and the job's outcome and finished lengths in the database."""
+run (and ``--compare static``, both sides from the same warm state), and the job's outcome and finished
+lengths in the database."""
 
 from __future__ import annotations
 
@@ -124,6 +125,8 @@ def execute(prep: Prepared, echo: Echo, on_progress: OnProgress) -> list[RunResu
         f"{loaded.job.metadata.name}: {spec.pods} pod(s) x {spec.gpus_per_pod} rank(s), {what}, "
         f"{prep.policy}, starting as {prep.layout}"
     )
+    if len(prep.runs) > 1:
+        warm_model(Path(spec.model.path))
     results = []
     try:
         for name, out_dir in prep.runs:
@@ -139,6 +142,16 @@ def execute(prep: Prepared, echo: Echo, on_progress: OnProgress) -> list[RunResu
         raise
     prep.db.finish(results[0], "succeeded")
     return results
+
+
+def warm_model(path: Path) -> None:
+    """Read the model's files once before the first side of a comparison, so that both sides start from the
+    same page cache: neither pays for reads the other finds cached (loading the weights before a side's clock
+    starts, and re-reading a shard on a switch, inside it)."""
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        with f.open("rb") as fh:
+            while fh.read(1 << 24):
+                pass
 
 
 @dataclass

@@ -1,6 +1,8 @@
 """The report of a local run: generation seconds, tokens/s, every switch with its predicted and actual cost,
 where the outputs are, what the samples say (lengths, rewards, pass@k: :mod:`rollout_stats`); as printed
-lines, as JSON, and as a timeline PNG (running requests and TP size over time per pod, switches marked)."""
+lines, as JSON, and as a timeline PNG (running requests and TP size over time per pod, switches marked).
+With ``--compare static``, the comparison of the two runs: a ratio when the run switched, and when neither
+switched (the same layout throughout, the same work) the difference as noise with its spread."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from rollout_profiler.plot import count_ticks, png, pyplot
 from rollout_worker.api.sidecar import read_outputs
 
-from rollout_operator.local.result import RunResult
+from rollout_operator.local.result import Comparison, RunResult
 from rollout_operator.local.rollout_stats import RolloutStats, stats_of
 
 if TYPE_CHECKING:
@@ -107,6 +109,51 @@ def _switches(rows: list[dict[str, Any]]) -> list[str]:
             f"({e['reason']})"
         )
     return out
+
+
+def compare_lines(c: Comparison, lossy_dtype: str | None = None) -> list[str]:
+    """The comparison's line, and where the outputs differ in a dtype whose default kernels round by batch
+    and layout (``lossy_dtype``), why. Runs that did the same work (no switch) get no ratio: their times
+    differ by what else the machine ran, not by what the planner did."""
+    a, b = c.run, c.static
+    if c.same_work:
+        mean, spread = (a.seconds + b.seconds) / 2, abs(a.seconds - b.seconds) / 2
+        verdict = (
+            f"the same work (no switch: {a.layout} throughout in both runs), so the {2 * spread:.2f} s "
+            f"between them is noise: {mean:.2f} s ± {spread:.2f} s (±{_percent(spread, mean)}), not a "
+            "speed-up or slow-down"
+        )
+    else:
+        verdict = f"{a.policy} is {c.ratio:.2f}x as fast"
+    partial = " (a resumed run: its time covers only what it generated)" if c.partial else ""
+    out = [
+        f"compare: {a.policy} {a.seconds:.2f} s vs static {b.seconds:.2f} s: {verdict}{partial}; "
+        f"outputs {'identical' if c.identical else 'DIFFER'} ({c.detail})"
+    ]
+    if not c.identical and lossy_dtype is not None:
+        out.append(
+            f"  {lossy_dtype} is not lossless with the default kernels: a batch or TP change rounds the "
+            "logits differently, and a sampled token can flip where two tokens tie (README: Tokens, "
+            "reconfigurations and dtype); set spec.engine.deterministic: true for identical tokens"
+        )
+    return out
+
+
+def compare_dict(c: Comparison) -> dict[str, Any]:
+    """The comparison in the JSON report: ``speedup`` is static seconds over the run's; where ``same_work``
+    (no switch) it measures noise, whose size is ``spread_s`` (half the difference)."""
+    return {
+        "identical": c.identical,
+        "detail": c.detail,
+        "speedup": c.ratio,
+        "partial": c.partial,
+        "same_work": c.same_work,
+        "spread_s": round(abs(c.run.seconds - c.static.seconds) / 2, 3) if c.same_work else None,
+    }
+
+
+def _percent(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "0%"
 
 
 def report_json(results: list[RunResult], extra: dict[str, Any] | None = None) -> str:

@@ -93,6 +93,37 @@ class RunResult:
             closest=dict(d.get("closest", {})),
         )
 
+    @property
+    def switched(self) -> bool:
+        """Whether any pod of this run reconfigured (or tried to: a rolled-back switch counts too)."""
+        return any(self.events.values())
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """``--compare static``: the job's run and the same job's static run, and whether their outputs agree."""
+
+    run: RunResult
+    static: RunResult
+    identical: bool
+    detail: str  # what :func:`~rollout_operator.local.local_job.outputs_equal` found
+
+    @property
+    def same_work(self) -> bool:
+        """No switch in either run: both ran their starting layout throughout, step for step the same work,
+        so their times differ by noise only."""
+        return not self.run.switched and not self.static.switched and self.run.layout == self.static.layout
+
+    @property
+    def ratio(self) -> float:
+        """Static seconds over the run's seconds (above 1: the run was faster)."""
+        return self.static.seconds / self.run.seconds if self.run.seconds else 0.0
+
+    @property
+    def partial(self) -> bool:
+        """A resumed side: its time covers only what it generated."""
+        return bool(self.run.resumed or self.static.resumed)
+
 
 def check_claim(out_dir: Path, spec: RolloutJobSpec, job_name: str) -> None:
     """Refuse an output directory that holds another job's samples (or this job's with other settings):

@@ -1,6 +1,7 @@
 """The report of a local run: a resumed run's tokens/s counts only the tokens it generated (not the samples an
-earlier run had written), the timeline's axes count whole requests and whole TP sizes, and a pod the planner
-never switched says why (its closest call)."""
+earlier run had written), the timeline's axes count whole requests and whole TP sizes, a pod the planner
+never switched says why (its closest call), and ``--compare static`` gives a ratio only when the run switched
+(without a switch both runs did the same work, and their difference is noise)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from rollout_operator.control.planner_loop import Outcome
 from rollout_operator.local import report
 from rollout_operator.local.local_job import first_difference, outputs_equal
-from rollout_operator.local.result import Point, RunResult
+from rollout_operator.local.result import Comparison, Point, RunResult
 from rollout_operator.local.runner import _nearest, _tally
 from rollout_profiler.planning.planner import Decision
 from rollout_profiler.planning.tick import TickResult
@@ -118,3 +119,58 @@ def test_compared_outputs_name_each_differing_sample_and_where_it_first_differs(
     _write(b, changed)
     assert outputs_equal(a, b) == (False, "3 samples, 2 differ: p1/0 at token 1, p2/0 at token 2")
     assert first_difference([1, 2], [1, 2]) == 2 and first_difference([], [4]) == 0
+
+
+def _switch(outcome: str = "committed") -> ReconfigEvent:
+    return ReconfigEvent.model_validate(
+        {"step": 100, "time_s": 1.0, "src": "2x1", "dst": "1x2", "requested": "auto", "method": "migrate",
+         "reason": "plan", "outcome": outcome}
+    )  # fmt: skip
+
+
+def _compared(tmp_path: Path, adaptive_s: float, static_s: float, events: list[ReconfigEvent]) -> Comparison:
+    adaptive = _run(tmp_path / "adaptive", adaptive_s)
+    adaptive.events = {"p-0": events}
+    static = RunResult("static", Layout.parse("2x1"), tmp_path / "static", static_s, 0, 0, {"p-0": []}, [])
+    return Comparison(adaptive, static, True, "32 samples, identical")
+
+
+def test_a_comparison_without_a_switch_reports_the_same_work_and_the_difference_as_noise(
+    tmp_path: Path,
+) -> None:
+    """The planner kept 2x1 throughout (the issue's run: the first side paid what the second found warm, or
+    the machine was busier): no ratio, no 'as fast', the difference with its spread."""
+    c = _compared(tmp_path, 180.01, 129.99, [])
+    assert report.compare_lines(c) == [
+        "compare: adaptive 180.01 s vs static 129.99 s: the same work (no switch: 2x1 throughout in both "
+        "runs), so the 50.02 s between them is noise: 155.00 s ± 25.01 s (±16.1%), not a speed-up or "
+        "slow-down; outputs identical (32 samples, identical)"
+    ]
+    got = report.compare_dict(c)
+    assert (got["same_work"], got["spread_s"], got["identical"]) == (True, 25.01, True)
+    assert got["speedup"] == pytest.approx(129.99 / 180.01)  # the JSON keeps its field
+
+
+def test_a_comparison_after_a_switch_reports_the_ratio(tmp_path: Path) -> None:
+    c = _compared(tmp_path, 40.0, 50.0, [_switch()])
+    assert report.compare_lines(c) == [
+        "compare: adaptive 40.00 s vs static 50.00 s: adaptive is 1.25x as fast; "
+        "outputs identical (32 samples, identical)"
+    ]
+    got = report.compare_dict(c)
+    assert (got["same_work"], got["spread_s"], got["speedup"]) == (False, None, 1.25)
+    # a switch tried and rolled back still spent the run's time differently: a ratio, not noise
+    rolled_back = _compared(tmp_path, 40.0, 50.0, [_switch("rolled_back")])
+    assert "adaptive is 1.25x as fast" in report.compare_lines(rolled_back)[0]
+
+
+def test_a_comparison_whose_outputs_differ_in_a_lossy_dtype_says_why(tmp_path: Path) -> None:
+    c = _compared(tmp_path, 10.0, 10.0, [])
+    c = Comparison(c.run, c.static, False, "32 samples, 1 differ: p1/0 at token 7")
+    first, why = report.compare_lines(c, "float32")
+    assert first.endswith(
+        "10.00 s ± 0.00 s (±0.0%), not a speed-up or slow-down; "
+        "outputs DIFFER (32 samples, 1 differ: p1/0 at token 7)"
+    )
+    assert why.startswith("  float32 is not lossless with the default kernels")
+    assert report.compare_lines(c) == [first]  # lossless (float64, deterministic kernels): the caller fails
