@@ -98,8 +98,10 @@ class _Spec(BaseModel):
 
 
 class ModelSpec(_Spec):
+    """The model every pod serves."""
+
     path: str = Field(min_length=1, description="Checkpoint directory (Hugging Face layout).")
-    dtype: Dtype = "float32"
+    dtype: Dtype = Field("float32", description="The weights' and activations' dtype.")
     preset: PresetName | None = Field(
         None,
         description="Make this preset's checkpoint at `path` when it is missing: random weights of a shape, "
@@ -108,23 +110,31 @@ class ModelSpec(_Spec):
 
 
 class EngineSpec(EngineSettings):
-    """``spec.engine``: the engine's settings (``rollout_worker.config.engine_settings``, their one home),
-    named in camelCase; the CRD's schema of this section is generated from that model."""
+    """The engine's settings: `rolloutctl serve`'s flags, in camelCase."""
+
+    # ``rollout_worker.config.engine_settings``, their one home; the CRD's schema of this section is
+    # generated from that model
 
     model_config = _Spec.model_config
 
 
 class PromptsSpec(_Spec):
+    """The job's prompts (job mode)."""
+
     path: str = Field(min_length=1, description="JSONL, or Parquet in VeRL's format (a `prompt` column).")
     limit: int | None = Field(None, ge=1, description="Use only the first N prompts.")
 
 
 class SamplingSpec(SamplingSettings):
+    """How every sample of the job is drawn."""
+
     # the fields and their mapping to SGLang's sampling_params are the worker's; camelCase names here
     model_config = _Spec.model_config
 
 
 class ParallelismSpec(_Spec):
+    """The layouts a pod may take and the planner's policy."""
+
     initial_layout: InitialLayout = Field(
         "auto", description="`auto` (the planner picks from the profile) or DxT."
     )
@@ -133,10 +143,15 @@ class ParallelismSpec(_Spec):
         description="Layouts DxT, each once (default: every one that fits).",
         json_schema_extra={"uniqueItems": True},  # the CRD's `x-kubernetes-list-type: set`
     )
-    policy: Literal["adaptive", "static"] = "adaptive"
-    method: Literal["auto", "migrate", "recompute"] = "auto"
+    policy: Literal["adaptive", "static"] = Field(
+        "adaptive",
+        description="adaptive: the planner switches layouts; static: the initial layout throughout.",
+    )
+    method: Literal["auto", "migrate", "recompute"] = Field(
+        "auto", description="The KV cache on a switch: migrated, recomputed, or auto: the cheaper."
+    )
     margin: float = Field(0.1, ge=0.0, le=10.0, description="Switch only when gain > cost x (1 + margin).")
-    cooldown_seconds: float = Field(0.0, ge=0.0)
+    cooldown_seconds: float = Field(0.0, ge=0.0, description="Seconds from one switch to the next.")
     profile: str | None = Field(None, description="Profile name in the database or a JSON file.")
 
     @field_validator("candidates")
@@ -153,6 +168,8 @@ class ParallelismSpec(_Spec):
 
 
 class OutputSpec(_Spec):
+    """Where the samples go."""
+
     path: str = Field(min_length=1, description="Directory for the outputs (one JSONL per pod, a manifest).")
 
 
@@ -164,18 +181,20 @@ class PodSpec(_Spec):
     """Where and how the operator runs each pod (a cluster's concern: `rolloutctl run` ignores it)."""
 
     image: str = Field(IMAGE, min_length=1, description="Image of the engine and sidecar containers.")
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="As a container's."
+    )
     gpu_resource_name: str = Field(
         "nvidia.com/gpu", min_length=1, description="Extended resource a pod asks gpusPerPod of."
     )
     resources: Object = Field(
         default_factory=dict, description="Extra requests/limits of the engine container (cpu, memory)."
     )
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[Object] = Field(default_factory=list)
-    affinity: Object | None = None
-    priority_class_name: str | None = None
-    service_account_name: str | None = None
+    node_selector: dict[str, str] = Field(default_factory=dict, description="As a Pod's.")
+    tolerations: list[Object] = Field(default_factory=list, description="As a Pod's.")
+    affinity: Object | None = Field(None, description="As a Pod's.")
+    priority_class_name: str | None = Field(None, description="As a Pod's.")
+    service_account_name: str | None = Field(None, description="As a Pod's (default: the namespace's).")
     volumes: list[Object] = Field(
         default_factory=list, description="Pod volumes holding the model, the prompts and the outputs."
     )
@@ -193,7 +212,7 @@ CLUSTER_FIELDS = frozenset(
 class RolloutJobSpec(_Spec):
     model: ModelSpec
     engine: EngineSpec = EngineSpec()
-    pods: int = Field(1, ge=1, le=1024)
+    pods: int = Field(1, ge=1, le=1024, description="Pods; pod i takes every pods-th prompt from the i-th.")
     gpus_per_pod: int = Field(1, ge=1, le=MAX_RANKS, description="Engine ranks per pod.")
     mode: Literal["job", "service"] = Field(
         "job",
@@ -201,7 +220,7 @@ class RolloutJobSpec(_Spec):
         "an RL framework sends SGLang requests to each pod's engine (no `prompts`), the planner still runs.",
     )
     prompts: PromptsSpec | None = Field(None, description="The job's prompts (job mode).")
-    samples_per_prompt: int = Field(1, ge=1, le=1024)
+    samples_per_prompt: int = Field(1, ge=1, le=1024, description="Samples of each prompt (a GRPO group).")
     sampling: SamplingSpec = SamplingSpec()
     parallelism: ParallelismSpec = ParallelismSpec()
     output: OutputSpec

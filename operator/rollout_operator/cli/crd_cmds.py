@@ -15,15 +15,23 @@ def register(app: typer.Typer) -> None:
 
 def crd_cmd(
     out: Annotated[Path | None, typer.Option(help="Write it here (default: standard output).")] = None,
+    reference: Annotated[
+        bool, typer.Option("--reference", help="Its field reference as Markdown instead (the docs' page).")
+    ] = False,
 ) -> None:
-    """Print the RolloutJob CRD (apiextensions.k8s.io/v1) as YAML."""
+    """Print the RolloutJob CRD (apiextensions.k8s.io/v1) as YAML, or its field reference."""
     from rollout_worker.data.files import check_writable, save
-
-    from rollout_operator.api.crd_yaml import crd_yaml
 
     if out is not None:
         check_writable(out, "--out")
-    text = crd_yaml()
+    if reference:
+        from rollout_operator.api.crd_reference import reference_markdown
+
+        text = reference_markdown()
+    else:
+        from rollout_operator.api.crd_yaml import crd_yaml
+
+        text = crd_yaml()
     if out is None:
         typer.echo(text, nl=False)
         return

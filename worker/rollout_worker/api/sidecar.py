@@ -32,19 +32,23 @@ Stops = Annotated[list[str], AfterValidator(_nonempty), Field(max_length=64)]  #
 
 
 class SamplingSettings(BaseModel):
-    """A job's sampling: the RolloutJob's ``spec.sampling`` (the operator's ``SamplingSpec`` is this model
-    with the manifest's camelCase names) and the sidecar's settings of the same names."""
+    """How every sample of the job is drawn."""
+
+    # the RolloutJob's ``spec.sampling`` (the operator's ``SamplingSpec`` is this model with the manifest's
+    # camelCase names) and the sidecar's settings of the same names
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     temperature: float = Field(1.0, ge=0.0, description="0 = greedy.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1, description="-1 = off.")
-    max_new_tokens: int = Field(1024, ge=1)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Keep the most likely tokens up to this mass.")
+    top_k: int = Field(-1, ge=-1, description="Keep the k most likely tokens; -1 = off.")
+    max_new_tokens: int = Field(
+        1024, ge=1, description="Most tokens per sample (a prompt's own max_new_tokens may lower it)."
+    )
     seed: int = Field(
         0, ge=0, lt=2**63, description="Each sample's seed is a fixed hash of (seed, prompt id, index)."
     )
-    stop: Stops = Field(default_factory=list)
+    stop: Stops = Field(default_factory=list, description="Stop strings: a sample ends at the first.")
     ignore_eos: bool = Field(False, description="Generate past end-of-sequence (replaying recorded lengths).")
 
     def sampling_params(

@@ -69,13 +69,13 @@ class EngineSettings(BaseModel):
         False,
         description="Batch- and TP-invariant kernels: a request's tokens and logprobs are bitwise the same "
         "whatever its batch, layout, reconfigurations, retractions and cache hits, in float32 too (SGLang's "
-        "--enable-deterministic-inference); measured on CPU.",
+        "--enable-deterministic-inference).",
     )
     packed_weights: PackedWeights = Field(
         "auto",
-        description="float32 on CPU: multiply by a copy of each weight packed once for oneDNN (products "
-        "about 2x faster; the copy doubles the weights' memory). on | off | auto: on while two copies of the "
-        "whole model for every rank fit in half the machine's (or container's) memory.",
+        description="float32 on CPU: multiply by a copy of each weight packed once for the CPU's kernel "
+        "(faster products; the copy doubles the weights' memory). on | off | auto: on while two copies of "
+        "the whole model for every rank fit in half the machine's (or container's) memory.",
     )
     collective_timeout_seconds: float = Field(
         120.0, gt=0, description="Timeout of every collective; a rank that waits longer fails the engine."
@@ -83,7 +83,7 @@ class EngineSettings(BaseModel):
     cuda_graphs: bool = Field(
         False,
         description="cuda: replay decode steps from CUDA graphs (TP=1 replicas; TP>1 replicas stay "
-        "eager). Run on an H200: a replayed step equals the eager step bit for bit.",
+        "eager); a replayed step equals the eager step bit for bit.",
     )
 
     @property
