@@ -8,7 +8,7 @@
 #   deterministic  the same shape, the deterministic kernels against the default ones, eager
 #   det-graphs     the same, both with CUDA graphs
 #   paged          the paged engine at batch 64 and 256, eager and with CUDA graphs (the dense slab it replaced
-#                  is not run: its figures are recorded in bench/h200-2026-11-26b/call*/bench-engine-slab-h200.json)
+#                  is not run: its figures are recorded in bench/results/h200-2026-11-26b/call*/bench-engine-slab-h200.json)
 # Usage (repository root, on the GPU machine): [OUT=DIR] bench/cuda.sh [PART ...]   (default: all)
 # Uses the machine's own torch; our small pure-Python dependencies come as wheels in .whl/ when present.
 set -uo pipefail

@@ -7,7 +7,6 @@ fresh rank processes and the table shows the median over runs with the spread (m
 from __future__ import annotations
 
 import itertools
-import json
 import platform
 import statistics
 import time
@@ -23,6 +22,8 @@ from rollout_worker.engine.driver.launcher import run_task
 from rollout_worker.engine.model.presets import preset_config
 from rollout_worker.engine.rank.measure import measure_grid, measure_reconfig
 from rollout_worker.scheduling.layout import Layout
+
+from rollout_bench.record import write_json
 
 GRAPH_MODES = (
     "on",
@@ -154,8 +155,7 @@ def run_engine_bench(
         report["deterministic_cost"] = _deterministic_cost(grids[0], grids[1])
     _print(report, echo)
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(report, indent=1) + "\n")
+        write_json(json_out, report)
         echo(f"wrote {json_out}")
     return report
 

@@ -13,7 +13,6 @@ odd ones sampled (seeded), caps spread so that they finish one after another, EO
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,6 +29,8 @@ from rollout_worker.engine.driver.fixed_batch import BatchResult, run_batch
 from rollout_worker.engine.model.tokenizer import TextCodec
 from rollout_worker.errors import UserError
 from rollout_worker.scheduling.layout import Layout
+
+from rollout_bench.record import write_json
 
 Echo = Callable[[str], Any]
 EXACT = "float64"
@@ -271,7 +272,6 @@ def run_lossless_bench(
     for f in report["failures"]:
         echo(f"FAILED: {f}")
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(report, indent=1) + "\n")
+        write_json(json_out, report)
         echo(f"wrote {json_out}")
     return report

@@ -1,8 +1,8 @@
 """``rolloutctl bench memory``: the paged KV pool against the dense slab it replaced, on the same long-tailed
 requests and the same KV budget, side by side.
 
-* the dense slab: recorded, not run (:mod:`rollout_bench.memory_baseline`): the figures of the engine of
-  commit 5904b9b, the last with the slab, measured once on a named machine and date and kept as JSON. Its
+* the dense slab: recorded, not run (:mod:`rollout_bench.memory_baseline`): the figures of the engine's
+  last commit with the slab, measured once on a named machine and date and kept as JSON. Its
   KV cache is one slab ``[slots, heads, capacity, dim]`` per layer, whose capacity follows the longest
   running request, and it admits a request only while the ``prompt + max_new_tokens`` of those running fit
   the budget;
@@ -46,6 +46,7 @@ from rollout_worker.config.model_config import ModelConfig
 
 from rollout_bench import sharing as bench_sharing
 from rollout_bench.memory_baseline import Baseline, check_model
+from rollout_bench.record import write_json
 
 Echo = Callable[[str], Any]
 ENGINES = ("paged", "paged_at_slab")  # measured; the last: a pool of the bytes the slab allocated at most
@@ -251,6 +252,7 @@ def run_memory_bench(
             grouped = bench_sharing.grouped_requests(lens, sharing_prompt_len, samples, cfg.vocab_size)
             share_base = {**base, "settings": {**settings, "kv_budget_tokens": budget}}
             sharing = bench_sharing.run_sharing(grouped, share_base, runs, probe, echo)
+            sharing |= {"samples": samples, "prompt_len": sharing_prompt_len}
     report: dict[str, Any] = {
         "benchmark": "memory",
         "model": str(model),
@@ -279,10 +281,9 @@ def run_memory_bench(
         echo(line)
     if sharing is not None:
         echo("")
-        for line in bench_sharing.table(sharing, len(lens) // samples, samples, sharing_prompt_len):
+        for line in bench_sharing.table(sharing, len(lens) // samples):
             echo(line)
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(report, indent=1) + "\n")
+        write_json(json_out, report)
         echo(f"wrote {json_out}")
     return report

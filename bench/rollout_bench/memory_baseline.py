@@ -1,6 +1,7 @@
-"""The dense slab's side of ``rolloutctl bench memory``, recorded: the figures of the engine the paged KV pool
-replaced (commit 5904b9b), measured once and kept as JSON under ``bench/<machine>-<date>/``, so the
-benchmark runs only this tree's engine and needs no repository history.
+"""The dense slab's side of ``rolloutctl bench memory``, recorded: the figures of the engine the paged KV
+pool replaced (its last commit with the slab), measured once and kept as JSON under
+``bench/results/<machine>-<date>/``, so the benchmark runs only this tree's engine and needs no repository
+history.
 
 A recorded file holds what was run (``recorded``: machine, CPU, date, Python and torch versions, the command
 and the commits), the model (preset, seed, dtype, KV bytes per token), the workload (requests, prompt
@@ -18,7 +19,7 @@ from typing import Any
 
 from rollout_worker.errors import UserError
 
-RECORDED = Path(__file__).resolve().parents[1] / "epyc-2026-11-28" / "bench-memory-slab.json"
+RECORDED = Path(__file__).resolve().parents[1] / "results" / "epyc-2026-11-28" / "bench-memory-slab.json"
 FIELDS = (
     "recorded",
     "model",
@@ -63,7 +64,7 @@ class Baseline:
 
     @property
     def where(self) -> str:
-        """Which machine, on which day: ``epyc, 2026-11-28``."""
+        """Which machine, on which day: the recording's ``machine, date``."""
         return f"{self.recorded.get('machine', '?')}, {self.recorded.get('date', '?')}"
 
 

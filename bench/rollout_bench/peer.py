@@ -33,6 +33,8 @@ from rollout_worker.api.requests import RequestSpec
 from rollout_worker.api.sampling import Sampling
 from rollout_worker.proc import rolloutctl
 
+from rollout_bench.record import write_json
+
 Echo = Callable[[str], Any]
 TAIL = [8, 8, 12, 12, 16, 16, 20, 24, 28, 32, 40, 48, 64, 96, 192, 384]  # 1,000 tokens, 16 requests
 
@@ -209,8 +211,7 @@ def run_peer_bench(
         )
     report = {"benchmark": "peer", "preset": preset, "peer": "transformers generate", "results": results}
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(report, indent=1))
+        write_json(json_out, report)
         echo(f"wrote {json_out}")
     return report
 

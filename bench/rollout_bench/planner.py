@@ -176,6 +176,7 @@ def run(
                 "profile": prof.name,
                 "model": prof.model.name,
                 "profile_method": prof.method,
+                "device": f"{prof.device_count} x {prof.device_name}",
                 "gpus": GPUS,
                 "admission": admission,
                 "kv_capacity": prof.kv_capacity.to_dict() if prof.kv_capacity else None,
@@ -219,10 +220,10 @@ def aims(d: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-_COLS = (("TP1", "static:1"), ("TP2", "static:2"), ("TP4", "static:4"), ("TP8", "static:8"),
+COLUMNS = (("TP1", "static:1"), ("TP2", "static:2"), ("TP4", "static:4"), ("TP8", "static:8"),
          ("adaptive", "adaptive"), ("oracle", "oracle"), ("clairv.", "oracle-clairvoyant"),
          ("free-sw", "free-switch"), ("tail", "tail-bound"))  # fmt: skip
-_RATIOS = (("a/TP1", "adaptive_vs_static_tp1"), ("a/best", "adaptive_vs_best_static"),
+RATIO_COLUMNS = (("a/TP1", "adaptive_vs_static_tp1"), ("a/best", "adaptive_vs_best_static"),
            ("a/oracle", "adaptive_vs_oracle"), ("a/free", "adaptive_vs_free_switch"))  # fmt: skip
 
 
@@ -236,13 +237,13 @@ def report(d: dict[str, Any]) -> str:
         )
         head = (
             f"{'workload':<19}"
-            + "".join(f"{c:>9}" for c, _ in _COLS)
-            + "".join(f"{c:>9}" for c, _ in _RATIOS)
+            + "".join(f"{c:>9}" for c, _ in COLUMNS)
+            + "".join(f"{c:>9}" for c, _ in RATIO_COLUMNS)
         )
         lines.append(head + f"{'best':>6}{'break-even':>12}{'switch':>8}")
         for w in m["workloads"]:
-            cells = "".join(f"{w['latency_s'][k]:>9.2f}" for _, k in _COLS)
-            ratios = "".join(f"{w[k]:>9.3f}" for _, k in _RATIOS)
+            cells = "".join(f"{w['latency_s'][k]:>9.2f}" for _, k in COLUMNS)
+            ratios = "".join(f"{w[k]:>9.3f}" for _, k in RATIO_COLUMNS)
             sw = w["adaptive_switch_ms_mean"]
             best = "TP" + w["best_static"].split(":")[1]
             lines.append(

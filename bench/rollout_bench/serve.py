@@ -35,6 +35,8 @@ from rollout_worker.engine.model.checkpoint import ensure_model
 from rollout_worker.server.process import start_server, stop_server
 from rollout_worker.web.probe import Prober, percentile
 
+from rollout_bench.record import write_json
+
 Echo = Callable[[str], Any]
 Request = tuple[list[int], int]  # (prompt ids, new tokens)
 
@@ -237,8 +239,7 @@ def run_serve_bench(
         echo(_row(r))
     report = {"benchmark": "serve", "results": results}
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(report, indent=1))
+        write_json(json_out, report)
         echo(f"wrote {json_out}")
     return report
 

@@ -101,8 +101,9 @@ def run_sharing(
     return {"runs": runs, "per_run": per_run, **combine(per_run)}
 
 
-def table(sharing: dict[str, Any], prompts: int, samples: int, prompt_len: int) -> list[str]:
+def table(sharing: dict[str, Any], prompts: int) -> list[str]:
     med, ratios = sharing["median"], sharing["ratios"]
+    samples, prompt_len = sharing["samples"], sharing["prompt_len"]
     lines = [
         f"{prompts} prompts of {prompt_len} tokens x {samples} samples (temperature 1), the same lengths and "
         f"budget; median of {sharing['runs']} runs",

@@ -9,7 +9,6 @@ engine against simulator (medians over runs), and their ratios.
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -29,6 +28,8 @@ from rollout_worker.engine.driver.fixed_batch import run_batch
 from rollout_worker.engine.driver.launcher import run_task
 from rollout_worker.engine.rank.measure import measure_prefill
 from rollout_worker.scheduling.layout import Layout
+
+from rollout_bench.record import write_json
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,8 +160,7 @@ def run_agreement_bench(
     for line in table(report):
         echo(line)
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(json_out, report)
     return report
 
 

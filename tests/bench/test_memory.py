@@ -218,6 +218,6 @@ def test_sharing_summary_ratios_and_table() -> None:
     out = bench_sharing.combine([{"shared": on, "unshared": off}, slow, {"shared": on, "unshared": off}])
     assert out["ratios"]["prefill_tokens"] == pytest.approx(142 / 384)
     assert out["ratios"]["gen_s"] == 0.5 and out["median"]["unshared"]["gen_s"] == 4.0
-    lines = bench_sharing.table({"runs": 3, **out}, prompts=8, samples=8, prompt_len=128)
+    lines = bench_sharing.table({"runs": 3, "samples": 8, "prompt_len": 128, **out}, prompts=8)
     assert lines[0].startswith("8 prompts of 128 tokens x 8 samples")
     assert "| prompt tokens prefilled | 142 | 384 | 0.370x |" in lines

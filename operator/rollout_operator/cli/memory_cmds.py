@@ -84,8 +84,8 @@ def bench_memory_cmd(
         Path | None,
         typer.Option(
             help="The dense slab's recorded results to compare against (JSON; the workload flags must "
-            "be its own). Default: bench-memory-slab.json in bench/epyc-2026-11-28/ beside the rollout_bench "
-            "package (64 requests; for --requests 256: bench-memory-slab-256.json there)."
+            "be its own). Default: bench-memory-slab.json in bench/results/epyc-2026-11-28/ beside the "
+            "rollout_bench package (64 requests; for --requests 256: bench-memory-slab-256.json there)."
         ),
     ] = None,
     work: Annotated[Path, typer.Option(help="Where the model is kept.")] = WORK,

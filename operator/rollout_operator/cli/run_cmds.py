@@ -157,7 +157,6 @@ def bench_run_cmd(
     """The job adaptive and static at every candidate layout, alternated over rounds on this machine: the
     median ratio adaptive / best static, the switching overhead and the sidecar's /v1/progress p99 under
     load. Minutes to tens of minutes; kept out of CI."""
-    import json
 
     from rollout_bench.job_run import bench_job, table
 
@@ -177,6 +176,7 @@ def bench_run_cmd(
     for line in table(summary):
         typer.echo(line)
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(summary, indent=1) + "\n")
+        from rollout_bench.record import write_json
+
+        write_json(json_out, summary)
         typer.echo(f"wrote {json_out}")

@@ -217,8 +217,9 @@ def bench_planner_cmd(
         )
     typer.echo(bench_planner.report(result))
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(result, indent=1) + "\n")
+        from rollout_bench.record import write_json
+
+        write_json(json_out, result)
         typer.echo(f"wrote {json_out}")
 
 
