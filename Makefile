@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 
-.PHONY: setup setup-engine run test test-all crds test-fast lint typecheck imports check bench-engine bench-planner bench-serve bench-peer clean
+.PHONY: setup setup-engine run test test-all crds docs bench-tables test-fast lint typecheck imports check bench-engine bench-planner bench-serve bench-peer clean
 
 # Two stamps: `make run` installs what running a job needs (the package and its `engine` extra: torch);
 # `make test` (and `make setup`, which .ci/run calls) adds the `dev` extra on top (test tools, sglang,
@@ -74,9 +74,21 @@ check: lint typecheck imports
 
 # The RolloutJob CRD, generated from the job spec's pydantic model (tests/operator/api/test_crd.py: no drift),
 # and its copy in the Helm chart (tests/deploy/test_chart.py: the chart renders the same CRD).
+# The docs' field reference is rendered from the same models (tests/operator/api/test_crd_reference.py).
 crds: setup
 	$(BIN)/rolloutctl crd --out crds/rolloutjob.yaml
 	cp crds/rolloutjob.yaml charts/elastic-rollout/files/crds/rolloutjob.yaml
+	$(BIN)/rolloutctl crd --reference --out docs/reference/job-spec.md
+
+# The docs site (mkdocs.yml, docs/) into build/site, strict: a broken link or anchor, or a page outside the
+# nav, fails it (.ci/run builds it). NO_MKDOCS_2_WARNING: Material's notice about MkDocs 2, not ours.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# docs/benchmarks.md's tables, rendered from bench/results/*/index.json and the result files they name
+# (tests/bench/test_tables.py: the committed page is what they render)
+bench-tables: setup
+	$(BIN)/python -m rollout_bench.tables docs/benchmarks.md README.md
 
 bench-engine: setup
 	$(BIN)/rolloutctl bench engine --preset tiny --ranks 2 --json build/bench-engine-tiny.json

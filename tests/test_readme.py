@@ -134,24 +134,30 @@ def test_the_main_job_runs_as_written(tmp_path: Path) -> None:
     assert (tmp_path / "build/quickstart/timeline.png").stat().st_size > 10_000
 
 
-def test_the_readme_lists_every_operator_setting_with_its_default() -> None:
-    from rollout_operator.cluster.settings import describe
+def _readme_job() -> str:
+    block = re.search(
+        r"```yaml\n(apiVersion: elasticrollout.dev/v1alpha1\n.*?)```", (ROOT / "README.md").read_text(), re.S
+    )
+    assert block, "README: no job spec"
+    return block.group(1)
+
+
+def test_the_readme_job_is_the_main_job() -> None:
+    """The job the README shows is examples/quickstart.yaml, field for field."""
+    from rollout_operator.api.manifest import load_job, parse_job
+
+    assert parse_job(_readme_job()).job == load_job(ROOT / "examples/quickstart.yaml").job
+
+
+def test_the_readme_error_example_is_what_the_loader_says() -> None:
+    """The README's example error: its job with the candidates it names, refused naming file, line, path."""
+    from rollout_operator.api.manifest import parse_job
+    from rollout_worker.errors import UserError
 
     text = (ROOT / "README.md").read_text()
-    for name, default, _ in describe():
-        row = f"| `{name}` | {('`' + default + '`') if default else '-'} |"
-        assert row in text, f"README: no row for {name} (default {default!r})"
-
-
-def test_the_readme_serve_synopsis_names_every_flag_of_serve_help() -> None:
-    import typer
-    from rollout_operator.cli.main import app
-
-    serve = typer.main.get_command(app).commands["serve"]  # type: ignore[attr-defined]
-    block = re.search(r"```bash\n(rolloutctl serve .*?)```", (ROOT / "README.md").read_text(), re.S)
-    assert block, "README: no `rolloutctl serve` synopsis"
-    written = set(re.findall(r"--[a-z][a-z0-9-]*", block.group(1)))
-    flags = {p.opts[0] for p in serve.params if p.opts[0] != "--help"}
-    every = {o for p in serve.params for o in (*p.opts, *p.secondary_opts)}
-    assert flags <= written, f"README's serve synopsis lacks {sorted(flags - written)}"
-    assert written <= every, f"README's serve synopsis names flags serve lacks: {sorted(written - every)}"
+    quoted = re.search(r"\(with `candidates: (\[[^]]*\])`: `error: (job\.yaml:\d+:\s+spec[^`]*)`\)", text)
+    assert quoted, "README: no error example"
+    job = _readme_job().replace("candidates: [2x1, 1x2]", f"candidates: {quoted[1]}")
+    with pytest.raises(UserError) as exc:
+        parse_job(job)
+    assert str(exc.value) == " ".join(quoted[2].split())

@@ -1,1 +1,2 @@
-"""The control plane of elastic-rollout: the `rolloutctl` CLI (and, later, the kopf operator)."""
+"""The control plane of elastic-rollout: the `rolloutctl` CLI, the kopf operator, the planner loop and
+`rolloutctl run`."""

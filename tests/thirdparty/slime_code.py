@@ -1,6 +1,6 @@
-"""slime's own code (THUDM/slime at commit 624b824, Apache-2.0: ``slime-624b824.tar.gz`` beside this file,
-with its LICENSE), unchanged, imported on a CPU machine that has neither ray, Megatron nor a GPU build of
-SGLang.
+"""slime's own code (THUDM/slime at the commit ``SLIME_COMMIT`` names, Apache-2.0: the tarball beside this
+file, with its LICENSE), unchanged, imported on a CPU machine that has neither ray, Megatron nor a GPU build
+of SGLang.
 
 What slime imports from those three is stubbed here, by name: a module of the stubbed packages hands out a
 placeholder for any name (a class that refuses to be used), so importing slime's modules works and any call
@@ -15,8 +15,7 @@ into a stub these tests did not mean to make fails loudly. Only what the tests d
   ``add_cli_args`` adding none of SGLang's own flags.
 
 Everything slime sends over HTTP and torch.distributed is real. Import it in a process of its own (the
-``slime_driver`` script): the stubs stay in ``sys.modules``.
-"""
+``slime_driver`` script): the stubs stay in ``sys.modules``."""
 
 from __future__ import annotations
 
@@ -33,7 +32,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-TARBALL = Path(__file__).with_name("slime-624b824.tar.gz")
+SLIME_COMMIT = "624b824"  # THUDM/slime's commit whose source the tarball holds
+TARBALL = Path(__file__).with_name(f"slime-{SLIME_COMMIT}.tar.gz")
 STUBBED = ("ray", "megatron", "sglang.srt", "wandb")  # packages slime imports that this machine does not have
 
 

@@ -69,5 +69,5 @@ def load_settings() -> OperatorSettings:
 
 
 def describe() -> list[tuple[str, str, str]]:
-    """(variable, default, description) of every setting, for ``--list-settings`` and the README."""
+    """(variable, default, description) of every setting, for ``--list-settings`` and the docs."""
     return describe_settings(ENV_PREFIX, OperatorSettings)

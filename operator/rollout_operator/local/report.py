@@ -133,8 +133,8 @@ def compare_lines(c: Comparison, lossy_dtype: str | None = None) -> list[str]:
     if not c.identical and lossy_dtype is not None:
         out.append(
             f"  {lossy_dtype} is not lossless with the default kernels: a batch or TP change rounds the "
-            "logits differently, and a sampled token can flip where two tokens tie (README: Tokens, "
-            "reconfigurations and dtype); set spec.engine.deterministic: true for identical tokens"
+            "logits differently, and a sampled token can flip where two tokens tie (docs: Deterministic "
+            "kernels); set spec.engine.deterministic: true for identical tokens"
         )
     return out
 

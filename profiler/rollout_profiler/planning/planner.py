@@ -77,7 +77,7 @@ class PodSnapshot:
 
 # How a replica admits requests into its KV memory: "engine", the pre-paged engine's rule (prompt +
 # max_new_tokens reserved); "sglang", tokens used, the newest preempted; "paged", the engine's paged pool
-# (api/kv_schedule: optimistic admission, the fewest-decoded retracted). The planner prices "sglang" and
+# (scheduling/admission: optimistic admission, the fewest-decoded retracted). The planner prices "sglang" and
 # "paged" alike, by the tokens held.
 ADMISSIONS = ("engine", "sglang", "paged")
 

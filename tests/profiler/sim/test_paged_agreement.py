@@ -1,5 +1,5 @@
 """One memory model: the simulator's ``paged`` admission makes the engine's decisions (the same functions,
-api/kv_schedule) on the engine's counts. On long-tailed workloads run on a real replica (in process,
+scheduling/admission) on the engine's counts. On long-tailed workloads run on a real replica (in process,
 float64, pages of 4), the simulator retracts as many requests as the engine did, within 10% (measured:
 exactly as many, 2, 5 and 3)."""
 

@@ -44,9 +44,10 @@ def test_retractions_and_token_usage_in_metrics(tight: Served) -> None:
     """Before: no retraction, no token in use, the pool's size reported. Twelve requests of 4 + 32 tokens
     sent as one batch into 192 tokens: admission is optimistic (the running ones are charged 0.7 of what
     they have left), every request runs to its cap (EOS ignored), so the pool runs out mid-decode and at
-    least one is retracted, then re-prefilled: every request still gets its 32 tokens. (The kv_schedule
-    functions replayed with these numbers retract 1 or 2 whether the requests reach the replica together
-    or one every 1, 2 or 3 steps.) While it runs, token_usage is the fraction of the pool's tokens held."""
+    least one is retracted, then re-prefilled: every request still gets its 32 tokens. (The
+    scheduling.admission functions replayed with these numbers retract 1 or 2 whether the requests reach
+    the replica together or one every 1, 2 or 3 steps.) While it runs, token_usage is the fraction of the
+    pool's tokens held."""
     before = tight.get("/metrics").text
     assert _value(before, "sglang:num_retracted_requests_total") == 0
     assert _value(before, "sglang:max_total_num_tokens") == PAGES * PAGE

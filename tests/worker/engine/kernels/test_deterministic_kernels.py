@@ -437,8 +437,8 @@ def test_least_rows_is_the_fewest_rows_that_agree(kernel: row_rules.Kernel, k: i
 
 def test_chunk_kernel_takes_the_form_that_pads_to_fewer_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """The row-parallel chunks' batched product takes the tokens as its columns where their rule is at most
-    the rows' (an AVX-512 Xeon's 2 against 9; a tie too, for the stacked product), else as its rows (an
-    AVX-512 EPYC's 12 against 4); a form without a rule is not taken, and neither having one is refused."""
+    the rows' (one measured CPU's 2 against 9; a tie too, for the stacked product), else as its rows
+    (another's 12 against 4); a form without a rule is not taken, and neither having one is refused."""
     rules: dict[str, int | None] = {}
 
     def least(kernel: str, k: int, dtype: torch.dtype) -> int:
@@ -521,7 +521,7 @@ def test_native_partials_are_each_chunks_product_in_one_order_whatever_the_token
     """The fixed-order kernel in both forms against float64 (its error no worse than sgemm's bound), and
     bitwise: a token's chunk products alone, among 1-66 others at any position (every tile shape and tail),
     each chunk alone, and an output among fewer outputs (the tiles' tails) are the same; another order's
-    differ. (On an AVX-512 Xeon MKL's sgemm of many rows computes the packed form's very bits: its kernel
+    differ. (On some CPUs MKL's sgemm of many rows computes the packed form's very bits: its kernel
     adds over K in the same order.)"""
     gen = torch.Generator().manual_seed(out + k)
     w, x = torch.randn(out, k, generator=gen), torch.randn(67, k, generator=gen)

@@ -77,7 +77,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     # Llama-7B width, 4 layers: 3.9 GB of float32 weights. Memory-bound at batch 1 on a 2-core CPU, and
     # few (but wide) layers keep the per-step cost of TP synchronisation (2 collectives per layer) small
-    # against the weight reads, which is where TP=2 beats one TP=1 replica (see README, benchmarks).
+    # against the weight reads, which is where TP=2 beats one TP=1 replica (docs/benchmarks.md).
     "medium": {
         **_LLAMA,
         "hidden_size": 4096,

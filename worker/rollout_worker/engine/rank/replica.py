@@ -66,7 +66,7 @@ class Replica:
         graphs: DecodeGraphs | None = None,
         ratio: RatioPolicy = SGLANG_RATIO,
     ) -> None:
-        self.policy, self.ratio = ratio, ratio.init  # the new-token ratio: see kv_schedule
+        self.policy, self.ratio = ratio, ratio.init  # the new-token ratio: see scheduling.admission
         self.retractions = 0
         self.admissions = 0  # requests admitted so far (Sequence.admitted: the order of admission)
         self.pool, self.limits, self.eos_ids = pool, limits, eos_ids
