@@ -87,13 +87,14 @@ def _planner(d: dict[str, Any]) -> list[str]:
             + " | ".join(c for c, _ in COLUMNS)
             + " | "
             + " | ".join(c for c, _ in RATIO_COLUMNS)
-            + " |",
-            "|---" + "|---:" * (len(COLUMNS) + len(RATIO_COLUMNS)) + "|",
+            + " | switches |",
+            "|---" + "|---:" * (len(COLUMNS) + len(RATIO_COLUMNS) + 1) + "|",
         ]
         for w in m["workloads"]:
             cells = [f"{w['latency_s'][k]:.1f}" for _, k in COLUMNS]
             ratios = [f"{w[k]:.3f}" for _, k in RATIO_COLUMNS]
-            lines.append(f"| {w['workload']} | " + " | ".join(cells + ratios) + " |")
+            switches = f"{w['switches_mean']['adaptive']:.1f}"  # adaptive's, per batch, mean over seeds
+            lines.append(f"| {w['workload']} | " + " | ".join([*cells, *ratios, switches]) + " |")
         dec = m["decide"]["mixed"]
         lines += [
             "",

@@ -6,8 +6,11 @@ result is what the operator would do.
 
 Hysteresis lives in :func:`~rollout_profiler.planning.planner.decide`; what the tick adds is the pod's
 memory (:class:`PodMemory`): the cooldown runs from the last *committed* switch the engine reported (its
-step and time, so the switch's own duration does not count), and a new wave (requests waiting beyond what
-runs, or new weights) lets a consolidated pod shrink its TP size even when the policy does not.
+step and time, so the switch's own duration does not count), and a new wave (requests the pod did not know
+at its last switch, new weights, or before any switch a queue of requests that never ran) lets a
+consolidated pod shrink its TP size even when the policy does not. Requests back in the queue are no
+wave: a retraction for want of KV pages, or a switch, moves a request from running to waiting, and the work
+the pod knows stays what it was.
 
 The job's finished lengths accumulate across ticks (``state.finished`` since the previous step), and with
 the prior from earlier jobs of the model they fit the remaining-length predictor. A plan is pushed only on a
@@ -48,6 +51,7 @@ class PodMemory:
     events_seen: int = 0
     weights: tuple[str, int] | None = None  # the engine's weight version and loads at the last tick
     new_iteration: bool = False  # the weights changed (the next RL iteration) since the last switch
+    known_at_switch: int | None = None  # requests known at the last switch (None: the next tick's count)
 
     def absorb(self, state: EngineState) -> None:
         self.lengths += state.finished.lengths
@@ -66,7 +70,27 @@ class PodMemory:
             if ev.outcome == "committed":
                 self.last_switch = LastSwitch(ev.step, ev.time_s)
                 self.new_iteration = False
+                self.known_at_switch = None
         return new
+
+    def arrived(self, known: int) -> int:
+        """Requests that arrived since the last switch (or the first tick), of the ``known`` now."""
+        if self.known_at_switch is None:
+            self.known_at_switch = known
+        return max(0, known - self.known_at_switch)
+
+
+def _fresh(state: EngineState, not_submitted: int) -> bool:
+    """Requests wait that never ran (not retracted nor moved by a switch: those keep their tokens)."""
+    waiting = [w for r in state.replicas for w in r.waiting] + list(state.queued)
+    return not_submitted > 0 or any(w.generated == 0 for w in waiting)
+
+
+def known_requests(state: EngineState, not_submitted: int = 0) -> int:
+    """Every request the pod knows of: finished, running, waiting or queued in the engine, and the ones its
+    sidecar has not submitted yet. A retraction or a switch moves requests between these, never adds one."""
+    held = sum(len(r.running) + len(r.waiting) for r in state.replicas) + len(state.queued)
+    return state.finished.total + held + max(0, not_submitted)
 
 
 def snapshot(state: EngineState, not_submitted: int = 0) -> PodSnapshot:
@@ -119,9 +143,13 @@ def tick(
     snap = snapshot(state, not_submitted)
     waiting = sum(r.waiting for r in snap.replicas)
     running = sum(len(r.generated) for r in snap.replicas)
-    # a new wave on a consolidated pod (waiting work beyond what runs, or new weights: the next RL
-    # iteration) may move back toward throughput
-    wave = waiting > 0 or memory.new_iteration
+    # a new wave on a consolidated pod (requests it did not know at its last switch, or new weights: the
+    # next RL iteration; before any switch, a queue of requests that never ran) may move back toward
+    # throughput; requests retracted back to the queue may not
+    arrived = memory.arrived(known_requests(state, not_submitted))
+    wave = (
+        arrived > 0 or memory.new_iteration or (memory.last_switch is None and _fresh(state, not_submitted))
+    )
     pol = policy if not wave or policy.allow_shrink else replace(policy, allow_shrink=True)
     pred = predictor(memory, snap, prior)
     decision = decide(model, snap, pol, pred, memory.last_switch)

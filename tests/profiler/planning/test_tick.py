@@ -1,5 +1,6 @@
 """The planner tick (pure): an engine state -> the planner's snapshot -> a decision and the plan to push,
-with a profile in which TP=2 pays in the tail; a new wave lets a consolidated pod shrink its TP size."""
+with a profile in which TP=2 pays in the tail; a new wave lets a consolidated pod shrink its TP size, and
+requests retracted back to the queue are no new wave."""
 
 from __future__ import annotations
 
@@ -63,10 +64,11 @@ def test_a_new_wave_moves_a_consolidated_pod_back_toward_throughput() -> None:
     model = LatencyModel(Profile.from_json(PROFILE))
     one = Layout(1, 2)
     # consolidated, a few requests running: shrinking is not considered
-    quiet = tick(_state([40, 50], layout=one), PodMemory(), model, POLICY, None)
+    mem = PodMemory()
+    quiet = tick(_state([40, 50], layout=one), mem, model, POLICY, None)
     assert quiet.plan is None and not quiet.inputs["new_wave"]
-    # a wave queues behind them: back to 2x1
-    wave = tick(_state([40, 50], waiting=14, layout=one), PodMemory(), model, POLICY, None)
+    # a wave arrives and queues behind them: back to 2x1
+    wave = tick(_state([40, 50], waiting=14, layout=one), mem, model, POLICY, None)
     assert wave.inputs["new_wave"] and wave.plan is not None
     assert wave.plan.triggers[0].layout == Layout(2, 1)
     # new weights (the next RL iteration): the first requests may move it back before any queue forms
@@ -82,3 +84,41 @@ def test_a_new_wave_moves_a_consolidated_pod_back_toward_throughput() -> None:
         moved = tick(updated, mem, model, POLICY, None)
         assert moved.inputs["new_wave"] and moved.plan is not None, new_weights
         assert moved.plan.triggers[0].layout == Layout(2, 1)
+
+
+def _retracted(state: EngineState, n: int) -> EngineState:
+    """``state`` with its first ``n`` running requests retracted: back in their replica's queue, their tokens
+    kept (as the engine reports a request retracted for want of KV pages)."""
+    moved = state.model_copy(deep=True)
+    for rep in moved.replicas:
+        back, rep.running = rep.running[:n], rep.running[n:]
+        rep.waiting += [
+            WaitingRequest(
+                rid=r.rid, prompt_len=r.prompt_len, max_new_tokens=r.max_new_tokens, generated=r.generated
+            )
+            for r in back
+        ]
+        n -= len(back)
+    return moved
+
+
+def test_requests_retracted_back_to_the_queue_are_no_new_wave() -> None:
+    """A consolidated pod under memory pressure: half its batch retracted goes back to the queue, which the
+    old rule (any waiting request) read as a new wave and answered by shrinking; the work the pod knows is
+    the same, so no wave, no shrink. A request that then arrives is one."""
+    model = LatencyModel(Profile.from_json(PROFILE))
+    one = Layout(1, 2)
+    mem = PodMemory()
+    full = _state([40 + i for i in range(16)], layout=one)
+    assert not tick(full, mem, model, POLICY, None).inputs["new_wave"]
+    pressed = _retracted(full, 8)
+    assert sum(len(r.waiting) for r in pressed.replicas) == 8
+    kept = tick(pressed, mem, model, POLICY, None)
+    assert not kept.inputs["new_wave"] and kept.plan is None, kept.decision.reason
+    # the same queue, made of new requests the pod did not know (the old rule's reading): a wave, a shrink
+    fresh = _state([40 + i for i in range(8)], waiting=8, layout=one)
+    grown = PodMemory()
+    tick(_state([40 + i for i in range(8)], layout=one), grown, model, POLICY, None)
+    shrunk = tick(fresh, grown, model, POLICY, None)
+    assert shrunk.inputs["new_wave"] and shrunk.plan is not None
+    assert shrunk.plan.triggers[0].layout == Layout(2, 1)

@@ -278,8 +278,9 @@ def test_a_request_that_fits_no_replica_is_refused() -> None:
 
 def test_the_adaptive_controller_runs_the_operators_tick_a_new_wave_shrinks() -> None:
     """The policy does not allow shrinking, but the pod starts consolidated (1x2) with a wave waiting (two
-    run at a time): the operator's tick treats waiting requests as a new wave and moves back to 2x1, which
-    runs four at a time. A controller that called the planner directly never shrank."""
+    run at a time): the operator's tick treats a queue of requests that never ran, before any switch, as a
+    new wave and moves back to 2x1, which runs four at a time. A controller that called the planner directly
+    never shrank."""
     prof = profile({1: (10.0, 5.0), 2: (6.0, 3.0)})
     wl = workload([50] * 16, cap=50)
     cfg = SimConfig(2, admission="engine", max_batch=2, initial_layout="1x2")
