@@ -28,16 +28,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import platform
 import random
 import statistics
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
-from datetime import date
-from importlib import metadata
 from pathlib import Path
 from statistics import NormalDist
 from typing import Any
@@ -46,7 +42,7 @@ from rollout_worker.config.model_config import ModelConfig
 
 from rollout_bench import sharing as bench_sharing
 from rollout_bench.memory_baseline import Baseline, check_model
-from rollout_bench.record import write_json
+from rollout_bench.record import host, write_json
 
 Echo = Callable[[str], Any]
 ENGINES = ("paged", "paged_at_slab")  # measured; the last: a pool of the bytes the slab allocated at most
@@ -167,27 +163,6 @@ def table(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def this_host() -> dict[str, Any]:
-    """What the measured side ran on: the date, the CPU, how many, Python's and torch's versions."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    try:
-        torch = metadata.version("torch")
-    except metadata.PackageNotFoundError:
-        torch = "?"
-    return {
-        "date": date.today().isoformat(),
-        "cpu": cpu,
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch,
-    }
-
-
 def run_probe(spec: dict[str, Any], scratch: Path) -> dict[str, Any]:
     """One engine run of this tree in a fresh process (:mod:`rollout_bench.memory_probe`)."""
     (scratch / "spec.json").write_text(json.dumps(spec))
@@ -257,7 +232,7 @@ def run_memory_bench(
         "benchmark": "memory",
         "model": str(model),
         "baseline": {"path": str(baseline.path), "recorded": baseline.recorded, "runs": baseline.runs},
-        "measured": this_host(),
+        "measured": host(),
         "workload": {
             "requests": n,
             "prompt_len": prompt_len,

@@ -11,19 +11,30 @@ import os
 import platform
 import shlex
 import sys
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 
-def _cpu() -> str:
+def host() -> dict[str, Any]:
+    """The machine a benchmark runs on: the date, the CPU, how many, Python's and torch's versions."""
+    cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    try:
+        torch = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch = "?"
+    return {
+        "date": datetime.date.today().isoformat(),
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch,
+    }
 
 
 def command() -> str:
@@ -36,18 +47,10 @@ def command() -> str:
 
 def recorded() -> dict[str, Any]:
     """What was run, when and on what."""
-    out: dict[str, Any] = {
-        "command": command(),
-        "date": datetime.date.today().isoformat(),
-        "cpu": _cpu(),
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-    }
-    torch = sys.modules.get("torch")  # only if the benchmark imported it (the driver does not)
-    if torch is not None:
-        out["torch"] = torch.__version__
-        if torch.cuda.is_available():
-            out["gpu"] = torch.cuda.get_device_name()
+    out: dict[str, Any] = {"command": command(), **host()}
+    torch = sys.modules.get("torch")  # the GPU only if the benchmark imported torch (the driver does not)
+    if torch is not None and torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name()
     return out
 
 

@@ -15,7 +15,7 @@ file, not kept beside it (the git history has it)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,43 +33,49 @@ def _ms(x: float) -> str:
     return f"{x:,.1f} ms" if x >= 1 else f"{x:.3f} ms"
 
 
+def _table(head: Sequence[str], align: str, rows: Iterable[Sequence[object]]) -> list[str]:
+    """A Markdown table: ``head``'s columns, aligned by ``align`` (``l`` or ``r``, one letter a column)."""
+    rule = "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"
+    return [f"| {' | '.join(head)} |", rule, *(f"| {' | '.join(map(str, row))} |" for row in rows)]
+
+
 def _engine(d: dict[str, Any]) -> list[str]:
     """``rolloutctl bench engine``: decode-step times by layout, batch and context; side by side with eager
     steps (``--cuda-graphs both``) or the default kernels (``--deterministic both``) when the run has them."""
-    head = f"{d['preset']}, {d['dtype']}, {d['device']} ({d['device_name']}), {d['ranks']} rank(s), "
-    head += f"median of {d['runs']} runs x {d['steps']} steps; busy: every replica decoding, or one alone"
-    lines = [head, ""]
+    title = f"{d['preset']}, {d['dtype']}, {d['device']} ({d['device_name']}), {d['ranks']} rank(s), "
+    title += f"median of {d['runs']} runs x {d['steps']} steps; busy: every replica decoding, or one alone"
+
+    def at(r: dict[str, Any]) -> tuple[object, ...]:
+        return r["layout"], r["active"], r["batch"], r["context"]
+
     if d.get("graph_ratios"):
-        lines += [
-            "| layout | busy | batch | context | eager | CUDA graphs | speed-up |",
-            "|---|---|---:|---:|---:|---:|---:|",
+        columns: tuple[str, ...] = ("eager", "CUDA graphs", "speed-up")
+        rows = [
+            (*at(r), _ms(r["eager_ms"]), _ms(r["graphs_ms"]), f"{r['speedup']:.2f}x")
+            for r in d["graph_ratios"]
         ]
-        for r in d["graph_ratios"]:
-            lines.append(
-                f"| {r['layout']} | {r['active']} | {r['batch']} | {r['context']} | {_ms(r['eager_ms'])} | "
-                f"{_ms(r['graphs_ms'])} | {r['speedup']:.2f}x |"
-            )
     elif d.get("deterministic_cost"):
-        lines += [
-            "| layout | busy | batch | context | default kernels | deterministic "
-            "| tokens/s, deterministic / default |",
-            "|---|---|---:|---:|---:|---:|---:|",
+        columns = ("default kernels", "deterministic", "tokens/s, deterministic / default")
+        rows = [
+            (*at(r), _ms(r["default_ms"]), _ms(r["deterministic_ms"]), f"{r['tokens_per_s_ratio']:.2f}x")
+            for r in d["deterministic_cost"]
         ]
-        for r in d["deterministic_cost"]:
-            lines.append(
-                f"| {r['layout']} | {r['active']} | {r['batch']} | {r['context']} | {_ms(r['default_ms'])} | "
-                f"{_ms(r['deterministic_ms'])} | {r['tokens_per_s_ratio']:.2f}x |"
-            )
     else:
-        lines += ["| layout | busy | batch | context | step | min-max |", "|---|---|---:|---:|---:|---:|"]
-        for r in d["grid"]:
-            lines.append(
-                f"| {r['layout']} | {r['active']} | {r['batch']} | {r['context']} | {_ms(r['ms'])} | "
-                f"{r['ms_min']:.1f}-{r['ms_max']:.1f} ms |"
+        columns = ("step", "min-max")
+        rows = [(*at(r), _ms(r["ms"]), f"{r['ms_min']:.1f}-{r['ms_max']:.1f} ms") for r in d["grid"]]
+    for sk in d.get("skipped", []):
+        rows.append(
+            (
+                sk["layout"],
+                "",
+                sk["batch"],
+                sk["context"],
+                f"not run: {sk['why']}",
+                *[""] * (len(columns) - 1),
             )
-    for s in d.get("skipped", []):
-        lines.append(f"| {s['layout']} | | {s['batch']} | {s['context']} | not run: {s['why']} | |")
-    return lines
+        )
+    head = ("layout", "busy", "batch", "context", *columns)
+    return [title, "", *_table(head, "llrr" + "r" * len(columns), rows)]
 
 
 def _planner(d: dict[str, Any]) -> list[str]:
@@ -83,18 +89,18 @@ def _planner(d: dict[str, Any]) -> list[str]:
             f"{m['profile_method']}), "
             f"admission `{m['admission']}`, mean of {runs} seeds: generation seconds",
             "",
-            "| workload | "
-            + " | ".join(c for c, _ in COLUMNS)
-            + " | "
-            + " | ".join(c for c, _ in RATIO_COLUMNS)
-            + " | switches |",
-            "|---" + "|---:" * (len(COLUMNS) + len(RATIO_COLUMNS) + 1) + "|",
         ]
-        for w in m["workloads"]:
-            cells = [f"{w['latency_s'][k]:.1f}" for _, k in COLUMNS]
-            ratios = [f"{w[k]:.3f}" for _, k in RATIO_COLUMNS]
-            switches = f"{w['switches_mean']['adaptive']:.1f}"  # adaptive's, per batch, mean over seeds
-            lines.append(f"| {w['workload']} | " + " | ".join([*cells, *ratios, switches]) + " |")
+        head = ("workload", *(c for c, _ in COLUMNS), *(c for c, _ in RATIO_COLUMNS), "switches")
+        rows = [
+            (
+                w["workload"],
+                *(f"{w['latency_s'][k]:.1f}" for _, k in COLUMNS),
+                *(f"{w[k]:.3f}" for _, k in RATIO_COLUMNS),
+                f"{w['switches_mean']['adaptive']:.1f}",  # adaptive's, per batch, mean over seeds
+            )
+            for w in m["workloads"]
+        ]
+        lines += _table(head, "l" + "r" * (len(head) - 1), rows)
         dec = m["decide"]["mixed"]
         lines += [
             "",
@@ -115,45 +121,37 @@ def _planner(d: dict[str, Any]) -> list[str]:
 def _fixed_order(d: dict[str, Any]) -> list[str]:
     """``bench/fixed_order.py``: one product's time per kernel, medians in microseconds."""
     kernels = list(d["points"][0]["median_us"])
-    lines = [
-        f"{d['shapes']} shapes, median of {d['runs']} runs, microseconds per product",
-        "",
-        "| weight | tokens | " + " | ".join(kernels) + " |",
-        "|---|---:" + "|---:" * len(kernels) + "|",
-    ]
-    for p in d["points"]:
-        cells = [f"{p['median_us'][k]:.1f}" for k in kernels]
-        lines.append(f"| {p['weight']} | {p['tokens']} | " + " | ".join(cells) + " |")
-    return lines
+    rows = [(p["weight"], p["tokens"], *(f"{p['median_us'][k]:.1f}" for k in kernels)) for p in d["points"]]
+    head = f"{d['shapes']} shapes, median of {d['runs']} runs, microseconds per product"
+    return [head, "", *_table(("weight", "tokens", *kernels), "lr" + "r" * len(kernels), rows)]
 
 
 def _decoder_step(d: dict[str, Any]) -> list[str]:
     """``bench/decoder_step.py``: one TP=1 decoder's step, both kernels."""
-    lines = [
+    rows = [
+        (p["batch"], _ms(p["default_ms"]), _ms(p["deterministic_ms"]), f"{p['ratio']:.2f}x")
+        for p in d["points"]
+    ]
+    head = ("batch", "default kernels", "deterministic", "default / deterministic")
+    return [
         f"{d['preset']}, packed weights {d['pack']}, context {d['context']}",
         "",
-        "| batch | default kernels | deterministic | default / deterministic |",
-        "|---:|---:|---:|---:|",
+        *_table(head, "rrrr", rows),
     ]
-    for p in d["points"]:
-        lines.append(
-            f"| {p['batch']} | {_ms(p['default_ms'])} | {_ms(p['deterministic_ms'])} | {p['ratio']:.2f}x |"
-        )
-    return lines
 
 
 def _invariance(d: dict[str, Any]) -> list[str]:
     """``bench/cuda_invariance.py``: does a row's result depend on its batch?"""
-    lines = [
+    rows = [
+        (k["kernel"], "yes" if k["invariant"] else "no", ", ".join(map(str, k["differs_at"])) or "none")
+        for k in d["kernels"]
+    ]
+    head = ("kernel", "batch-invariant", "batch sizes where row 0 differs")
+    return [
         f"{d['device']}, torch {d['torch']}: row 0's result alone against among other rows",
         "",
-        "| kernel | batch-invariant | batch sizes where row 0 differs |",
-        "|---|---|---|",
+        *_table(head, "lll", rows),
     ]
-    for k in d["kernels"]:
-        differs = ", ".join(str(x) for x in k["differs_at"]) or "none"
-        lines.append(f"| {k['kernel']} | {'yes' if k['invariant'] else 'no'} | {differs} |")
-    return lines
 
 
 def _memory(d: dict[str, Any]) -> list[str]:
@@ -233,18 +231,22 @@ def readme_results(results: Path = RESULTS) -> str:
         f"planner (mean of {runs} seeds; `{entry['command']}`, {index['date']}); every model and figure in "
         "[Benchmarks](docs/benchmarks.md):",
         "",
-        "| workload | static TP1 | best static | adaptive | adaptive / best static | adaptive / TP1 |",
-        "|---|---:|---:|---:|---:|---:|",
     ]
+    head = ("workload", "static TP1", "best static", "adaptive", "adaptive / best static", "adaptive / TP1")
+    rows = []
     for w in m["workloads"]:
-        t = w["latency_s"]
-        best = w["best_static"]
-        lines.append(
-            f"| {w['workload']} | {t['static:1']:.1f} s | {t[best]:.1f} s (TP{best.split(':')[1]}) | "
-            f"{t['adaptive']:.1f} s | {w['adaptive_vs_best_static']:.3f} | "
-            f"{w['adaptive_vs_static_tp1']:.3f} |"
+        t, best = w["latency_s"], w["best_static"]
+        rows.append(
+            (
+                w["workload"],
+                f"{t['static:1']:.1f} s",
+                f"{t[best]:.1f} s (TP{best.split(':')[1]})",
+                f"{t['adaptive']:.1f} s",
+                f"{w['adaptive_vs_best_static']:.3f}",
+                f"{w['adaptive_vs_static_tp1']:.3f}",
+            )
         )
-    return "\n".join(lines)
+    return "\n".join(lines + _table(head, "lrrrrr", rows))
 
 
 def _between(page: str, begin: str, end: str, body: str) -> str:

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 from rollout_worker.api.plan import Plan, ReconfigEvent
-from rollout_worker.api.state import EngineState
+from rollout_worker.api.state import EngineState, WaitingRequest
 
 from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.planning.planner import (
@@ -80,16 +80,20 @@ class PodMemory:
         return max(0, known - self.known_at_switch)
 
 
+def _waiting(state: EngineState) -> list[WaitingRequest]:
+    """Every request the engine holds but does not run: in a replica's queue, or not given one yet."""
+    return [w for r in state.replicas for w in r.waiting] + list(state.queued)
+
+
 def _fresh(state: EngineState, not_submitted: int) -> bool:
     """Requests wait that never ran (not retracted nor moved by a switch: those keep their tokens)."""
-    waiting = [w for r in state.replicas for w in r.waiting] + list(state.queued)
-    return not_submitted > 0 or any(w.generated == 0 for w in waiting)
+    return not_submitted > 0 or any(w.generated == 0 for w in _waiting(state))
 
 
 def known_requests(state: EngineState, not_submitted: int = 0) -> int:
     """Every request the pod knows of: finished, running, waiting or queued in the engine, and the ones its
     sidecar has not submitted yet. A retraction or a switch moves requests between these, never adds one."""
-    held = sum(len(r.running) + len(r.waiting) for r in state.replicas) + len(state.queued)
+    held = sum(len(r.running) for r in state.replicas) + len(_waiting(state))
     return state.finished.total + held + max(0, not_submitted)
 
 
@@ -108,7 +112,7 @@ def snapshot(state: EngineState, not_submitted: int = 0) -> PodSnapshot:
                 waiting=len(r.waiting) + extra // n + (d < extra % n),
             )
         )
-    waiting = [w for r in state.replicas for w in r.waiting] + list(state.queued)
+    waiting = _waiting(state)
     wprompt = int(np.mean([w.prompt_len for w in waiting])) if waiting else 256
     wcap = max((w.max_new_tokens for w in waiting), default=None)
     return PodSnapshot(
