@@ -23,26 +23,23 @@ from typing import Any
 
 import numpy as np
 from rollout_profiler.planning.latency import LatencyModel
-from rollout_profiler.planning.planner import PlannerPolicy, PodSnapshot, ReplicaState, decide
+from rollout_profiler.planning.planner import decide
+from rollout_profiler.planning.policy import PlannerPolicy, PodSnapshot, ReplicaState
 from rollout_profiler.planning.predictor import Prior, fit
 from rollout_profiler.profile import Profile
 from rollout_profiler.profiling.modelled import SHIPPED, build
 from rollout_profiler.sim.config import SimConfig, SimResult
+from rollout_profiler.sim.probe import median_abs_error, probed_adaptive
 from rollout_profiler.sim.simulate import simulate
+from rollout_profiler.sim.simulator import Simulator
 from rollout_profiler.sim.workloads import RECIPES, load, synthetic
 from rollout_worker.scheduling.layout import Layout
 
 GPUS = 8
+PROBES = (0.25, 0.5, 0.75)  # adaptive's prediction of its time to finish, checked at these shares of a run
 STATICS = ("static:1", "static:2", "static:4", "static:8")
 POLICIES = (*STATICS, "adaptive", "oracle", "oracle-clairvoyant", "free-switch", "tail-bound")
 WORKLOADS = tuple(RECIPES)
-AIMS = {
-    "oracle": 0.02,
-    "free-switch": 0.03,
-    "best-static": 0.01,
-    "sparse-tail-vs-tp1": 0.35,
-    "decide-p99-ms": 1.0,
-}
 
 
 def default_profiles() -> list[Profile]:
@@ -71,6 +68,7 @@ def bench_workload(
     per: dict[str, list[float]] = {p: [] for p in POLICIES}
     switches: dict[str, list[int]] = {p: [] for p in POLICIES}
     break_even, switch_cost, preempt, summary = [], [], [], {}
+    errors: list[float | None] = []
     named = spec in RECIPES
     for seed in range(runs if named else 1):
         wl = load(spec, seed)
@@ -80,11 +78,14 @@ def bench_workload(
             prev = synthetic(spec, seed + 1000)
             prior = Prior.from_samples(prev.lengths, prev.caps)
         t0 = time.perf_counter()
-        res = simulate(model, wl, SimConfig(GPUS, admission=admission, prior=prior), list(POLICIES))
+        cfg = SimConfig(GPUS, admission=admission, prior=prior)
+        res = simulate(model, wl, cfg, list(POLICIES))
         say(
             f"{model.profile.name} {spec} seed {seed}: adaptive {res['adaptive'].latency_s:.1f} s "
             f"(simulated in {time.perf_counter() - t0:.0f} s)"
         )
+        _, probes = probed_adaptive(Simulator(model, wl, cfg), PROBES)
+        errors.append(median_abs_error(probes))
         for p, r in res.items():
             per[p].append(r.latency_s)
             switches[p].append(len(r.reconfigs))
@@ -111,6 +112,9 @@ def bench_workload(
         "break_even_switch_ms": statistics.fmean(break_even),
         "adaptive_switch_ms_mean": statistics.fmean(switch_cost) if switch_cost else None,
         "static_preemptions_mean": statistics.fmean(preempt),
+        "prediction_error_median": statistics.fmean(e for e in errors if e is not None)
+        if any(e is not None for e in errors)
+        else None,
     }
 
 
@@ -190,10 +194,11 @@ def run(
 
 
 _RATIO_AIMS = (
-    ("adaptive_vs_oracle", "adaptive within 2% of the count-balanced oracle", 1.02),
+    ("adaptive_vs_oracle", "adaptive within 1.5% of the count-balanced oracle", 1.015),
     ("adaptive_vs_free_switch", "adaptive within 3% of the free-switch bound", 1.03),
-    ("adaptive_vs_best_static", "adaptive never more than 1% worse than the best static", 1.01),
+    ("adaptive_vs_best_static", "adaptive never slower than the best static layout", 1.0),
 )
+MAX_SWITCHES_16K = 2.0  # DeepScaleR-16k: at most two switches a batch (no flapping)
 
 
 def _aim(model: str, aim: str, met: bool, numbers: str) -> dict[str, Any]:
@@ -209,6 +214,10 @@ def aims(d: dict[str, Any]) -> list[dict[str, Any]]:
             worst = ws[int(np.argmax([w[key] for w in ws]))]
             rows.append(_aim(name, label, worst[key] <= limit, f"{worst['workload']}: {worst[key]:.3f}"))
         for w in ws:
+            if w["workload"] == "deepscaler-16k":
+                n = w["switches_mean"]["adaptive"]
+                label = "at most two switches a batch on deepscaler-16k"
+                rows.append(_aim(name, label, n <= MAX_SWITCHES_16K, f"{n:.1f} a batch"))
             if w["workload"] == "sparse-tail":
                 saved = 1 - w["adaptive_vs_static_tp1"]
                 label = "at least 35% below static TP1 on sparse-tail"

@@ -90,18 +90,27 @@ def _planner(d: dict[str, Any]) -> list[str]:
             f"admission `{m['admission']}`, mean of {runs} seeds: generation seconds",
             "",
         ]
+        errors = any(w.get("prediction_error_median") is not None for w in m["workloads"])
         head = ("workload", *(c for c, _ in COLUMNS), *(c for c, _ in RATIO_COLUMNS), "switches")
+        head += ("pred. err",) if errors else ()
         rows = [
             (
                 w["workload"],
                 *(f"{w['latency_s'][k]:.1f}" for _, k in COLUMNS),
                 *(f"{w[k]:.3f}" for _, k in RATIO_COLUMNS),
                 f"{w['switches_mean']['adaptive']:.1f}",  # adaptive's, per batch, mean over seeds
+                *((_percent(w.get("prediction_error_median")),) if errors else ()),
             )
             for w in m["workloads"]
         ]
         lines += _table(head, "l" + "r" * (len(head) - 1), rows)
         dec = m["decide"]["mixed"]
+        if errors:
+            lines += [
+                "",
+                "pred. err: the planner's predicted time to finish against the simulated run's, at a quarter,"
+                " half and three quarters of a batch (median of the absolute errors, mean over seeds).",
+            ]
         lines += [
             "",
             f"A decision (`decide()`, 8 ranks, 1,024 running requests of mixed lengths): p50 "
@@ -116,6 +125,10 @@ def _planner(d: dict[str, Any]) -> list[str]:
         ]
         lines.append("")
     return lines[:-1]
+
+
+def _percent(x: float | None) -> str:
+    return "" if x is None else f"{x * 100:.1f}%"
 
 
 def _fixed_order(d: dict[str, Any]) -> list[str]:

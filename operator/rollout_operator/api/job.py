@@ -21,7 +21,7 @@ spec:
   samplesPerPrompt: 1
   sampling: {temperature: 1.0, topP: 1.0, topK: -1, maxNewTokens: 1024, seed: 0, stop: [], ignoreEos: false}
   parallelism: {initialLayout: auto, candidates: null, policy: adaptive, method: auto, margin: 0.1,
-                cooldownSeconds: 0.0, profile: null}
+                cooldownSeconds: null, profile: null}
   output: {path: build/rollout}
 ```
 """
@@ -151,7 +151,11 @@ class ParallelismSpec(_Spec):
         "auto", description="The KV cache on a switch: migrated, recomputed, or auto: the cheaper."
     )
     margin: float = Field(0.1, ge=0.0, le=10.0, description="Switch only when gain > cost x (1 + margin).")
-    cooldown_seconds: float = Field(0.0, ge=0.0, description="Seconds from one switch to the next.")
+    cooldown_seconds: float | None = Field(
+        None,
+        ge=0.0,
+        description="Seconds from one switch to the next (default: 10 times the last switch's duration).",
+    )
     profile: str | None = Field(None, description="Profile name in the database or a JSON file.")
 
     @field_validator("candidates")

@@ -43,6 +43,9 @@ def profile(
     steps: Annotated[int, typer.Option(help="Timed decode steps per grid point (trimmed mean).")] = 40,
     dtype: Annotated[Dtype, typer.Option(help="The weights' dtype.")] = "float32",
     device: Annotated[str, setting_option("device")] = setting_default("profile", "device"),
+    deterministic: Annotated[
+        bool, setting_option("deterministic", help="Measure the engine with its deterministic kernels.")
+    ] = setting_default("profile", "deterministic"),
     shard_equivalent: Annotated[
         bool,
         typer.Option("--shard-equivalent", help="One device: 1/T-width shards + modelled communication."),
@@ -89,6 +92,7 @@ def profile(
             "steps": steps,
             "dtype": dtype,
             "device": device,
+            "deterministic": deterministic,
             "shard_equivalent": shard_equivalent,
             "gpus": gpus,
             "tp_sizes": tp_sizes,

@@ -124,6 +124,7 @@ def run_profile(opts: dict[str, Any]) -> None:
             opts["device"],
             opts["steps"],
             typer.echo,
+            deterministic=opts["deterministic"],
         )
     prof.provenance["command"] = opts["command"]
     if opts["out"] is not None:

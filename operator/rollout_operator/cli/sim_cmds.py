@@ -202,7 +202,7 @@ def bench_planner_cmd(
         raise UserError(f"--runs must be >= 1, got {runs}")
     if decide_calls < 10:
         raise UserError(f"--decide-calls must be >= 10, got {decide_calls}")
-    from rollout_profiler.planning.planner import ADMISSIONS
+    from rollout_profiler.planning.policy import ADMISSIONS
 
     if admission not in ADMISSIONS:
         raise UserError(f"must be one of {', '.join(ADMISSIONS)}, got {admission!r}", "--admission")

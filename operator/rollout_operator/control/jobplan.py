@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 from rollout_profiler.planning.latency import LatencyModel
-from rollout_profiler.planning.planner import PlannerPolicy, PodSnapshot, ReplicaState, choose_start
+from rollout_profiler.planning.planner import choose_start
+from rollout_profiler.planning.policy import PlannerPolicy, PodSnapshot, ReplicaState
 from rollout_profiler.planning.predictor import fit
 from rollout_profiler.profile import Profile
 from rollout_worker.scheduling.layout import Layout, candidate_layouts, tp_problem
@@ -85,13 +86,18 @@ def policy_of(
     spec: RolloutJobSpec, candidates: tuple[Layout, ...], layout: Layout, policy: str | None = None
 ) -> PlannerPolicy:
     """The planner's settings for the job (a static job may only stay where it starts). ``policy``
-    overrides ``parallelism.policy`` (``rolloutctl run --policy``)."""
+    overrides ``parallelism.policy`` (``rolloutctl run --policy``). The planner's memory model holds what
+    the job's engines will: ``engine.maxBatch`` running requests and a pool of ``engine.pool_tokens`` KV
+    tokens per replica, whatever its TP size."""
     par = spec.parallelism
+    pool = spec.engine.pool_tokens
     return PlannerPolicy(
         candidates=candidates if (policy or par.policy) == "adaptive" else (layout,),
         margin=par.margin,
         cooldown_s=par.cooldown_seconds,
         method=par.method,
+        max_batch_per_replica=spec.engine.max_batch,
+        kv_tokens_per_replica=tuple((lay.tp, pool) for lay in sorted(set(candidates), key=lambda c: c.tp)),
     )
 
 

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import httpx
 from rollout_profiler.planning.latency import LatencyModel
-from rollout_profiler.planning.planner import PlannerPolicy
+from rollout_profiler.planning.policy import PlannerPolicy
 from rollout_profiler.planning.predictor import Prior
 from rollout_profiler.planning.tick import PodMemory, TickResult, tick
 from rollout_worker.api.plan import ReconfigEvent
@@ -36,7 +36,7 @@ class Outcome:
 
     pod: str
     result: TickResult
-    pushed: bool
+    pushed: bool  # a switch decision's plan was pushed (a refreshed plan is not a decision)
     new_events: list[ReconfigEvent]
 
 
@@ -79,12 +79,15 @@ class PlannerLoop:
             self.failures[link.name] += 1
             return None
         pushed = False
-        if result.plan is not None and not state.reconfiguring:
-            pushed = await link.push(result.plan)
-            if pushed:
+        if result.plan is not None and not state.reconfiguring and await link.push(result.plan):
+            # the pushed plan replaces the one the engine held: its switches are the ones to come
+            later: list[int | None] = [None] * max(len(result.plan.triggers) - 1, 0)
+            if result.decision.action == "switch":
+                pushed = True
                 decision_id = self.recorder.decided(link.name, result) if self.recorder is not None else None
-                self.pending[link.name].append(decision_id)
-                self.pending[link.name] += [None] * (len(result.plan.triggers) - 1)  # the rest of the chain
+                self.pending[link.name] = [decision_id, *later]  # the rest of the chain: later triggers
+            else:  # the held plan refreshed (tick: a later trigger the planner would no longer set)
+                self.pending[link.name] = [None] * len(result.plan.triggers)
         return Outcome(link.name, result, pushed, new)
 
     async def run_once(self) -> list[Outcome]:

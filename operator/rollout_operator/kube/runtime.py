@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import httpx
 from rollout_profiler.planning.latency import LatencyModel
-from rollout_profiler.planning.planner import PlannerPolicy
+from rollout_profiler.planning.policy import PlannerPolicy
 from rollout_profiler.planning.predictor import Prior
 from rollout_profiler.planning.tick import PodMemory
 from rollout_worker.api.sidecar import Progress

@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 from rollout_profiler.planning.latency import LatencyModel
-from rollout_profiler.planning.planner import PlannerPolicy
+from rollout_profiler.planning.policy import PlannerPolicy
 from rollout_profiler.planning.predictor import Prior
 from rollout_worker.api.plan import ReconfigEvent
 from rollout_worker.api.sidecar import Progress, Sample, output_files, read_outputs

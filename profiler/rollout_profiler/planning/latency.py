@@ -141,32 +141,43 @@ class _Table:
         lo, hi = self._row(i, c), self._row(i + 1, c)
         return lo + (b - bs[i]) / (bs[i + 1] - bs[i]) * (hi - lo)
 
-    def _rows_many(self, c: np.ndarray) -> np.ndarray:
-        """Every batch row evaluated at contexts ``c``: shape (n_batches, len(c))."""
-        cs = self.c_arr
+    def _rows_at(self, i: np.ndarray, c: np.ndarray) -> np.ndarray:
+        """Batch rows ``i`` evaluated at contexts ``c`` (one row per point), as :meth:`_row`."""
+        cs, v = self.c_arr, self.v_arr
         if len(cs) == 1:
-            return np.repeat(self.v_arr[:, :1], len(c), axis=1)
-        cc = np.minimum(np.maximum(c, cs[0]), cs[-1])
-        j = np.minimum(np.searchsorted(cs, cc, side="right") - 1, len(cs) - 2)
-        f = (cc - cs[j]) / (cs[j + 1] - cs[j])
-        rows = self.v_arr[:, j] + f * (self.v_arr[:, j + 1] - self.v_arr[:, j])
-        over = np.maximum(c - cs[-1], 0.0)
-        return rows + self.cs_arr[:, None] * over[None, :]
+            return v[i, 0]
+        j = np.clip(np.searchsorted(cs, c, side="right") - 1, 0, len(cs) - 2)
+        f = np.clip((c - cs[j]) / (cs[j + 1] - cs[j]), 0.0, 1.0)
+        lo = v[i, j]
+        return lo + f * (v[i, j + 1] - lo) + self.cs_arr[i] * np.maximum(c - cs[-1], 0.0)
 
-    def value_many(self, b: np.ndarray, c: np.ndarray) -> np.ndarray:
-        rows = self._rows_many(c)
+    def value_many(self, b: np.ndarray, c: np.ndarray, rows: np.ndarray | int = 0) -> np.ndarray:
+        """:meth:`value` at each point; ``rows``: the first row of each point's grid in a stack of grids
+        (:meth:`stacked`)."""
         bs = self.b_arr
-        k = np.arange(len(c))
         if len(bs) == 1:
-            out = rows[0].copy()
+            out = self._rows_at(np.zeros(c.shape, dtype=np.intp) + rows, c)
         else:
             bb = np.maximum(b, bs[0])
-            i = np.minimum(np.searchsorted(bs, bb, side="right") - 1, len(bs) - 2)
-            lo, hi = rows[i, k], rows[i + 1, k]
+            i = np.minimum(np.searchsorted(bs, bb, side="right") - 1, len(bs) - 2) + rows
+            lo, hi = self._rows_at(i, c), self._rows_at(i + 1, c)
+            i = i - rows
             f = (bb - bs[i]) / (bs[i + 1] - bs[i])
             f = np.where(f > 1.0, 1.0 + (f - 1.0) * (hi >= lo), f)  # beyond the grid: slope >= 0
             out = lo + f * (hi - lo)
         return np.where(b > 0, out, 0.0)
+
+    @classmethod
+    def stacked(cls, tables: list[_Table]) -> _Table | None:
+        """One table holding the rows of ``tables`` one grid after another, when they share their batch and
+        context grid (else None): many layouts' points evaluated in one call."""
+        first = tables[0]
+        if any(t.batches != first.batches or t.contexts != first.contexts for t in tables[1:]):
+            return None
+        v = [row for t in tables for row in t.v]
+        slopes = [x for t in tables for x in t.ctx_slope]
+        return cls(first.batches, first.contexts, v, slopes, first.b_arr, first.c_arr,
+                   np.asarray(v, dtype=float), np.asarray(slopes, dtype=float))  # fmt: skip
 
 
 class LatencyModel:
@@ -181,6 +192,7 @@ class LatencyModel:
             key: _Table.build(pts, f"{profile.name} layout {key[0]}x{key[1]}") for key, pts in grids.items()
         }
         self.fallbacks: dict[tuple[int, int], tuple[int, int]] = {}
+        self._stacks: dict[tuple[Layout, ...], _Table | None] = {}
 
     @property
     def layouts(self) -> list[Layout]:
@@ -208,10 +220,27 @@ class LatencyModel:
         return self.table(layout).value(float(batch), float(context))
 
     def step_ms_many(self, layout: LayoutLike, batch: Any, context: Any) -> np.ndarray:
-        b = np.atleast_1d(np.asarray(batch, dtype=float))
-        c = np.atleast_1d(np.asarray(context, dtype=float))
-        b, c = np.broadcast_arrays(b, c)
+        b, c = batch, context
+        if not (
+            isinstance(b, np.ndarray) and isinstance(c, np.ndarray) and b.shape == c.shape and b.ndim == 1
+        ):
+            b, c = np.broadcast_arrays(
+                np.atleast_1d(np.asarray(b, dtype=float)), np.atleast_1d(np.asarray(c, dtype=float))
+            )
         return self.table(layout).value_many(b, c)
+
+    def step_ms_layouts(self, layouts: list[Layout], batch: np.ndarray, context: np.ndarray) -> np.ndarray:
+        """:meth:`step_ms_many` of ``layouts[s]`` at ``batch[s]``, ``context[s]`` (rows of 2-D arrays), in one
+        evaluation when the layouts' grids are alike."""
+        key = tuple(layouts)
+        if key not in self._stacks:
+            self._stacks[key] = _Table.stacked([self.table(lay) for lay in layouts])
+        stack = self._stacks[key]
+        if stack is None:
+            return np.stack([self.step_ms_many(lay, batch[s], context[s]) for s, lay in enumerate(layouts)])
+        rows = np.repeat(np.arange(len(layouts)) * len(stack.batches), batch.shape[1])
+        out = stack.value_many(batch.ravel(), context.ravel(), rows)
+        return out.reshape(batch.shape)
 
 
 def holdout_error(profile: Profile) -> dict[str, Any]:

@@ -27,16 +27,11 @@ from typing import Any
 import numpy as np
 from rollout_worker.api.plan import Plan, ReconfigEvent
 from rollout_worker.api.state import EngineState, WaitingRequest
+from rollout_worker.scheduling.layout import Layout
 
 from rollout_profiler.planning.latency import LatencyModel
-from rollout_profiler.planning.planner import (
-    Decision,
-    LastSwitch,
-    PlannerPolicy,
-    PodSnapshot,
-    ReplicaState,
-    decide,
-)
+from rollout_profiler.planning.planner import Decision, decide
+from rollout_profiler.planning.policy import LastSwitch, PlannerPolicy, PodSnapshot, ReplicaState
 from rollout_profiler.planning.predictor import LengthPredictor, Prior, fit
 
 
@@ -68,7 +63,8 @@ class PodMemory:
         self.events_seen = len(events)
         for ev in new:
             if ev.outcome == "committed":
-                self.last_switch = LastSwitch(ev.step, ev.time_s)
+                took = ev.actual_ms if ev.actual_ms is not None else ev.predicted_ms
+                self.last_switch = LastSwitch(ev.step, ev.time_s, took / 1e3)
                 self.new_iteration = False
                 self.known_at_switch = None
         return new
@@ -98,18 +94,23 @@ def known_requests(state: EngineState, not_submitted: int = 0) -> int:
 
 
 def snapshot(state: EngineState, not_submitted: int = 0) -> PodSnapshot:
-    """The planner's view of an engine state. Requests the engine holds but has not given a replica, and the
-    prompts the pod has not submitted yet, count as waiting (dealt over the replicas)."""
+    """The planner's view of an engine state. Requests the engine holds but has not given a replica count as
+    waiting, one by one, and the prompts the pod has not submitted yet by number (both dealt over the
+    replicas)."""
     reps = []
-    extra = len(state.queued) + max(0, not_submitted)
+    extra = max(0, not_submitted)
     n = max(len(state.replicas), 1)
     for d, r in enumerate(state.replicas):
+        wait = r.waiting + state.queued[d::n]
         reps.append(
             ReplicaState(
                 prompt_len=np.array([x.prompt_len for x in r.running], dtype=float),
                 generated=np.array([x.generated for x in r.running], dtype=float),
                 cap=np.array([x.max_new_tokens for x in r.running], dtype=float),
-                waiting=len(r.waiting) + extra // n + (d < extra % n),
+                waiting=extra // n + (d < extra % n),
+                wait_prompt_len=np.array([x.prompt_len for x in wait], dtype=float),
+                wait_generated=np.array([x.generated for x in wait], dtype=float),
+                wait_cap=np.array([x.max_new_tokens for x in wait], dtype=float),
             )
         )
     waiting = _waiting(state)
@@ -123,8 +124,9 @@ def snapshot(state: EngineState, not_submitted: int = 0) -> PodSnapshot:
 def predictor(memory: PodMemory, snap: PodSnapshot, prior: Prior | None) -> LengthPredictor:
     lengths = np.array(memory.lengths, dtype=float)
     caps = np.where(np.array(memory.capped, dtype=bool), lengths, np.inf) if memory.lengths else None
-    current = np.concatenate([r.generated for r in snap.replicas]) if snap.replicas else np.zeros(0)
-    cur_caps = np.concatenate([r.cap for r in snap.replicas]) if snap.replicas else np.zeros(0)
+    reps = snap.replicas  # every unfinished request it knows one by one is still running at its length
+    current = np.concatenate([x for r in reps for x in (r.generated, r.wait_generated)] or [np.zeros(0)])
+    cur_caps = np.concatenate([x for r in reps for x in (r.cap, r.wait_cap)] or [np.zeros(0)])
     return fit(lengths, current, cur_caps, caps, prior)
 
 
@@ -145,7 +147,7 @@ def tick(
 ) -> TickResult:
     """Decide for one pod. ``memory`` must already have absorbed ``state``'s finished lengths."""
     snap = snapshot(state, not_submitted)
-    waiting = sum(r.waiting for r in snap.replicas)
+    waiting = sum(r.waiting + len(r.wait_generated) for r in snap.replicas)
     running = sum(len(r.generated) for r in snap.replicas)
     # a new wave on a consolidated pod (requests it did not know at its last switch, or new weights: the
     # next RL iteration; before any switch, a queue of requests that never ran) may move back toward
@@ -168,7 +170,22 @@ def tick(
         "new_wave": wave,
         "reason": decision.reason,
     }
-    plan = None
-    if decision.action == "switch" and decision.plan:
-        plan = Plan(based_on_layout=state.layout, triggers=list(decision.plan))
-    return TickResult(decision, plan, inputs)
+    return TickResult(decision, _plan_to_push(state, decision), inputs)
+
+
+def _plan_to_push(state: EngineState, decision: Decision) -> Plan | None:
+    """A ``switch`` decision's plan; or, when the engine holds a plan for its layout whose triggers the
+    planner would no longer set (its predictions moved on, a cooldown runs), that plan refreshed: the
+    later triggers of a pushed chain never fire on a stale prediction."""
+    fresh = Plan(based_on_layout=state.layout, triggers=list(decision.plan))
+    if decision.action == "switch":
+        return fresh if decision.plan else None
+    held = state.plan
+    if held is None or held.based_on_layout != state.layout or _switches(held) == _switches(fresh):
+        return None
+    return fresh
+
+
+def _switches(plan: Plan) -> list[tuple[int, Layout, str]]:
+    """What a plan would do (its predictions of steps and costs aside)."""
+    return [(t.unfinished_at_most, t.layout, t.method) for t in plan.triggers]

@@ -52,6 +52,7 @@ def _engine(
     dtype: str,
     device: str,
     random_weights: bool = False,
+    deterministic: bool = False,
 ) -> EngineConfig:
     return EngineConfig(
         model_dir=str(model_dir),
@@ -60,7 +61,7 @@ def _engine(
         layout=layouts[0],
         candidates=tuple(layouts),
         dtype=dtype,
-        engine=EngineSettings(device=device, collective_timeout_seconds=600.0),
+        engine=EngineSettings(device=device, collective_timeout_seconds=600.0, deterministic=deterministic),
         random_weights=random_weights,
     )
 
@@ -77,15 +78,17 @@ def profile_measured(
     device: str,
     steps: int,
     echo: Echo,
+    deterministic: bool = False,
 ) -> Profile:
     cfg = ModelConfig.load(model_dir)
     for lay in layouts:
         if lay.world != world:
             raise UserError(f"--layouts: {lay} has {lay.world} ranks, not --ranks {world}")
     layouts = sorted(set(layouts), key=lambda x: x.tp)
-    ec = _engine(model_dir, cfg, world, layouts, dtype, device)
+    ec = _engine(model_dir, cfg, world, layouts, dtype, device, deterministic=deterministic)
+    kernels = ", deterministic kernels" if deterministic else ""
     echo(
-        f"profiling {name}: {world} ranks, layouts {', '.join(map(str, layouts))}, batch {batches}, "
+        f"profiling {name}: {world} ranks{kernels}, layouts {', '.join(map(str, layouts))}, batch {batches}, "
         f"context {contexts}, {steps} steps per point"
     )
     grid = run_task(
@@ -144,6 +147,7 @@ def profile_measured(
             "measured": ["step_latency", "reconfig_cost", "costs"],
             "modelled": [],
             "notes": f"decode steps timed with the real engine, trimmed mean of {steps} steps per point",
+            "kernels": "deterministic" if deterministic else "default",
         },
         model_name,
     )

@@ -13,7 +13,7 @@ from rollout_worker.config.engine_settings import DEFAULTS, check_setting
 from rollout_worker.errors import UserError
 from rollout_worker.scheduling.layout import Layout
 
-from rollout_profiler.planning.planner import ADMISSIONS, PlannerPolicy
+from rollout_profiler.planning.policy import ADMISSIONS, PlannerPolicy
 from rollout_profiler.planning.predictor import Prior
 from rollout_profiler.profile import KVCapacity
 

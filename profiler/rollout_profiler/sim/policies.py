@@ -23,13 +23,8 @@ import numpy as np
 from rollout_worker.errors import UserError
 from rollout_worker.scheduling.layout import Layout
 
-from rollout_profiler.planning.planner import (
-    Decision,
-    PlannerPolicy,
-    PodSnapshot,
-    ReplicaState,
-    choose_start,
-)
+from rollout_profiler.planning.planner import Decision, choose_start
+from rollout_profiler.planning.policy import PlannerPolicy, PodSnapshot, ReplicaState
 from rollout_profiler.planning.predictor import Prior, fit
 from rollout_profiler.planning.tick import PodMemory, TickResult, predictor, snapshot, tick
 from rollout_profiler.sim.config import SimResult, Switch

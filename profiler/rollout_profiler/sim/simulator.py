@@ -39,6 +39,7 @@ GPU-busy fraction = sum over segments of step x T (replicas with a non-empty bat
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Protocol
 
@@ -50,7 +51,8 @@ from rollout_worker.scheduling.costs import METHODS, estimated_moved_bytes
 from rollout_worker.scheduling.layout import Layout, candidate_layouts
 
 from rollout_profiler.planning.latency import LatencyModel
-from rollout_profiler.planning.planner import PlannerPolicy, switch_cost
+from rollout_profiler.planning.planner import switch_cost
+from rollout_profiler.planning.policy import PlannerPolicy
 from rollout_profiler.sim.config import SimConfig, SimResult, Switch
 from rollout_profiler.sim.memory import DONE, RUNNING, WAITING, Admission, Requests, balance
 from rollout_profiler.sim.view import engine_state
@@ -224,6 +226,22 @@ class Simulator:
         self.timeline = [(0.0, int(live.size), layout.tp)]
         self.pending_marks = sorted((m for m in marks if m < live.size), reverse=True)
         self.got: dict[int, float] = {}
+        return self.resume(name, controller)
+
+    def fork(self) -> Simulator:
+        """A copy of this run as it stands (between events, e.g. at a controller's decision), sharing only
+        what never changes (model, workload, config): :meth:`resume` continues it alone, and :meth:`switch`
+        can make it take another path. What a planner predicts from a state is checked against a fork."""
+        keep = {id(x): x for x in (self.model, self.wl, self.cfg, self.progress)}
+        return copy.deepcopy(self, keep)
+
+    def switch(self, sw: Switch, t_ms: float) -> None:
+        """Switch now (at ``t_ms``), as a controller's switch would."""
+        self._switch(sw, t_ms, None)
+
+    def resume(self, name: str, controller: Controller | None = None) -> SimResult:
+        """Run to the end from where the run stands (:meth:`run` starts here after placing the requests)."""
+        req = self.req
         while left := self.unfinished():
             self._refresh()
             r = int(np.argmin(self._pend_end))
@@ -243,7 +261,7 @@ class Simulator:
                 if sw is not None:
                     self._switch(sw, self._clock[r], controller)
         latency = float(self._latest)
-        gpu_busy = self.busy / (g * latency) if latency > 0 else 0.0
+        gpu_busy = self.busy / (self.cfg.gpus * latency) if latency > 0 else 0.0
         return SimResult(
             name,
             latency / 1e3,

@@ -90,3 +90,14 @@ def test_a_named_profile_is_found_by_one_query_newest_first(tmp_path: Path, tiny
     assert second > first
     assert isinstance(missing, Refusal) and missing.field == "spec.parallelism.profile"
     assert isinstance(gone, Refusal) and "profile file not found" in gone.message
+
+
+def test_the_planner_models_the_memory_the_jobs_engines_hold(tmp_path: Path, tiny64: Path) -> None:
+    loaded = _loaded(tmp_path, tiny64, 4, engine={"maxBatch": 8, "kvBudgetTokens": 3000, "pageSize": 16})
+    plan = plan_pods(loaded.job.spec, PROF)
+    assert isinstance(plan, tuple), plan
+    policy = plan[1].policy
+    pool = 3008  # the budget, rounded up to whole pages: every replica's pool, whatever its TP size
+    assert policy.max_batch_per_replica == 8
+    assert policy.kv_tokens_per_replica == tuple((lay.tp, pool) for lay in plan[1].candidates)
+    assert policy.cooldown_s is None  # by default: ten times the last switch's duration

@@ -14,7 +14,7 @@ from rollout_operator.control.links import EngineLink
 from rollout_operator.control.planner_loop import PlannerLoop
 from rollout_operator.control.records import DbRecorder
 from rollout_profiler.planning.latency import LatencyModel
-from rollout_profiler.planning.planner import PlannerPolicy
+from rollout_profiler.planning.policy import PlannerPolicy
 from rollout_profiler.profile import Profile
 from rollout_profiler.store import database, migrate, runs
 from rollout_worker.api.sglang import GenerateRequest

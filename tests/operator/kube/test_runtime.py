@@ -13,7 +13,7 @@ from rollout_operator.api.status import PodProgress, RolloutJobStatus
 from rollout_operator.cluster.reconcile import PodView
 from rollout_operator.kube.runtime import JobRuntime
 from rollout_profiler.planning.latency import LatencyModel
-from rollout_profiler.planning.planner import PlannerPolicy
+from rollout_profiler.planning.policy import PlannerPolicy
 from rollout_profiler.profile import Profile
 from rollout_worker.scheduling.layout import Layout
 

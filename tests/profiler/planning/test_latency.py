@@ -51,6 +51,23 @@ def test_linear_between_points_and_vectorised_agrees() -> None:
     assert many.tolist() == pytest.approx([m.step_ms((2, 1), b, c) for b, c in zip(bs, cs, strict=True)])
 
 
+@pytest.mark.parametrize("same_grid", [True, False])
+def test_many_layouts_at_once_agree_with_one_at_a_time(llama: Profile, same_grid: bool) -> None:
+    prof = llama
+    if not same_grid:  # one layout on a grid of its own: evaluated apart from the others
+        prof = make_profile({"2x1": lambda b, c: 1.0 + b + c / 100, "1x2": lambda b, c: 2.0 + b / 3})
+        pts = [p for p in prof.step_latency if (p.replicas, p.context) != (1, 400)]
+        prof = Profile("hand", SHAPE, "test", "cpu", 2, "", "float32", "modelled", pts, [], COSTS)
+    m = LatencyModel(prof)
+    lays = m.layouts
+    rng = np.random.default_rng(1)
+    b = np.concatenate([rng.uniform(-1, 3000, (len(lays), 60)), np.zeros((len(lays), 1))], axis=1)
+    c = np.concatenate([rng.uniform(0, 60_000, (len(lays), 60)), np.full((len(lays), 1), 9.0)], axis=1)
+    got = m.step_ms_layouts(lays, b, c)
+    want = [[m.step_ms(lay, x, y) for x, y in zip(b[s], c[s], strict=True)] for s, lay in enumerate(lays)]
+    assert got.tolist() == [pytest.approx(row, rel=1e-12, abs=1e-12) for row in want]
+
+
 def test_monotone_everywhere_including_extrapolation(llama: Profile) -> None:
     m = LatencyModel(llama)
     rng = np.random.default_rng(0)

@@ -13,21 +13,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from rollout_profiler.planning import planner
+from rollout_profiler.planning import forecast
 from rollout_profiler.planning.latency import LatencyModel
-from rollout_profiler.planning.planner import (
-    Decision,
-    LastSwitch,
-    PlannerPolicy,
-    PodSnapshot,
-    ReplicaState,
-    choose_start,
-    decide,
-    forward_plan,
-    switch_cost,
-)
+from rollout_profiler.planning.planner import Decision, choose_start, decide, forward_plan, switch_cost
+from rollout_profiler.planning.policy import LastSwitch, PlannerPolicy, PodSnapshot, ReplicaState
 from rollout_profiler.planning.predictor import LengthPredictor, fit
 from rollout_profiler.profile import CostModel, ModelShape, Profile, StepPoint
+from rollout_worker.errors import UserError
 from rollout_worker.scheduling.layout import Layout
 
 SHAPE = ModelShape("toy", "LlamaForCausalLM", 64, 2, 8, 8, 8, 128, 100)  # 1,024 KV bytes/token (fp32)
@@ -72,7 +64,9 @@ def to_cap(snap: PodSnapshot) -> LengthPredictor:
 
 
 def run(snap: PodSnapshot, costs: CostModel = COSTS, **kw: Any) -> Decision:
-    policy = PlannerPolicy(**{"candidates": ALL, "margin": 0.0, "min_gain_ms": 0.0, **kw})
+    policy = PlannerPolicy(
+        **{"candidates": ALL, "margin": 0.0, "min_gain_ms": 0.0, "min_gain_fraction": 0.0, **kw}
+    )
     return decide(LatencyModel(profile(costs)), snap, policy, to_cap(snap))
 
 
@@ -147,6 +141,26 @@ def test_cooldown_steps_and_seconds() -> None:
     assert decide(model, snap, policy, to_cap(snap), LastSwitch(step=50, time_s=40.0)).action == "switch"
 
 
+def test_the_default_cooldown_is_ten_times_the_last_switch() -> None:
+    snap = snapshot(L81, [5000] * 16, step=100, time_s=50.0)
+    policy = PlannerPolicy(ALL, margin=0.0, min_gain_ms=0.0)  # cooldown_s None: from the switch's cost
+    model = LatencyModel(profile())
+    took_1s = LastSwitch(step=50, time_s=45.0, cost_s=1.0)  # 5 s ago: 10 s of cooldown
+    d = decide(model, snap, policy, to_cap(snap), took_1s)
+    assert d.action == "keep" and d.reason == "cooldown: 5.0 s since switch"
+    assert decide(model, snap, policy, to_cap(snap), replace(took_1s, cost_s=0.4)).action == "switch"
+    assert decide(model, snap, replace(policy, cooldown_s=0.0), to_cap(snap), took_1s).action == "switch"
+
+
+def test_a_switch_must_gain_a_share_of_the_time_left() -> None:
+    snap = snapshot(L81, [5000] * 16)  # gain 5000 x (10.2 - 6.0) ms of 5000 x 10.2 ms left: 41%
+    assert run(snap, min_gain_fraction=0.4).action == "switch"
+    d = run(snap, min_gain_fraction=0.42)
+    assert d.action == "keep" and f"+ {0.42 * 5000 * 10.2:.0f}" in d.reason
+    with pytest.raises(UserError, match="min_gain_fraction"):
+        PlannerPolicy(ALL, min_gain_fraction=-0.1)
+
+
 def test_not_ready_rank_blocks_action() -> None:
     ready = (True,) * 3 + (False,) + (True,) * 4
     d = run(snapshot(L81, [5000] * 16, ready=ready))
@@ -219,8 +233,8 @@ def test_kv_capacity_and_admission_price_waiting() -> None:
 
 def test_busiest_replica_drifts_after_a_balanced_switch() -> None:
     n = np.array([100.0, 50.0, 0.0])
-    assert planner._busiest(n, 100.0, 1).tolist() == [100.0, 50.0, 0.0]
-    got = planner._busiest(n, 100.0, 2)
+    assert forecast._busiest(n, 100.0, 1).tolist() == [100.0, 50.0, 0.0]
+    got = forecast._busiest(n, 100.0, 2)
     assert got[0] == pytest.approx(50.0) and got[2] == pytest.approx(0.0)  # all or none left: no spread
     assert got[1] == pytest.approx(25 + 0.5642 * np.sqrt(50 * 0.5 * 0.5))  # binomial shares of 2 replicas
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from rollout_profiler.planning.latency import LatencyModel
-from rollout_profiler.planning.planner import PlannerPolicy
+from rollout_profiler.planning.policy import PlannerPolicy
 from rollout_profiler.planning.tick import PodMemory, snapshot, tick
 from rollout_profiler.profile import Profile
+from rollout_worker.api.plan import Plan, Trigger
 from rollout_worker.api.state import (
     EngineState,
     FinishedLengths,
@@ -48,7 +49,9 @@ def _state(running: list[int], waiting: int = 0, layout: Layout = Layout(2, 1)) 
 def test_snapshot_and_tick_are_pure() -> None:
     snap = snapshot(_state([5, 6, 7], waiting=2), not_submitted=3)
     assert [len(r.generated) for r in snap.replicas] == [2, 1]
-    assert [r.waiting for r in snap.replicas] == [2 + 2, 1]  # engine waiting + 3 not submitted, dealt
+    assert [len(r.wait_generated) for r in snap.replicas] == [2, 0]  # the engine's, one by one
+    assert [r.waiting for r in snap.replicas] == [2, 1]  # 3 not submitted, by number, dealt
+    assert [r.unfinished for r in snap.replicas] == [6, 2]
     assert snap.waiting_prompt_len == 20 and snap.waiting_cap == 50
     model = LatencyModel(Profile.from_json(PROFILE))
     mem = PodMemory(lengths=[20, 22, 25, 30, 31, 33, 35, 40], capped=[False] * 8)
@@ -122,3 +125,24 @@ def test_requests_retracted_back_to_the_queue_are_no_new_wave() -> None:
     shrunk = tick(fresh, grown, model, POLICY, None)
     assert shrunk.inputs["new_wave"] and shrunk.plan is not None
     assert shrunk.plan.triggers[0].layout == Layout(2, 1)
+
+
+def test_a_held_plan_the_planner_would_no_longer_set_is_refreshed() -> None:
+    """The later triggers of a pushed chain never fire on a stale prediction: on a tick that keeps the
+    layout, a held plan for it whose triggers differ from the planner's fresh ones is replaced (by an
+    empty plan when the planner plans nothing, e.g. in a cooldown); an unchanged one is left alone."""
+    model = LatencyModel(Profile.from_json(PROFILE))
+    mem = PodMemory(lengths=[20, 22, 25, 30, 31, 33, 35, 40], capped=[False] * 8)
+    stale = Plan(based_on_layout=Layout(2, 1), triggers=[Trigger(unfinished_at_most=1, layout=Layout(1, 2))])
+    busy = _state([1] * 16).model_copy(update={"plan": stale})  # a full batch: keep 2x1, nothing planned
+    got = tick(busy, PodMemory(), model, POLICY, None)
+    assert got.decision.action == "keep" and got.decision.plan == ()
+    assert got.plan == Plan(based_on_layout=Layout(2, 1), triggers=[])
+    fresh = tick(_state([1] * 16), PodMemory(), model, POLICY, None)
+    assert fresh.plan is None  # nothing held: nothing to refresh
+    other = busy.model_copy(update={"plan": stale.model_copy(update={"based_on_layout": Layout(1, 2)})})
+    assert tick(other, PodMemory(), model, POLICY, None).plan is None  # held for another layout: void anyway
+    tail = tick(_state([300]), mem, model, POLICY, None)  # a switch: its own plan, whatever is held
+    held = tick(_state([300]).model_copy(update={"plan": stale}), PodMemory(lengths=list(mem.lengths),
+                capped=list(mem.capped)), model, POLICY, None)  # fmt: skip
+    assert tail.plan is not None and held.plan == tail.plan and held.decision.action == "switch"

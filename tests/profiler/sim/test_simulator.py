@@ -64,6 +64,40 @@ def test_static_replicas_step_independently() -> None:
     assert r2.latency_s == pytest.approx(0.051)
 
 
+class _ForkAt(AdaptiveController):
+    """Forks the run at ``t_ms`` (then decides nothing)."""
+
+    def __init__(self, t_ms: float) -> None:
+        self.t, self.forks, self.at = t_ms, [], []
+
+    def next_time(self, sim: Simulator) -> float:
+        return self.t if not self.forks else math.inf
+
+    def on_time(self, sim: Simulator, t_ms: float) -> None:
+        self.forks.append(sim.fork())
+        self.at.append(t_ms)
+
+
+def test_a_fork_plays_on_as_the_run_it_left_and_can_take_another_path() -> None:
+    sim = Simulator(
+        LatencyModel(profile({1: (10.0, 5.0), 2: (6.0, 3.0)}, kv={1: 60, 2: 200})),
+        workload([40, 9, 25, 3, 30, 12], prompt=5),
+        SimConfig(2, admission="paged"),
+    )
+    ctl = _ForkAt(150.0)
+    whole = sim.run(Layout(2, 1), name="whole", controller=ctl)
+    (fork,) = ctl.forks
+    assert 0 < fork.unfinished() < 6 and fork.model is sim.model  # forked mid-run, sharing the model
+    other = fork.fork()  # a fork of the fork, switched to 1x2 at the fork's time
+    alone = fork.resume("fork")
+    assert alone.latency_s == whole.latency_s and alone.preemptions == whole.preemptions
+    assert other.unfinished() > 0  # resuming one fork left the other where it was
+    other.switch(Switch(Layout(1, 2), "auto", other.lengths - other.req.gen, "probe"), ctl.at[0])
+    switched = other.resume("switched")
+    assert [e.dst for e in switched.reconfigs] == [Layout(1, 2)] and whole.reconfigs == []
+    assert switched.latency_s != whole.latency_s
+
+
 def test_admission_by_kv_memory_changes_the_result() -> None:
     """1x2 holds 60 KV tokens; each request reserves prompt 10 + max_new_tokens 20 = 30 under the engine
     policy, so two run at a time instead of four."""
