@@ -120,7 +120,7 @@ def test_bench_planner_small(tmp_path: Path, lengths: Path) -> None:
     assert m["decide"]["synchronous"]["decide_ms_p50"] > 0
     assert "decide() 8 ranks, 1,024 running (synchronous, memory model in)" in text
     assert "Llama-3.1-8B (llama-3.1-8b-h100x8-modelled, modelled), 8 GPUs, admission paged" in text
-    assert {a["aim"] for a in d["aims"]} >= {"adaptive within 2% of the count-balanced oracle"}
+    assert {a["aim"] for a in d["aims"]} >= {"adaptive within 1.5% of the count-balanced oracle"}
     code, _, exc = invoke("bench", "planner", "--workload", "deepscaler-1k")
     assert code != 0 and isinstance(exc, UserError) and "deepscaler-1k" in str(exc)
 

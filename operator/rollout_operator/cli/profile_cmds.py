@@ -44,7 +44,7 @@ def profile(
     dtype: Annotated[Dtype, typer.Option(help="The weights' dtype.")] = "float32",
     device: Annotated[str, setting_option("device")] = setting_default("profile", "device"),
     deterministic: Annotated[
-        bool, setting_option("deterministic", help="Measure the engine with its deterministic kernels.")
+        bool, setting_option("deterministic", note="the profile times the engine with them")
     ] = setting_default("profile", "deterministic"),
     shard_equivalent: Annotated[
         bool,
