@@ -27,6 +27,8 @@ class Recorder(Protocol):
 
     def switched(self, pod: str, decision_id: int | None, event: ReconfigEvent) -> None: ...
 
+    def superseded(self, decision_id: int) -> None: ...
+
     def lengths(self, lengths: list[int], capped: list[bool]) -> None: ...
 
 
@@ -80,7 +82,11 @@ class PlannerLoop:
             return None
         pushed = False
         if result.plan is not None and not state.reconfiguring and await link.push(result.plan):
-            # the pushed plan replaces the one the engine held: its switches are the ones to come
+            # the pushed plan replaces the one the engine held: its switches are the ones to come, and a
+            # decision whose switch had not run yet never will
+            for unfired in self.pending[link.name]:
+                if unfired is not None and self.recorder is not None:
+                    self.recorder.superseded(unfired)
             later: list[int | None] = [None] * max(len(result.plan.triggers) - 1, 0)
             if result.decision.action == "switch":
                 pushed = True

@@ -56,7 +56,8 @@ def end_job(
 @dataclass
 class DbRecorder:
     """Records each pushed decision (its inputs, predicted gain and cost, layout and method) and, once the
-    switch ran, its actual cost and step. Switches that ran later in a pushed chain get their own row."""
+    switch ran, its actual cost and step; a decision whose plan a later push replaced before it fired is
+    ``superseded``. Switches that ran later in a pushed chain get their own row."""
 
     db: Engine
     job_id: int | None
@@ -90,6 +91,10 @@ class DbRecorder:
             runs.finish_decision(
                 session, decision_id, outcome=event.outcome, actual_cost_ms=event.actual_ms, step=event.step
             )
+
+    def superseded(self, decision_id: int) -> None:
+        with Session(self.db) as session, session.begin():
+            runs.finish_decision(session, decision_id, outcome="superseded", actual_cost_ms=None)
 
     def lengths(self, lengths: list[int], capped: list[bool]) -> None:
         if self.job_id is None:

@@ -170,17 +170,24 @@ def tick(
         "new_wave": wave,
         "reason": decision.reason,
     }
-    return TickResult(decision, _plan_to_push(state, decision), inputs)
+    in_engine = running + sum(len(r.wait_generated) for r in snap.replicas)  # what the engine fires plans by
+    return TickResult(decision, _plan_to_push(state, decision, in_engine), inputs)
 
 
-def _plan_to_push(state: EngineState, decision: Decision) -> Plan | None:
+def _plan_to_push(state: EngineState, decision: Decision, unfinished: int) -> Plan | None:
     """A ``switch`` decision's plan; or, when the engine holds a plan for its layout whose triggers the
     planner would no longer set (its predictions moved on, a cooldown runs), that plan refreshed: the
-    later triggers of a pushed chain never fire on a stale prediction."""
+    later triggers of a pushed chain never fire on a stale prediction. A held plan with a trigger due
+    stands: the engine fires it at its next step, and a tick landing in between neither takes back the
+    decision that pushed it nor pushes it twice."""
+    held = state.plan
+    if held is not None and held.based_on_layout == state.layout:
+        due, _ = held.fire(unfinished, state.layout)
+        if due is not None:
+            return None
     fresh = Plan(based_on_layout=state.layout, triggers=list(decision.plan))
     if decision.action == "switch":
         return fresh if decision.plan else None
-    held = state.plan
     if held is None or held.based_on_layout != state.layout or _switches(held) == _switches(fresh):
         return None
     return fresh

@@ -143,6 +143,27 @@ def test_a_held_plan_the_planner_would_no_longer_set_is_refreshed() -> None:
     other = busy.model_copy(update={"plan": stale.model_copy(update={"based_on_layout": Layout(1, 2)})})
     assert tick(other, PodMemory(), model, POLICY, None).plan is None  # held for another layout: void anyway
     tail = tick(_state([300]), mem, model, POLICY, None)  # a switch: its own plan, whatever is held
-    held = tick(_state([300]).model_copy(update={"plan": stale}), PodMemory(lengths=list(mem.lengths),
+    later = stale.model_copy(update={"triggers": [Trigger(unfinished_at_most=0, layout=Layout(1, 2))]})
+    held = tick(_state([300]).model_copy(update={"plan": later}), PodMemory(lengths=list(mem.lengths),
                 capped=list(mem.capped)), model, POLICY, None)  # fmt: skip
     assert tail.plan is not None and held.plan == tail.plan and held.decision.action == "switch"
+
+
+def test_a_held_plan_with_a_trigger_due_stands() -> None:
+    """A switch the engine fires at its next step is neither taken back nor pushed again by a tick that lands
+    before that step (the decision that pushed it stays the one its switch is recorded against)."""
+    model = LatencyModel(Profile.from_json(PROFILE))
+    due = Plan(based_on_layout=Layout(2, 1), triggers=[Trigger(unfinished_at_most=16, layout=Layout(1, 2))])
+    busy = _state([1] * 16).model_copy(update={"plan": due})  # 16 unfinished: the trigger is due
+    got = tick(busy, PodMemory(), model, POLICY, None)
+    assert got.decision.action == "keep" and got.decision.plan == ()  # the planner would set nothing now
+    assert got.plan is None  # yet the held plan stands
+    mem = PodMemory(lengths=[20, 22, 25, 30, 31, 33, 35, 40], capped=[False] * 8)
+    tail = _state([300]).model_copy(update={"plan": due.model_copy(update={"triggers": [
+        Trigger(unfinished_at_most=1, layout=Layout(1, 2))]})})  # fmt: skip
+    again = tick(tail, mem, model, POLICY, None)
+    assert again.decision.action == "switch" and again.plan is None  # due: not pushed twice
+    later = due.model_copy(update={"triggers": [Trigger(unfinished_at_most=15, layout=Layout(1, 2))]})
+    assert tick(busy.model_copy(update={"plan": later}), PodMemory(), model, POLICY, None).plan == Plan(
+        based_on_layout=Layout(2, 1), triggers=[]
+    )  # not due yet: refreshed

@@ -33,7 +33,7 @@ from tests.worker.server.served import Served, start
 
 pytestmark = pytest.mark.multiproc
 ROOT = Path(__file__).parents[3]
-MAX_NEW = 40  # slime's --rollout-max-response-len
+MAX_NEW = 160  # slime's --rollout-max-response-len
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 CANDIDATES = [f"Question {i}" for i in range(64)]
 
