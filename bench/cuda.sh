@@ -2,13 +2,16 @@
 # The CUDA path on a GPU machine (README, "The CUDA path"), in parts, each under its own time limit:
 #   tests          the GPU tests (bfloat16, ranks sharing the GPU, CUDA graphs, paged attention against the
 #                  CPU path, the deterministic kernels' batch invariance)
+#   kernel         the paged decode kernel's tests, compiled for the GPU (against SDPA, batch invariance)
 #   invariance     which kernels round a row by its batch on this GPU (bench/cuda_invariance.py)
 #   bench          Llama-3.1-8B's shape in bfloat16, eager against CUDA graphs (BREAKDOWN=1: with a profile
 #                  of each step, several minutes more)
 #   deterministic  the same shape, the deterministic kernels against the default ones, eager
 #   det-graphs     the same, both with CUDA graphs
-#   paged          the paged engine at batch 64 and 256, eager and with CUDA graphs (the dense slab it replaced
-#                  is not run: its figures are recorded in bench/results/h200-2026-11-26b/call*/bench-engine-slab-h200.json)
+#   paged          keys gathered against the pages read in place (the paged decode kernel), batch 1 to 256,
+#                  with CUDA graphs
+#   paged-eager    the same, eager (the dense slab the paged pool replaced is not run: its figures are recorded
+#                  in bench/results/h200-2026-11-26b/call3/bench-engine-slab-h200.json)
 # Usage (repository root, on the GPU machine): [OUT=DIR] bench/cuda.sh [PART ...]   (default: all)
 # Uses the machine's own torch; our small pure-Python dependencies come as wheels in .whl/ when present.
 set -uo pipefail
@@ -37,7 +40,7 @@ bench_engine() {  # bench engine of Llama-3.1-8B's shape, bfloat16, one rank: SE
     --ranks 1 "$@" --json "$out/bench-engine-$name-$gpu.json" 2>&1 | tee "$out/bench-engine-$name.log"
 }
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests invariance paged deterministic det-graphs bench)
+[ ${#parts[@]} -eq 0 ] && parts=(kernel paged tests paged-eager invariance deterministic det-graphs bench)
 rc=0
 for what in "${parts[@]}"; do
   echo "=== $what ($(date +%T))"
@@ -45,6 +48,10 @@ for what in "${parts[@]}"; do
     tests)
       timeout 240 python3 -m pytest -p no:cacheprovider -m gpu tests/worker/engine/test_gpu.py -v -rs -s \
         --timeout 120 2>&1 | tee "$out/gpu-tests.log"
+      rc=$((rc || PIPESTATUS[0])) ;;
+    kernel)
+      timeout 120 python3 -m pytest -p no:cacheprovider tests/worker/engine/kernels/test_paged_decode.py -v -rs \
+        --timeout 100 2>&1 | tee "$out/kernel-tests.log"
       rc=$((rc || PIPESTATUS[0])) ;;
     invariance)
       timeout 120 python3 bench/cuda_invariance.py "$out/cuda-invariance-$gpu.json" 2>&1 | tee "$out/invariance.log"
@@ -62,9 +69,15 @@ for what in "${parts[@]}"; do
         --deterministic both --cuda-graphs on
       rc=$((rc || PIPESTATUS[0])) ;;
     paged)
-      bench_engine 200 paged --batch 64,256 --context 512,4096 --steps 20 --runs 2 --cuda-graphs both
+      bench_engine 200 paged --batch 1,16,64,256 --context 512,4096 --steps 20 --runs 2 --cuda-graphs on \
+        --paged-attention both
       rc=$((rc || PIPESTATUS[0])) ;;
-    *) echo "unknown part $what (tests | invariance | bench | deterministic | det-graphs | paged)"; exit 2 ;;
+    paged-eager)
+      bench_engine 200 paged-eager --batch 1,16,64,256 --context 512,4096 --steps 20 --runs 2 --cuda-graphs off \
+        --paged-attention both
+      rc=$((rc || PIPESTATUS[0])) ;;
+    *) echo "unknown part $what (kernel | tests | invariance | bench | deterministic | det-graphs | paged | paged-eager)"
+       exit 2 ;;
   esac
 done
 exit $rc

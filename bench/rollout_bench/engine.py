@@ -29,8 +29,8 @@ GRAPH_MODES = (
     "on",
     "off",
     "both",
-)  # of each boolean setting compared side by side (cuda_graphs, deterministic)
-SIDE_BY_SIDE = ("cuda_graphs", "deterministic")
+)  # of each boolean setting compared side by side (cuda_graphs, deterministic, paged_attention)
+SIDE_BY_SIDE = ("cuda_graphs", "deterministic", "paged_attention")
 
 
 def shape_config(
@@ -94,11 +94,14 @@ def run_engine_bench(
     cuda_graphs: str = "off",
     breakdown: bool = False,
     deterministic: str = "off",
+    paged_attention: str = "on",
 ) -> dict[str, Any]:
-    """The grid and the reconfiguration phases, ``runs`` times. ``cuda_graphs`` or ``deterministic`` "both"
-    measures every point with the setting off and on in the same run (alternating, fresh rank processes
-    each) and reports the ratio."""
-    modes = variants({"cuda_graphs": cuda_graphs, "deterministic": deterministic})
+    """The grid and the reconfiguration phases, ``runs`` times. ``cuda_graphs``, ``deterministic`` or
+    ``paged_attention`` "both" measures every point with the setting off and on in the same run
+    (alternating, fresh rank processes each) and reports the ratio."""
+    modes = variants(
+        {"cuda_graphs": cuda_graphs, "deterministic": deterministic, "paged_attention": paged_attention}
+    )
     cfgs = [shape_config(preset, ranks, dtype, device, max(64, *batches), **m) for m in modes]
     cfg = cfgs[0]
     grid_args = {
@@ -135,6 +138,7 @@ def run_engine_bench(
         "device_name": _device_name(device),
         "cuda_graphs": cuda_graphs,
         "deterministic": deterministic,
+        "paged_attention": paged_attention,
         "runs": runs,
         "steps": steps,
         "host": {
@@ -149,10 +153,13 @@ def run_engine_bench(
     }
     if cuda_graphs == "both":
         report["grid_eager"] = grids[0]
-        report["graph_ratios"] = _graph_ratios(grids[0], grids[1])
+        report["graph_ratios"] = _side_ratios(grids[0], grids[1], ("eager", "graphs"))
     if deterministic == "both":
         report["grid_default"] = grids[0]
         report["deterministic_cost"] = _deterministic_cost(grids[0], grids[1])
+    if paged_attention == "both":
+        report["grid_gather"] = grids[0]
+        report["paged_ratios"] = _side_ratios(grids[0], grids[1], ("gather", "paged"))
     _print(report, echo)
     if json_out is not None:
         write_json(json_out, report)
@@ -179,18 +186,22 @@ def _pairs(
     return [(by[key], p) for p in on if (key := tuple(p[k] for k in _POINT)) in by]
 
 
-def _graph_ratios(eager: list[dict[str, Any]], graphs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Eager over graph step time at each point both measured."""
+def _side_ratios(
+    off: list[dict[str, Any]], on: list[dict[str, Any]], names: tuple[str, str]
+) -> list[dict[str, Any]]:
+    """A setting off over on, step time, at each point both measured: ``<name>_ms`` and ``<name>_breakdown``
+    for each side's ``names`` (eager and graphs; gather and paged), and the speed-up."""
+    a, b = names
     return [
         {
             **{k: p[k] for k in _POINT},
-            "eager_ms": e["ms"],
-            "graphs_ms": p["ms"],
+            f"{a}_ms": e["ms"],
+            f"{b}_ms": p["ms"],
             "speedup": e["ms"] / p["ms"],
-            "eager_breakdown": e.get("breakdown"),
-            "graphs_breakdown": p.get("breakdown"),
+            f"{a}_breakdown": e.get("breakdown"),
+            f"{b}_breakdown": p.get("breakdown"),
         }
-        for e, p in _pairs(eager, graphs)
+        for e, p in _pairs(off, on)
     ]
 
 
@@ -296,7 +307,14 @@ def _print(report: dict[str, Any], echo: Callable[[str], Any]) -> None:
     for s in report["skipped"]:
         echo(f"{s['layout']:>7} {'':>6} {s['batch']:>5} {s['context']:>7}  skipped: {s['why']}")
     if report.get("graph_ratios"):
-        _print_graphs(report["graph_ratios"], echo)
+        echo(
+            "\neager vs CUDA graphs (median step ms; where the step's time goes, from the last run's"
+            " profile):"
+        )
+        _print_sides(report["graph_ratios"], ("eager", "graphs"), echo)
+    if report.get("paged_ratios"):
+        echo("\nkeys gathered vs pages read in place (median step ms; where the step's time goes):")
+        _print_sides(report["paged_ratios"], ("gather", "paged"), echo)
     if report.get("deterministic_cost"):
         _print_cost(report["deterministic_cost"], echo)
     echo("\nTP speed-up over one lone TP=1 replica (same batch, context):")
@@ -333,18 +351,18 @@ def _print_cost(rows: list[dict[str, Any]], echo: Callable[[str], Any]) -> None:
         )
 
 
-def _print_graphs(rows: list[dict[str, Any]], echo: Callable[[str], Any]) -> None:
-    echo("\neager vs CUDA graphs (median step ms; where the step's time goes, from the last run's profile):")
+def _print_sides(rows: list[dict[str, Any]], names: tuple[str, str], echo: Callable[[str], Any]) -> None:
+    a, b = names
     echo(
-        f"{'layout':>7} {'active':>6} {'batch':>5} {'context':>7} {'eager':>8} {'graphs':>8} {'speedup':>7}"
-        f" | {'eager: kernels':>14} {'idle':>6} {'launches':>8} | {'graphs: kernels':>15} {'idle':>6}"
+        f"{'layout':>7} {'active':>6} {'batch':>5} {'context':>7} {a:>8} {b:>8} {'speedup':>7}"
+        f" | {a + ': kernels':>15} {'idle':>6} {'launches':>8} | {b + ': kernels':>15} {'idle':>6}"
     )
     for r in rows:
-        eb, gb = r.get("eager_breakdown") or {}, r.get("graphs_breakdown") or {}
+        eb, gb = r.get(f"{a}_breakdown") or {}, r.get(f"{b}_breakdown") or {}
         echo(
-            f"{r['layout']:>7} {r['active']:>6} {r['batch']:>5} {r['context']:>7} {r['eager_ms']:>8.2f}"
-            f" {r['graphs_ms']:>8.2f}"
-            f" {r['speedup']:>6.2f}x | {eb.get('gpu_kernels_ms', float('nan')):>14.2f}"
+            f"{r['layout']:>7} {r['active']:>6} {r['batch']:>5} {r['context']:>7} {r[f'{a}_ms']:>8.2f}"
+            f" {r[f'{b}_ms']:>8.2f}"
+            f" {r['speedup']:>6.2f}x | {eb.get('gpu_kernels_ms', float('nan')):>15.2f}"
             f" {eb.get('gpu_idle_ms', float('nan')):>6.2f} {eb.get('launches_per_step', float('nan')):>8.0f}"
             f" | {gb.get('gpu_kernels_ms', float('nan')):>15.2f} {gb.get('gpu_idle_ms', float('nan')):>6.2f}"
         )

@@ -41,7 +41,8 @@ def _table(head: Sequence[str], align: str, rows: Iterable[Sequence[object]]) ->
 
 def _engine(d: dict[str, Any]) -> list[str]:
     """``rolloutctl bench engine``: decode-step times by layout, batch and context; side by side with eager
-    steps (``--cuda-graphs both``) or the default kernels (``--deterministic both``) when the run has them."""
+    steps (``--cuda-graphs both``), the default kernels (``--deterministic both``) or keys gathered
+    (``--paged-attention both``) when the run has them."""
     title = f"{d['preset']}, {d['dtype']}, {d['device']} ({d['device_name']}), {d['ranks']} rank(s), "
     title += f"median of {d['runs']} runs x {d['steps']} steps; busy: every replica decoding, or one alone"
 
@@ -53,6 +54,12 @@ def _engine(d: dict[str, Any]) -> list[str]:
         rows = [
             (*at(r), _ms(r["eager_ms"]), _ms(r["graphs_ms"]), f"{r['speedup']:.2f}x")
             for r in d["graph_ratios"]
+        ]
+    elif d.get("paged_ratios"):
+        columns = ("keys gathered", "pages read in place", "speed-up")
+        rows = [
+            (*at(r), _ms(r["gather_ms"]), _ms(r["paged_ms"]), f"{r['speedup']:.2f}x")
+            for r in d["paged_ratios"]
         ]
     elif d.get("deterministic_cost"):
         columns = ("default kernels", "deterministic", "tokens/s, deterministic / default")

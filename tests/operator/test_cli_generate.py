@@ -214,6 +214,11 @@ def test_bad_checkpoints(tmp_path: Path, tiny64: Path, kind: str, message: str) 
             ["--deterministic", "both", "--cuda-graphs", "both"],
             "--deterministic: compares one setting at a time: not with --cuda-graphs both",
         ),
+        (
+            ["--paged-attention", "both", "--cuda-graphs", "both"],
+            "--paged-attention: compares one setting at a time: not with --cuda-graphs both",
+        ),
+        (["--paged-attention", "maybe"], "--paged-attention: must be one of on, off, both, got 'maybe'"),
         (["--steps", "60"], "--steps: must be 1..50"),
         (["--preset", "huge"], "unknown preset 'huge'"),
     ],

@@ -37,6 +37,7 @@ SAMPLES: dict[str, Any] = {
     "cuda_graphs": True,
     "deterministic": True,
     "packed_weights": "off",
+    "paged_attention": False,
 }
 
 

@@ -220,6 +220,7 @@ def _print_summary(res: BatchResult, out: Path) -> None:
 SIDE_BY_SIDE = {
     "cuda_graphs": "(each point eagerly and from graphs, side by side)",
     "deterministic": "(each point with the default and the deterministic kernels)",
+    "paged_attention": "(each point over keys gathered and over the pages read in place)",
 }
 
 
@@ -249,6 +250,7 @@ def bench_engine_cmd(
         bool, typer.Option(help="CUDA: profile each point's step (kernels, launches, idle time).")
     ] = False,
     deterministic: Annotated[str, mode_option("deterministic")] = mode_default("deterministic"),
+    paged_attention: Annotated[str, mode_option("paged_attention")] = mode_default("paged_attention"),
     json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON here.")] = None,
 ) -> None:
     """Per-step latency by layout x batch x context, and reconfiguration phases with bytes moved."""
@@ -257,11 +259,17 @@ def bench_engine_cmd(
 
     preset_config(preset)  # an unknown preset is refused before any rank starts
     check_setting("device", device, "--device")
-    for flag, mode in (("--cuda-graphs", cuda_graphs), ("--deterministic", deterministic)):
+    modes = {
+        "--cuda-graphs": cuda_graphs,
+        "--deterministic": deterministic,
+        "--paged-attention": paged_attention,
+    }
+    for flag, mode in modes.items():
         if mode not in GRAPH_MODES:
             raise UserError(f"must be one of {', '.join(GRAPH_MODES)}, got {mode!r}", flag)
-    if cuda_graphs == deterministic == "both":
-        raise UserError("compares one setting at a time: not with --cuda-graphs both", "--deterministic")
+    both = [flag for flag, mode in modes.items() if mode == "both"]
+    if len(both) > 1:
+        raise UserError(f"compares one setting at a time: not with {both[0]} both", both[1])
     if not 1 <= steps <= 50:
         raise UserError(f"must be 1..50 (each point has 64 tokens of headroom), got {steps}", "--steps")
     if runs < 1:
@@ -280,6 +288,7 @@ def bench_engine_cmd(
         cuda_graphs=cuda_graphs,
         breakdown=breakdown,
         deterministic=deterministic,
+        paged_attention=paged_attention,
     )
 
 

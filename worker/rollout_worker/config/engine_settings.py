@@ -80,6 +80,13 @@ class EngineSettings(BaseModel):
     collective_timeout_seconds: float = Field(
         120.0, gt=0, description="Timeout of every collective; a rank that waits longer fails the engine."
     )
+    paged_attention: bool = Field(
+        True,
+        description="A decode step reads its keys and values in place from the KV pool's pages (a Triton "
+        "kernel) where it would gather them into a dense buffer first: on CUDA with the default kernels in "
+        "float32, bfloat16 or float16 (float64 and the deterministic kernels gather); on CPU only under "
+        "Triton's interpreter (TRITON_INTERPRET=1, as the tests run it).",
+    )
     cuda_graphs: bool = Field(
         False,
         description="cuda: replay decode steps from CUDA graphs (TP=1 replicas; TP>1 replicas stay "

@@ -14,6 +14,9 @@ kernels' row rules), so a CPU without a rule fails there, not in a forward:
 - **attention**: torch's (:mod:`~rollout_worker.engine.kernels.torch_attention`), the deterministic one on
   torch's operations (:mod:`~rollout_worker.engine.kernels.deterministic_attention`), or the fixed-order
   kernel's (:func:`~rollout_worker.engine.kernels.fixed_order.attend`); one entry each, same signature.
+- **a decode step's attention** with the default kernels: read in place from the pool's pages
+  (:mod:`~rollout_worker.engine.kernels.paged_decode`, Triton; the ``paged_attention`` setting) on CUDA in
+  float32, bfloat16 or float16, or on CPU under Triton's interpreter; else over keys gathered first.
 - **last-token mean** (RMSNorm's): torch's, or on CUDA with the deterministic setting a fixed tree.
 - **keys' layout** where a decode step keeps the gathered keys on CPU: rows, or each KV head's [hd, L]
   row-major for the deterministic attention's products.
@@ -25,6 +28,8 @@ chunks, and torch's operations for attention and the sums over a row.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -76,6 +81,13 @@ class Attend(Protocol):
     ) -> torch.Tensor: ...
 
 
+# a decode step's attention over the pool's pages in place (q, k_cache, v_cache, table, lengths, scale):
+# :func:`~rollout_worker.engine.kernels.paged_decode.decode`
+PagedDecode = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+]
+
+
 def _mean_last(x: torch.Tensor) -> torch.Tensor:
     return x.mean(-1, keepdim=True)
 
@@ -104,6 +116,7 @@ class Kernels:
     mean: MeanKernel
     keys: KeysLayout
     chunks: FixedChunks | None = None  # with row_product "fixed_chunks"
+    paged_decode: bool = False  # a decode step's attention reads the pool's pages in place (Triton)
 
     def __post_init__(self) -> None:
         if (self.row_product == "fixed_chunks") != (self.chunks is not None):
@@ -121,7 +134,15 @@ class Kernels:
         """The kernels an engine of ``world`` ranks with ``settings`` runs ``model`` on, in ``dtype`` on
         ``device`` (the same on every layout: packing depends on the model, the ranks and the machine)."""
         pack = packed_linear.wanted(settings.packed_weights, model, world)
-        return cls.of(model, dtype, device, deterministic=settings.deterministic, pack=pack, world=world)
+        return cls.of(
+            model,
+            dtype,
+            device,
+            deterministic=settings.deterministic,
+            pack=pack,
+            world=world,
+            paged=settings.paged_attention,
+        )
 
     @classmethod
     def of(
@@ -133,15 +154,30 @@ class Kernels:
         deterministic: bool = False,
         pack: bool = True,
         world: int = 1,
+        paged: bool = False,
     ) -> Kernels:
         """The kernels for ``model`` in ``dtype`` on ``device``: the deterministic ones (their chunks cover
         every layout of ``world`` ranks) or the default ones; ``pack``: float32 weights on CPU are copied
-        once into a kernel's layout. On CPU the deterministic kernels' rules are measured here."""
+        once into a kernel's layout; ``paged``: decode attention reads the pages in place where it runs
+        (:func:`paged_decode_runs`). On CPU the deterministic kernels' rules are measured here."""
         cuda = device.type == "cuda"
         packs = pack and packed_linear.packs_on(device.type, dtype)
         if not deterministic:
             linear: LinearKernel = "onednn" if packs else "torch"
-            return cls(dtype, device.type, False, packs, linear, "all_reduce", "torch", "torch", "rows")
+            in_place = paged and paged_decode_runs(dtype, cuda)
+            return cls(
+                dtype,
+                device.type,
+                False,
+                packs,
+                linear,
+                "all_reduce",
+                "torch",
+                "torch",
+                "rows",
+                None,
+                in_place,
+            )
         fixed_linear = not cuda and rules.native_rule(model.hidden_size, dtype, packs)
         fixed_attention = _fixed_order_attention(model.head_dim, dtype, cuda)
         bounds = RowChunks.of(model, world)
@@ -191,6 +227,15 @@ class Kernels:
         kernel = self.chunks.attn_out if projection == "attn_out" else self.chunks.mlp_down
         return row_parallel.row_weight(w, chunks, kernel, copies=self.packed)
 
+    def paged_decode_entry(self) -> PagedDecode | None:
+        """The paged decode kernel's entry where :attr:`paged_decode` (imported here: Triton is needed only
+        then), else None."""
+        if not self.paged_decode:
+            return None
+        from rollout_worker.engine.kernels import paged_decode
+
+        return paged_decode.decode
+
     def attention_entry(self) -> Attend:
         """The attention family's one entry."""
         if self.attention == "fixed_order":
@@ -221,7 +266,21 @@ class Kernels:
     def kv_major(self, seq: int) -> bool:
         """Whether a forward of ``seq`` positions per row gathers its keys KV-head-major (torch's attention
         on CUDA, a decode step: :func:`~rollout_worker.engine.kernels.torch_attention.attend_kv_major`)."""
-        return self.attention == "torch" and torch_attention.kv_major(seq, self.device == "cuda")
+        return (
+            self.attention == "torch"
+            and not self.paged_decode
+            and torch_attention.kv_major(seq, self.device == "cuda")
+        )
+
+
+def paged_decode_runs(dtype: torch.dtype, cuda: bool) -> bool:
+    """Whether the paged decode kernel runs here: Triton installed, float32, bfloat16 or float16, on CUDA
+    or on CPU under Triton's interpreter (``TRITON_INTERPRET=1``)."""
+    return (
+        dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and (cuda or os.environ.get("TRITON_INTERPRET", "0") == "1")
+        and importlib.util.find_spec("triton") is not None
+    )
 
 
 def _fixed_order_attention(hd: int, dtype: torch.dtype, cuda: bool) -> bool:

@@ -88,6 +88,7 @@ class Decoder:
             )
         self.linear = self.kernels.product()
         self.attend = self.kernels.attention_entry()
+        self.paged_decode = self.kernels.paged_decode_entry()
         self.mean_last = self.kernels.mean_last()
         self.o_chunks: Chunks | None = None
         self.down_chunks: Chunks | None = None
@@ -201,8 +202,13 @@ class Decoder:
         hd = self.cfg.head_dim
         scale = 1.0 / math.sqrt(hd)
         x = F.embedding(tokens, self.embed)
-        # a CUDA decode step (default kernels) gathers its keys KV-head-major, as its products read them
+        # a CUDA decode step (default kernels) reads the pages in place, or gathers its keys KV-head-major
+        # as its products read them
+        paged = self.paged_decode if seq == 1 else None
+        lengths = (positions[:, 0] + 1).to(torch.int32)  # a decode step's keys per row
         kv_major = gathered is None and self.kernels.kv_major(seq)
+        if paged is not None:
+            gathered = None  # nothing to keep: the kernel reads the pool
         if gathered is not None:
             gathered.begin(pool, read, positions[:, 0], self.kernels)
         else:
@@ -217,15 +223,18 @@ class Decoder:
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
             pool.k[i][write] = k
             pool.v[i][write] = v
-            if gathered is not None:
-                keys, vals = gathered.layer(i, pool, read, (k, v))
-            elif kv_major:  # [KVh, B, L, hd]: one gather from the request's pages into the products' layout
-                keys = gather_slots(pool.k[i], read, True).transpose(0, 1)
-                vals = gather_slots(pool.v[i], read, True).transpose(0, 1)
-            else:  # [B, KVh, L, hd], gathered from the request's pages
-                keys = self.kernels.keys_of(gather_slots(pool.k[i], read))
-                vals = gather_slots(pool.v[i], read).transpose(1, 2)
-            attn = self.attend(q, keys, vals, mask, scale, seen)
+            if paged is not None:  # the pages read in place
+                attn = paged(q[:, 0], pool.k[i], pool.v[i], read, lengths, scale).view(bsz, 1, -1)
+            else:
+                if gathered is not None:
+                    keys, vals = gathered.layer(i, pool, read, (k, v))
+                elif kv_major:  # [KVh, B, L, hd]: one gather from the pages into the products' layout
+                    keys = gather_slots(pool.k[i], read, True).transpose(0, 1)
+                    vals = gather_slots(pool.v[i], read, True).transpose(0, 1)
+                else:  # [B, KVh, L, hd], gathered from the request's pages
+                    keys = self.kernels.keys_of(gather_slots(pool.k[i], read))
+                    vals = gather_slots(pool.v[i], read).transpose(1, 2)
+                attn = self.attend(q, keys, vals, mask, scale, seen)
             x = x + self._row_parallel(attn, lw.wo, self.o_chunks)
             h = self.rms(x, lw.ln2)
             act = F.silu(self.linear(h, lw.w_gate)) * self.linear(h, lw.w_up)
