@@ -34,7 +34,7 @@ SAMPLES: dict[str, Any] = {
     "max_prefill_tokens": 300,
     "context_length": 1500,
     "collective_timeout_seconds": 33.5,
-    "cuda_graphs": True,
+    "cuda_graphs": False,
     "deterministic": True,
     "packed_weights": "off",
     "paged_attention": False,

@@ -21,7 +21,11 @@ from tests.worker.engine.engine_util import grpo_groups, requests, run, tokens
 
 
 def _decoder_on_cuda(
-    dtype: torch.dtype, max_batch: int = 16, preset: str = "tiny", deterministic: bool = False
+    dtype: torch.dtype,
+    max_batch: int = 16,
+    preset: str = "tiny",
+    deterministic: bool = False,
+    paged: bool = False,
 ) -> tuple[Any, Any, list[list[int]]]:
     """A TP=1 decoder of ``preset``'s shape with random weights on the GPU and a KV pool whose first
     ``max_batch`` token-table rows each hold pages of 600 tokens of random K/V (returned: decoder, pool,
@@ -36,7 +40,8 @@ def _decoder_on_cuda(
 
     cfg = ModelConfig.from_dict(preset_config(preset), where=preset)
     dev = torch.device("cuda")
-    kernels = Kernels.of(cfg, dtype, dev, deterministic=deterministic)
+    kernels = Kernels.of(cfg, dtype, dev, deterministic=deterministic, paged=paged)
+    assert kernels.paged_decode == (paged and not deterministic)
     dec = Decoder(cfg, random_shard(cfg, 1, 0, dtype, dev), SINGLE, kernels)
     pool = KVPool(
         cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, max_batch * 64, max_batch, 2048, dtype, dev
@@ -67,13 +72,15 @@ def _col(xs: list[int]) -> torch.Tensor:
     return torch.tensor(xs, device="cuda")[:, None]
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["gather", "paged"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_graph_replay_is_the_eager_step_bit_for_bit(dtype: torch.dtype) -> None:
+def test_graph_replay_is_the_eager_step_bit_for_bit(dtype: torch.dtype, paged: bool) -> None:
     """A replayed graph computes exactly what the eager step computes on the same padded inputs; on the
-    unpadded batch (other GEMM shapes) the logits agree to rounding and every argmax is the same."""
+    unpadded batch (other GEMM shapes) the logits agree to rounding and every argmax is the same. With
+    the keys gathered and with the pages read in place (the paged decode kernel)."""
     from rollout_worker.engine.rank.cuda_graphs import DecodeGraphs, pad_step
 
-    dec, pool, rows = _decoder_on_cuda(dtype)
+    dec, pool, rows = _decoder_on_cuda(dtype, paged=paged)
     graphs = DecodeGraphs(16)
     for n in (1, 3, 8, 13, 16):
         toks = [(7 * i + n) % 500 for i in range(n)]
