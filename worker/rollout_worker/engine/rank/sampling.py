@@ -69,6 +69,34 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...])
     return out
 
 
+def verify(
+    logits: torch.Tensor, seq: Sequence, drafts: list[int], eos_ids: tuple[int, ...]
+) -> list[Draw] | Failure:
+    """The tokens a verify pass emits for ``seq``: ``logits`` [k+1, V] are the rows of its next token and
+    of each of the k tokens ``drafts`` proposes after it. Row i draws the token plain decoding would draw
+    with drafts[:i] generated (its absolute position's uniform, its ``min_new_tokens`` rule), so drafts are
+    accepted while they equal those draws, and the first draw that differs (or the one after every draft)
+    is emitted too: 1 to k+1 draws, each what decoding without speculation would have drawn. The caller
+    ends the request where a drawn token finishes it (the draws after it are not its tokens)."""
+    if logits.shape[0] != len(drafts) + 1:
+        raise ValueError(f"{logits.shape[0]} rows of logits for {len(drafts)} drafted tokens")
+    peak, fast = torch.max(logits, dim=-1)
+    finite, fast_ids = torch.isfinite(peak).tolist(), fast.tolist()
+    out: list[Draw] = []
+    for i in range(len(drafts) + 1):
+        at = seq if i == 0 else Sequence(seq.spec, [*seq.output, *drafts[:i]])
+        if not finite[i]:
+            return Failure(f"the logits of output token {len(at.output)} are not finite")
+        try:
+            draw = _sample_row(logits[i], at, int(fast_ids[i]), eos_ids)
+        except Exception as exc:  # this request's edge case, not the engine's
+            return Failure.of(exc)
+        out.append(draw)
+        if i == len(drafts) or draw.token != drafts[i]:
+            break
+    return out
+
+
 def _sample_row(logits: torch.Tensor, seq: Sequence, fast: int, eos_ids: tuple[int, ...]) -> Draw:
     spec, p = seq.spec, seq.spec.sampling
     banned = _banned(seq, eos_ids)

@@ -1,0 +1,1 @@
+"""Drafting tokens for speculative decoding without a draft model (torch-free)."""
