@@ -38,6 +38,8 @@ SAMPLES: dict[str, Any] = {
     "deterministic": True,
     "packed_weights": "off",
     "paged_attention": False,
+    "speculative_algorithm": "ngram",
+    "speculative_num_draft_tokens": 6,
 }
 
 

@@ -28,6 +28,7 @@ from typer.testing import CliRunner
 OWN_HELP = {
     ("bench engine", "cuda_graphs"),
     ("bench engine", "deterministic"),
+    ("bench engine", "paged_attention"),
     ("bench lossless", "deterministic"),
 }
 
@@ -55,6 +56,7 @@ def test_the_walk_finds_the_commands_that_take_settings() -> None:
         ("bench memory", "page_size"),
         ("bench engine", "device"),
         ("bench engine", "deterministic"),
+    ("bench engine", "paged_attention"),
         ("profile", "device"),
     } <= found
 

@@ -13,7 +13,8 @@ spec:
   model: {path: build/models/wide, dtype: float32, preset: null}
   engine: {device: cpu, maxBatch: 64, kvBudgetTokens: null, pageSize: 1, prefixCache: true,
            maxPrefillTokens: 8192, contextLength: 0, deterministic: false, packedWeights: auto,
-           pagedAttention: true, collectiveTimeoutSeconds: 120, cudaGraphs: true}
+           pagedAttention: true, speculativeAlgorithm: none, speculativeNumDraftTokens: 4,
+           collectiveTimeoutSeconds: 120, cudaGraphs: true}
   pods: 1
   gpusPerPod: 2
   mode: job

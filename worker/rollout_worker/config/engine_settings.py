@@ -35,6 +35,7 @@ DTYPE_BYTES: dict[str, int] = {"float32": 4, "float64": 8, "bfloat16": 2, "float
 Device = Literal["cpu", "cuda"]
 DEVICES: tuple[str, ...] = get_args(Device)
 PackedWeights = Literal["auto", "on", "off"]
+SpeculativeAlgorithm = Literal["none", "ngram"]
 ENV_PREFIX = "ROLLOUT_SERVE_"  # `rolloutctl serve`'s variables
 
 
@@ -86,6 +87,16 @@ class EngineSettings(BaseModel):
         "kernel) where it would gather them into a dense buffer first: on CUDA with the default kernels in "
         "float32, bfloat16 or float16 (float64 and the deterministic kernels gather); on CPU only under "
         "Triton's interpreter (TRITON_INTERPRET=1, as the tests run it).",
+    )
+    speculative_algorithm: SpeculativeAlgorithm = Field(
+        "none",
+        description="none | ngram: decode steps verify tokens drafted from the request's own tokens, its "
+        "sibling samples and earlier responses (no draft model), and emit exactly the tokens decoding "
+        "without speculation emits (each position drawn with its own counter; bit for bit with float64 "
+        "or the deterministic kernels). SGLang's --speculative-algorithm.",
+    )
+    speculative_num_draft_tokens: int = Field(
+        4, ge=1, le=16, description="Tokens drafted per request and verify step (SGLang's name)."
     )
     cuda_graphs: bool = Field(
         True,

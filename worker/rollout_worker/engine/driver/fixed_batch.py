@@ -82,6 +82,8 @@ class BatchResult:
     gen_s: float = 0.0  # first request submitted -> last request finished
     prefill_ms: list[float] = field(default_factory=list)  # every prefill step of every replica
     retractions: int = 0  # requests retracted for want of KV pages
+    verify_steps: int = 0  # decode steps that verified drafts (speculative decoding), every replica's
+    verify_tokens: int = 0  # tokens those steps emitted (drafts accepted and the draw after them)
 
     def tokens(self) -> dict[str, list[int]]:
         """Each request's output ids, by request id."""
@@ -136,14 +138,17 @@ def run_batch(
     col = Collector([s.id for s in specs], on_finish=next_one if concurrency else None)
     step_ms: list[float] = []
     prefill_ms: list[float] = []
-    retractions = 0
+    retractions = verify_steps = verify_tokens = 0
 
     def on_report(r: StepReport) -> None:
-        nonlocal retractions
+        nonlocal retractions, verify_steps, verify_tokens
         if r.kind == "decode":
             step_ms.append(r.ms)
         elif r.kind == "prefill":
             prefill_ms.append(r.ms)
+        elif r.kind == "verify":
+            verify_steps += 1
+            verify_tokens += len(r.tokens)
         retractions += r.retractions
 
     t0 = time.perf_counter()
@@ -173,5 +178,14 @@ def run_batch(
         engine.shutdown()
     outputs = [_row(s, col.outs[s.id]) for s in specs]
     return BatchResult(
-        outputs, steps, step_ms, events, time.perf_counter() - t0, gen_s, prefill_ms, retractions
+        outputs,
+        steps,
+        step_ms,
+        events,
+        time.perf_counter() - t0,
+        gen_s,
+        prefill_ms,
+        retractions,
+        verify_steps,
+        verify_tokens,
     )

@@ -26,6 +26,7 @@ from rollout_worker.engine.model.parallel import ParallelState
 from rollout_worker.engine.model.weights import Weights, load_shard, random_shard
 from rollout_worker.engine.rank.cuda_graphs import DecodeGraphs, graphs_supported
 from rollout_worker.engine.rank.replica import Limits, Replica
+from rollout_worker.engine.rank.speculation import Speculator
 from rollout_worker.errors import UserError
 from rollout_worker.scheduling.costs import CostModel
 from rollout_worker.scheduling.layout import Layout
@@ -182,7 +183,8 @@ def make_replica(
                 log.info("rank %d, layout %s: decode steps run eagerly: %s", rank, lay, why)
         else:
             graphs = DecodeGraphs(cfg.engine.max_batch)
-    return Replica(decoder, pool, limits, m.eos_token_ids, graphs)
+    spec = Speculator(eng.speculative_num_draft_tokens) if eng.speculative_algorithm == "ngram" else None
+    return Replica(decoder, pool, limits, m.eos_token_ids, graphs, speculator=spec)
 
 
 def load_weights(cfg: EngineConfig, path: str, lay: Layout, rank: int, device: torch.device) -> Weights:

@@ -27,7 +27,7 @@ from rollout_worker.engine.messages import PromptLogprobs
 from rollout_worker.engine.model.decoder import Decoder
 from rollout_worker.engine.model.kv_cache import GatheredKV, KVPool
 from rollout_worker.engine.rank.cuda_graphs import DecodeGraphs, key_span
-from rollout_worker.engine.rank.sampling import Draw, Failure, prompts_logprobs, sample
+from rollout_worker.engine.rank.sampling import Draw, Failure, prompts_logprobs, sample, verify
 from rollout_worker.engine.rank.scheduler import (
     PASS_TOKENS,
     Limits,
@@ -39,12 +39,13 @@ from rollout_worker.engine.rank.scheduler import (
     to_retract_now,
 )
 from rollout_worker.engine.rank.sequence import Sequence
+from rollout_worker.engine.rank.speculation import Speculator, extra_pages, verify_inputs
 from rollout_worker.scheduling.admission import SGLANG_RATIO, RatioPolicy, ratio_after_retraction
 
 
 @dataclass(slots=True)
 class StepOutput:
-    kind: str  # prefill | decode | idle
+    kind: str  # prefill | decode | verify (a decode step that verified drafts) | idle
     admitted: list[str] = field(default_factory=list)
     retracted: list[str] = field(default_factory=list)
     draws: list[tuple[Sequence, Draw]] = field(default_factory=list)
@@ -65,12 +66,14 @@ class Replica:
         eos_ids: tuple[int, ...],
         graphs: DecodeGraphs | None = None,
         ratio: RatioPolicy = SGLANG_RATIO,
+        speculator: Speculator | None = None,
     ) -> None:
         self.policy, self.ratio = ratio, ratio.init  # the new-token ratio: see scheduling.admission
         self.retractions = 0
         self.admissions = 0  # requests admitted so far (Sequence.admitted: the order of admission)
         self.pool, self.limits, self.eos_ids = pool, limits, eos_ids
         self.graphs = graphs  # decode steps replayed from CUDA graphs (None: eager)
+        self.speculator = speculator  # drafts verified in decode steps (None: no speculation)
         # eager decode on CPU keeps the running batch's gathered K/V between steps (a second copy of it;
         # on a GPU the memory is worth more: not used there)
         self.gathered = GatheredKV() if graphs is None and pool.device.type == "cpu" else None
@@ -275,12 +278,45 @@ class Replica:
 
     def decode(self) -> StepOutput:
         retracted = self._retract_for_step()
+        if self.speculator is not None:
+            drafts = self.speculator.drafts(self.running)
+            room = extra_pages(self.running, drafts, self.pool.page_size) <= self.pool.free_pages
+            if any(drafts) and room:
+                return self._verify(drafts, retracted)
         seqs = list(self.running)
         logits = self.step_logits()
         out = StepOutput("decode", retracted=retracted)
         self._append(seqs, sample(self._poisoned(logits, seqs), seqs, self.eos_ids), out)
         if not self.running and self.gathered is not None:
             self.gathered.clear()  # the batch is done: its copy goes
+        return out
+
+    def _verify(self, drafts: list[list[int]], retracted: list[str]) -> StepOutput:
+        """A decode step that verifies each running request's drafts (:mod:`speculation`): one pass over
+        its last token and drafts, then the tokens plain decoding would emit, 1 to k+1 a request, each
+        recorded as a decode step records its token (a finish ends the run)."""
+        seqs, pool = list(self.running), self.pool
+        for b, (seq, d) in enumerate(zip(seqs, drafts, strict=True)):
+            self._reserve(seq, seq.kv_len + 1 + len(d))
+            pool.bind(b, seq.pages)
+        dev = self.decoder.embed.device
+        tokens, positions, write, read = verify_inputs(seqs, drafts, pool, dev)
+        x = self.decoder.hidden(tokens, positions, pool, write, read)
+        counts = [1 + len(d) for d in drafts]
+        at = torch.tensor([[b, i] for b, n in enumerate(counts) for i in range(n)], device=dev)
+        rows = self.decoder.logits(x[at[:, 0], at[:, 1]]).split(counts)  # one product (and gather) for all
+        out = StepOutput("verify", retracted=retracted)
+        accepted = []
+        for seq, d, row in zip(seqs, drafts, rows, strict=True):
+            got = verify(self._poisoned(row, [seq] * len(row)), seq, d, self.eos_ids)
+            draws: list[Draw | Failure] = [got] if isinstance(got, Failure) else list(got)
+            accepted.append(len(draws) - 1)
+            for draw in draws:
+                self._append([seq], [draw], out)
+                if seq.finish is not None:
+                    break
+        if self.speculator is not None:
+            self.speculator.counted(drafts, accepted)
         return out
 
     def _poisoned(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
