@@ -56,7 +56,7 @@ def test_the_walk_finds_the_commands_that_take_settings() -> None:
         ("bench memory", "page_size"),
         ("bench engine", "device"),
         ("bench engine", "deterministic"),
-    ("bench engine", "paged_attention"),
+        ("bench engine", "paged_attention"),
         ("profile", "device"),
     } <= found
 

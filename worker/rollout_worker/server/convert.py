@@ -147,6 +147,7 @@ class Output:
     started: float = field(default_factory=time.perf_counter)
     latency: float | None = None
     layouts: list[str] = field(default_factory=list)
+    verify_ct: int = 0  # speculative decoding's verify steps it took part in
     _text: IncrementalText | None = None
 
     def __post_init__(self) -> None:
@@ -166,6 +167,7 @@ class Output:
             self.finish = u.finish
             self.latency = time.perf_counter() - self.started
             self.layouts = list(dict.fromkeys(str(p["layout"]) for p in u.placements))
+            self.verify_ct = u.verify_ct
 
     @property
     def text(self) -> str:
@@ -210,6 +212,8 @@ class Output:
         if self.latency is not None:
             meta["e2e_latency"] = round(self.latency, 6)
             meta["layouts"] = self.layouts  # ours: every layout the request ran on
+        if self.verify_ct:  # SGLang's, under speculative decoding: the verify steps it took part in
+            meta["spec_verify_ct"] = self.verify_ct
         if spec.return_logprob:
             self._logprob_meta(meta)
         return {"text": self.text, "output_ids": list(self.ids), "meta_info": meta}

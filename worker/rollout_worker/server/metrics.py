@@ -64,6 +64,16 @@ class _Gauges(Collector):
             "sglang:cached_tokens", "Prefilled tokens found in the prefix cache", snap.reused_tokens
         )
         yield counter("elastic_rollout_prefill_tokens", "Tokens computed by prefills", snap.prefill_tokens)
+        yield counter(
+            "elastic_rollout_spec_verifies",
+            "Speculative decoding: requests' verify steps",
+            snap.spec_verifies,
+        )
+        yield counter(
+            "elastic_rollout_spec_tokens",
+            "Speculative decoding: tokens verify steps emitted",
+            snap.spec_tokens,
+        )
         lay = snap.layout
         yield gauge("elastic_rollout_tp_size", "Current TP size", lay.tp)
         yield gauge("elastic_rollout_replicas", "Current number of replicas", lay.replicas)

@@ -54,6 +54,7 @@ class Tracked:
     first_token_at: float | None = None
     last_token_at: float | None = None
     placements: list[dict[str, Any]] = field(default_factory=list)  # {"layout", "replica", "step"}
+    verify_ct: int = 0  # verify steps it took part in (speculative decoding)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,7 @@ class Update:
     finish: Finish | None = None
     placements: tuple[dict[str, Any], ...] = ()  # set with the finish
     latency: tuple[float | None, float] | None = None  # (TTFT s or None, e2e s), set with the finish
+    verify_ct: int = 0  # verify steps it took part in (SGLang's spec_verify_ct), set with the finish
 
 
 @dataclass(slots=True)
@@ -93,6 +95,9 @@ class RequestTable:
         self.kv: dict[int, tuple[int, int]] = {}  # replica -> (KV tokens used, KV token slots allocated)
         self.prompt_tokens = self.generation_tokens = self.aborted = 0
         self.prefill_tokens = self.reused_tokens = 0  # computed by prefills / taken from the prefix cache
+        # speculative decoding: a request's verify steps, and the tokens they emitted (accepted drafts and
+        # the draw after them)
+        self.spec_verifies = self.spec_tokens = 0
         self._same_prompt: dict[tuple[int, ...], str] = {}  # prompt -> the latest request dispatched with it
         # requests finished here (a stop string) that a replica still holds until it reports them finished:
         # their ids are not free yet, or that report would finish a new request of the same id
@@ -180,6 +185,8 @@ class RequestTable:
         for rid, pl in r.prompt_logprobs.items():
             if rid in self.reqs:
                 out.updates.append(Update(rid, prompt=pl))
+        if r.kind == "verify":
+            self._verified(r)
         for tok in r.tokens:
             self._token(tok, now, out)
         for rid, finish in r.finished:
@@ -187,6 +194,14 @@ class RequestTable:
             if rid in self.reqs:
                 out.updates.append(self.finalize(rid, finish, now))
         return out
+
+    def _verified(self, r: StepReport) -> None:
+        for rid in dict.fromkeys(tok.rid for tok in r.tokens):
+            t = self.reqs.get(rid)
+            if t is not None:
+                t.verify_ct += 1
+                self.spec_verifies += 1
+        self.spec_tokens += len(r.tokens)
 
     def _token(self, tok: TokenOut, now: float, out: Outcome) -> None:
         t = self.reqs.get(tok.rid)
@@ -242,7 +257,13 @@ class RequestTable:
         if isinstance(finish, FinishAbort):
             self.aborted += 1
         ttft = None if t.first_token_at is None else t.first_token_at - t.arrived
-        return Update(rid, finish=finish, placements=tuple(t.placements), latency=(ttft, now - t.arrived))
+        return Update(
+            rid,
+            finish=finish,
+            placements=tuple(t.placements),
+            latency=(ttft, now - t.arrived),
+            verify_ct=t.verify_ct,
+        )
 
     def on_switched(self, msg: Switched, time_s: float) -> ReconfigEvent:
         self.step += 1

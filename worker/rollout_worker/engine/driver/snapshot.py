@@ -29,6 +29,14 @@ class Snapshot:
     replicas: tuple[ReplicaLoad, ...]  # per replica of ``layout``
     prefill_tokens: int = 0  # tokens prefills computed, since start
     reused_tokens: int = 0  # tokens prefills took from the prefix cache, since start
+    spec_verifies: int = 0  # speculative decoding: requests' verify steps, since start
+    spec_tokens: int = 0  # the tokens they emitted
+
+    @property
+    def spec_accept_length(self) -> float | None:
+        """Tokens a request's verify step emits on average (SGLang's ``avg_spec_accept_length``); None
+        before any verify step."""
+        return self.spec_tokens / self.spec_verifies if self.spec_verifies else None
 
     @property
     def kv_used(self) -> int:
@@ -74,4 +82,6 @@ def take(table: RequestTable, status: Status, paused: str | None, weight_version
         ),
         prefill_tokens=table.prefill_tokens,
         reused_tokens=table.reused_tokens,
+        spec_verifies=table.spec_verifies,
+        spec_tokens=table.spec_tokens,
     )

@@ -128,6 +128,7 @@ def _server_info(state: ServerState) -> dict[str, Any]:
     s, cfg, eng = state.settings, state.cfg, state.engine
     layout = eng.layout if eng else cfg.layout
     graphs = cfg.engine.cuda_graphs and cfg.engine.device == "cuda"
+    spec = cfg.engine.speculative_algorithm
     return {
         "model_path": str(s.model),
         "tokenizer_path": str(s.model),
@@ -165,7 +166,16 @@ def _server_info(state: ServerState) -> dict[str, Any]:
         "port": s.port,
         "weight_version": eng.weight_version if eng else "default",
         "rank_pids": eng.rank_pids if eng else [],
-        "internal_states": [{"layout": str(layout), "avg_spec_accept_length": None, **state.metrics.state()}],
+        "speculative_algorithm": None if spec == "none" else spec.upper(),  # SGLang's spelling: NGRAM
+        "speculative_num_draft_tokens": cfg.engine.speculative_num_draft_tokens if spec != "none" else None,
+        "internal_states": [
+            {
+                "layout": str(layout),
+                # tokens a request's verify step emitted on average (None: none yet, or no speculation)
+                "avg_spec_accept_length": eng.snapshot().spec_accept_length if eng else None,
+                **state.metrics.state(),
+            }
+        ],
         "version": __version__,
         "engine": "elastic-rollout",
     }
