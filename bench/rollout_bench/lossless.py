@@ -84,10 +84,9 @@ def thresholds(n: int, k: int) -> list[int]:
     return [1 + gap * (k - 1 - j) for j in range(k)]
 
 
-def chat_requests(model: Path, prompts: Path, n: int, max_new_tokens: int) -> list[RequestSpec]:
-    """The first ``n`` prompts of a prompts file (chat messages rendered with the model's template), even
-    ones greedy and odd ones sampled (temperature 0.8, top-p 0.95, seeded); caps spread from an eighth of
-    ``max_new_tokens`` up to it, so that requests finish one after another; EOS honoured."""
+def chat_prompts(model: Path, prompts: Path, n: int) -> list[tuple[str, tuple[int, ...]]]:
+    """The first ``n`` prompts of a prompts file (chat messages rendered with the model's template) as
+    (id, token ids); errors name the flags (--prompts, --requests, --preset)."""
     codec = TextCodec.load(model)
     if codec is None:
         raise UserError(f"no tokenizer.json in {model}", "--preset")
@@ -98,14 +97,24 @@ def chat_requests(model: Path, prompts: Path, n: int, max_new_tokens: int) -> li
         raise exc.renamed({"spec.prompts.path": "--prompts"}) from None
     if len(rows) < n:
         raise UserError(f"{prompts} has {len(rows)} prompts, fewer than {n}", "--requests")
-    lo = max(1, max_new_tokens // 8)
-    specs = []
-    for i, p in enumerate(rows):
+    out = []
+    for p in rows:
         ids = p.input_ids if p.input_ids is not None else codec.encode(p.text or "")
         check_ids(ids, vocab, f"{prompts} prompt {p.id}")
+        out.append((p.id, tuple(ids)))
+    return out
+
+
+def chat_requests(model: Path, prompts: Path, n: int, max_new_tokens: int) -> list[RequestSpec]:
+    """:func:`chat_prompts`, even ones greedy and odd ones sampled (temperature 0.8, top-p 0.95, seeded);
+    caps spread from an eighth of ``max_new_tokens`` up to it, so that requests finish one after another;
+    EOS honoured."""
+    lo = max(1, max_new_tokens // 8)
+    specs = []
+    for i, (pid, ids) in enumerate(chat_prompts(model, prompts, n)):
         sampling = Sampling() if i % 2 == 0 else Sampling(temperature=0.8, top_p=0.95, seed=1000 + i)
         cap = lo + (max_new_tokens - lo) * i // max(1, n - 1)
-        specs.append(RequestSpec(f"p{p.id}", tuple(ids), cap, sampling))
+        specs.append(RequestSpec(f"p{pid}", ids, cap, sampling))
     return specs
 
 

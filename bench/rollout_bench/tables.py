@@ -174,6 +174,30 @@ def _invariance(d: dict[str, Any]) -> list[str]:
     ]
 
 
+def _spec(d: dict[str, Any]) -> list[str]:
+    """``rolloutctl bench spec``: generation seconds with speculative decoding off and on, per layout."""
+    rows = [
+        (
+            r["layout"],
+            f"{r['off_s']:.2f} s",
+            f"{r['on_s']:.2f} s",
+            f"{r['speedup']:.2f}x",
+            f"{r['decode_steps_off']} / {r['decode_steps_on']}",
+            r["verify_steps"],
+            "-" if r["accept_length"] is None else f"{r['accept_length']:.2f}",
+        )
+        for r in d["rows"]
+    ]
+    head = ("layout", "off", "n-gram", "speed-up", "decode steps off / on", "verify steps", "tokens a verify")
+    return [
+        f"{d['model']}, {d['requests']} requests ({d['workload']}), {d['tokens']} tokens, "
+        f"{d['draft_tokens']} draft tokens; median of {d['runs']} runs of generation; every run's tokens "
+        "identical with and without speculation",
+        "",
+        *_table(head, "lrrrrrr", rows),
+    ]
+
+
 def _memory(d: dict[str, Any]) -> list[str]:
     """``rolloutctl bench memory``: the paged pool beside the recorded dense slab, then prefix sharing."""
     lines = memory.table(d)
@@ -191,6 +215,7 @@ KINDS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "fixed-order": _fixed_order,
     "decoder-step": _decoder_step,
     "invariance": _invariance,
+    "spec": _spec,
 }
 
 

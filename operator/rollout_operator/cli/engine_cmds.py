@@ -37,6 +37,7 @@ def register(app: typer.Typer) -> None:
     bench.command("engine")(needs_engine(bench_engine_cmd))
     bench.command("peer")(needs_engine(bench_peer_cmd))
     bench.command("lossless")(needs_engine(bench_lossless_cmd))
+    bench.command("spec")(needs_engine(bench_spec_cmd))
 
 
 def make_model_cmd(
@@ -362,3 +363,44 @@ def bench_lossless_cmd(
     )
     if report["failures"]:
         raise typer.Exit(1)
+
+
+def bench_spec_cmd(
+    preset: Annotated[
+        str, typer.Option(help="Model preset (made under --work if missing).")
+    ] = "smollm2-135m",
+    prompts: Annotated[
+        Path, typer.Option(help="Chat prompts (JSONL or Parquet), rendered with the model's template.")
+    ] = Path("examples/math.jsonl"),
+    requests: Annotated[int, typer.Option(help="Prompts (the first N).")] = 8,
+    samples: Annotated[int, typer.Option(help="Samples of each prompt (a GRPO group).")] = 4,
+    max_new_tokens: Annotated[int, typer.Option(help="Each sample's cap (EOS honoured).")] = 256,
+    draft_tokens: Annotated[int, setting_option("speculative_num_draft_tokens")] = setting_default(
+        "bench spec", "speculative_num_draft_tokens"
+    ),
+    runs: Annotated[int, typer.Option(help="Alternated runs of each layout, off and on.")] = 3,
+    work: Annotated[Path, typer.Option(help="Where checkpoints are cached.")] = Path("build/models"),
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON here.")] = None,
+) -> None:
+    """Speculative decoding (n-gram drafts) off and on, at 2x1 and 1x2 on 2 ranks, the deterministic
+    kernels in float32: generation seconds, steps, tokens a verify step emits; fails when a token differs."""
+    from rollout_bench.spec import group_requests, run_spec_bench
+    from rollout_worker.engine.model.checkpoint import ensure_model
+    from rollout_worker.engine.model.presets import preset_config
+
+    for flag, value in (("--requests", requests), ("--samples", samples), ("--runs", runs)):
+        if value < 1:
+            raise UserError(f"must be >= 1, got {value}", flag)
+    if max_new_tokens < 2:
+        raise UserError(f"must be >= 2 (a draft needs room), got {max_new_tokens}", "--max-new-tokens")
+    check_setting("speculative_num_draft_tokens", draft_tokens, "--speculative-num-draft-tokens")
+    if not prompts.is_file():
+        raise UserError(f"prompts file not found: {prompts}", "--prompts")
+    if json_out is not None:
+        check_writable(json_out, "--json")
+    preset_config(preset)  # an unknown preset is refused before anything is made
+    model = ensure_model(preset, work)
+    specs = group_requests(model, prompts, requests, samples, max_new_tokens)
+    about = {"model": preset, "workload": f"{requests} prompts of {prompts.name} x {samples} samples, "
+             f"temperature 0.7, at most {max_new_tokens} new tokens"}  # fmt: skip
+    run_spec_bench(model, specs, runs, draft_tokens, json_out, typer.echo, about)

@@ -84,6 +84,7 @@ class BatchResult:
     retractions: int = 0  # requests retracted for want of KV pages
     verify_steps: int = 0  # decode steps that verified drafts (speculative decoding), every replica's
     verify_tokens: int = 0  # tokens those steps emitted (drafts accepted and the draw after them)
+    verify_requests: int = 0  # requests those steps verified (a request in a step counts once)
 
     def tokens(self) -> dict[str, list[int]]:
         """Each request's output ids, by request id."""
@@ -138,10 +139,10 @@ def run_batch(
     col = Collector([s.id for s in specs], on_finish=next_one if concurrency else None)
     step_ms: list[float] = []
     prefill_ms: list[float] = []
-    retractions = verify_steps = verify_tokens = 0
+    retractions = verify_steps = verify_tokens = verify_requests = 0
 
     def on_report(r: StepReport) -> None:
-        nonlocal retractions, verify_steps, verify_tokens
+        nonlocal retractions, verify_steps, verify_tokens, verify_requests
         if r.kind == "decode":
             step_ms.append(r.ms)
         elif r.kind == "prefill":
@@ -149,6 +150,7 @@ def run_batch(
         elif r.kind == "verify":
             verify_steps += 1
             verify_tokens += len(r.tokens)
+            verify_requests += len({t.rid for t in r.tokens})
         retractions += r.retractions
 
     t0 = time.perf_counter()
@@ -188,4 +190,5 @@ def run_batch(
         retractions,
         verify_steps,
         verify_tokens,
+        verify_requests,
     )
