@@ -29,7 +29,7 @@ from rollout_profiler.planning.predictor import Prior, fit
 from rollout_profiler.profile import Profile
 from rollout_profiler.profiling.modelled import SHIPPED, build
 from rollout_profiler.sim.config import SimConfig, SimResult
-from rollout_profiler.sim.probe import median_abs_error, probed_adaptive
+from rollout_profiler.sim.probe import Probe, median_abs_error, probed_adaptive
 from rollout_profiler.sim.simulate import simulate
 from rollout_profiler.sim.simulator import Simulator
 from rollout_profiler.sim.workloads import RECIPES, load, synthetic
@@ -79,12 +79,18 @@ def bench_workload(
             prior = Prior.from_samples(prev.lengths, prev.caps)
         t0 = time.perf_counter()
         cfg = SimConfig(GPUS, admission=admission, prior=prior)
-        res = simulate(model, wl, cfg, list(POLICIES))
+        probes: list[Probe] = []
+
+        def probed(sim: Simulator) -> SimResult:  # the adaptive run is the probed one (probes change nothing)
+            res, got = probed_adaptive(sim, PROBES)
+            probes.extend(got)
+            return res
+
+        res = simulate(model, wl, cfg, list(POLICIES), adaptive=probed)
         say(
             f"{model.profile.name} {spec} seed {seed}: adaptive {res['adaptive'].latency_s:.1f} s "
             f"(simulated in {time.perf_counter() - t0:.0f} s)"
         )
-        _, probes = probed_adaptive(Simulator(model, wl, cfg), PROBES)
         errors.append(median_abs_error(probes))
         for p, r in res.items():
             per[p].append(r.latency_s)

@@ -182,9 +182,15 @@ def start_layout(sim: Simulator, policy: PlannerPolicy, prior: Prior | None) -> 
     return choose_start(sim.model, snap, policy, pred)
 
 
-def run_adaptive(sim: Simulator, on_decision: Callable[[Decision], None] | None = None) -> SimResult:
+def run_adaptive(
+    sim: Simulator,
+    on_decision: Callable[[Decision], None] | None = None,
+    controller: AdaptiveController | None = None,
+) -> SimResult:
+    """The adaptive policy's run from the layout it starts in; ``controller``: an adaptive controller of
+    its own (the probed one, :mod:`~rollout_profiler.sim.probe`), else the plain one."""
     policy = sim.policy()
-    ctl = AdaptiveController(policy, sim.cfg.prior, sim.cfg.decide_every_ms)
+    ctl = controller or AdaptiveController(policy, sim.cfg.prior, sim.cfg.decide_every_ms)
     start = start_layout(sim, policy, sim.cfg.prior)
     res = sim.run(start, name="adaptive", controller=ctl)
     res.detail = f"{len(ctl.decisions)} decisions; start {start} ({sim.cfg.initial_layout})"

@@ -14,7 +14,7 @@ from rollout_profiler.planning.forecast import finish_ms
 from rollout_profiler.planning.policy import PlannerPolicy
 from rollout_profiler.planning.tick import predictor, snapshot
 from rollout_profiler.sim.config import SimResult, Switch
-from rollout_profiler.sim.policies import AdaptiveController, start_layout
+from rollout_profiler.sim.policies import AdaptiveController, run_adaptive, start_layout
 from rollout_profiler.sim.simulator import Simulator
 
 
@@ -76,7 +76,7 @@ def probed_adaptive(
     start = start_layout(sim, sim.policy(), sim.cfg.prior)
     alone = sim.run(start, name="probe-length").latency_s * 1e3
     ctl = ProbedController(sim, [alone * f for f in fractions], candidates)
-    return sim.run(start, name="adaptive", controller=ctl), ctl.probes
+    return run_adaptive(sim, controller=ctl), ctl.probes
 
 
 def median_abs_error(probes: list[Probe]) -> float | None:

@@ -8,7 +8,7 @@ Names: ``static:T`` (layout G/T x T throughout, independent replicas), ``adaptiv
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from rollout_worker.errors import UserError
 from rollout_worker.scheduling.layout import Layout
@@ -56,10 +56,12 @@ def simulate(
     cfg: SimConfig,
     policies: list[str],
     progress: Progress | None = None,
+    adaptive: Callable[[Simulator], SimResult] = run_adaptive,
 ) -> dict[str, SimResult]:
     """Run each policy, then the references asked for. The oracles see every policy's result (so they are
     never slower than any), the free-switch bound every result at zero switch cost. ``progress`` hears
-    of every run as it goes (:class:`~rollout_profiler.sim.simulator.Progress`)."""
+    of every run as it goes (:class:`~rollout_profiler.sim.simulator.Progress`); ``adaptive`` runs the
+    adaptive policy (the probed run, in ``bench planner``)."""
     sim = Simulator(model, workload, cfg, progress)
     out: dict[str, SimResult] = {}
     for p in policies:
@@ -67,7 +69,7 @@ def simulate(
             out[p] = sim.run(Layout.for_tp(cfg.gpus, int(p[7:])), name=p)
     refs = [p for p in policies if p in REFERENCES and p != "tail-bound"]
     if "adaptive" in policies or refs:
-        out["adaptive"] = run_adaptive(sim)
+        out["adaptive"] = adaptive(sim)
     ran = list(out.values())
     if refs:
         out["oracle"] = oracle(sim, ran)

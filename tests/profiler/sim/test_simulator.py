@@ -18,6 +18,7 @@ from rollout_profiler.sim.config import SimConfig, SimResult, Switch
 from rollout_profiler.sim.memory import DONE, Admission
 from rollout_profiler.sim.oracle import oracle
 from rollout_profiler.sim.policies import AdaptiveController, ScheduleController, run_adaptive
+from rollout_profiler.sim.probe import probed_adaptive
 from rollout_profiler.sim.simulate import parse_policies, simulate
 from rollout_profiler.sim.simulator import Simulator
 from rollout_profiler.sim.workloads import Workload, synthetic
@@ -405,3 +406,17 @@ def test_default_policies_follow_the_gpus_and_the_profile() -> None:
     ]  # fmt: skip
     assert default_policies(6, [1, 2, 4, 8])[:3] == ["static:1", "static:2", "adaptive"]  # 3, 6 not profiled
     assert default_policies(8, [1, 2, 4, 8])[:4] == ["static:1", "static:2", "static:4", "static:8"]
+
+
+def test_a_probed_adaptive_run_is_the_adaptive_run(llama: LatencyModel) -> None:
+    """The probes (the planner asked how long the pod will take, forks played to the end) change nothing in
+    the run: ``bench planner`` takes the probed run as the adaptive one."""
+    wl = synthetic("deepscaler-8k", 2, prompts=16)
+    prev = synthetic("deepscaler-8k", 1002, prompts=16)
+    prior = Prior.from_samples(prev.lengths, prev.caps)
+    cfg = SimConfig(8, admission="paged", prior=prior, initial_layout="8x1")  # TP1 first: it will switch
+    plain = run_adaptive(Simulator(llama, wl, cfg))
+    probed, probes = probed_adaptive(Simulator(llama, wl, cfg), (0.2, 0.5))
+    assert len(probes) == 2 and plain.reconfigs  # probed at both times, and the run switched
+    assert probed.latency_s == plain.latency_s and probed.preemptions == plain.preemptions
+    assert [(e.step, e.dst) for e in probed.reconfigs] == [(e.step, e.dst) for e in plain.reconfigs]
