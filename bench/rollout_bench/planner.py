@@ -58,6 +58,17 @@ def _break_even_ms(res: dict[str, SimResult], best_static_s: float) -> float:
     return out
 
 
+class _Probed:
+    """The adaptive runner ``bench planner`` gives ``simulate``: the probed run, its probes kept."""
+
+    def __init__(self) -> None:
+        self.probes: list[Probe] = []
+
+    def __call__(self, sim: Simulator) -> SimResult:
+        res, self.probes = probed_adaptive(sim, PROBES)
+        return res
+
+
 def _quiet(_: str) -> None:
     pass
 
@@ -79,19 +90,13 @@ def bench_workload(
             prior = Prior.from_samples(prev.lengths, prev.caps)
         t0 = time.perf_counter()
         cfg = SimConfig(GPUS, admission=admission, prior=prior)
-        probes: list[Probe] = []
-
-        def probed(sim: Simulator) -> SimResult:  # the adaptive run is the probed one (probes change nothing)
-            res, got = probed_adaptive(sim, PROBES)
-            probes.extend(got)
-            return res
-
+        probed = _Probed()  # the adaptive run is the probed one (probes change nothing)
         res = simulate(model, wl, cfg, list(POLICIES), adaptive=probed)
         say(
             f"{model.profile.name} {spec} seed {seed}: adaptive {res['adaptive'].latency_s:.1f} s "
             f"(simulated in {time.perf_counter() - t0:.0f} s)"
         )
-        errors.append(median_abs_error(probes))
+        errors.append(median_abs_error(probed.probes))
         for p, r in res.items():
             per[p].append(r.latency_s)
             switches[p].append(len(r.reconfigs))

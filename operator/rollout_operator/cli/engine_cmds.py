@@ -318,6 +318,19 @@ def bench_peer_cmd(
     run_peer_bench(preset, int_list(cores, "--cores"), runs, work, json_out, typer.echo, chat)
 
 
+def _chat_model(preset: str, prompts: Path, work: Path, json_out: Path | None) -> Path:
+    """A real model's benchmark's checks of its flags, then the model (made under ``work`` if missing)."""
+    from rollout_worker.engine.model.checkpoint import ensure_model
+    from rollout_worker.engine.model.presets import preset_config
+
+    if not prompts.is_file():
+        raise UserError(f"prompts file not found: {prompts}", "--prompts")
+    if json_out is not None:
+        check_writable(json_out, "--json")
+    preset_config(preset)  # an unknown preset is refused before anything is made
+    return ensure_model(preset, work)
+
+
 def bench_lossless_cmd(
     preset: Annotated[
         str, typer.Option(help="Model preset (made under --work if missing).")
@@ -343,8 +356,6 @@ def bench_lossless_cmd(
     the samples that differ and where, in DTYPE; fails when float64 or the deterministic kernels differ
     anywhere or a switch did not happen as planned."""
     from rollout_bench.lossless import MIN_REQUESTS, run_lossless_bench
-    from rollout_worker.engine.model.checkpoint import ensure_model
-    from rollout_worker.engine.model.presets import preset_config
 
     if requests < MIN_REQUESTS:
         raise UserError(f"must be >= {MIN_REQUESTS} (four switches per chain), got {requests}", "--requests")
@@ -352,12 +363,7 @@ def bench_lossless_cmd(
         raise UserError(
             f"must be >= 2 x --requests (caps apart), got {max_new_tokens} for {requests}", "--max-new-tokens"
         )
-    if not prompts.is_file():
-        raise UserError(f"prompts file not found: {prompts}", "--prompts")
-    if json_out is not None:
-        check_writable(json_out, "--json")
-    preset_config(preset)  # an unknown preset is refused before anything is made
-    model = ensure_model(preset, work)
+    model = _chat_model(preset, prompts, work, json_out)
     report = run_lossless_bench(
         model, preset, prompts, requests, max_new_tokens, dtype, json_out, typer.echo, deterministic
     )
@@ -385,8 +391,6 @@ def bench_spec_cmd(
     """Speculative decoding (n-gram drafts) off and on, at 2x1 and 1x2 on 2 ranks, the deterministic
     kernels in float32: generation seconds, steps, tokens a verify step emits; fails when a token differs."""
     from rollout_bench.spec import group_requests, run_spec_bench
-    from rollout_worker.engine.model.checkpoint import ensure_model
-    from rollout_worker.engine.model.presets import preset_config
 
     for flag, value in (("--requests", requests), ("--samples", samples), ("--runs", runs)):
         if value < 1:
@@ -394,12 +398,7 @@ def bench_spec_cmd(
     if max_new_tokens < 2:
         raise UserError(f"must be >= 2 (a draft needs room), got {max_new_tokens}", "--max-new-tokens")
     check_setting("speculative_num_draft_tokens", draft_tokens, "--speculative-num-draft-tokens")
-    if not prompts.is_file():
-        raise UserError(f"prompts file not found: {prompts}", "--prompts")
-    if json_out is not None:
-        check_writable(json_out, "--json")
-    preset_config(preset)  # an unknown preset is refused before anything is made
-    model = ensure_model(preset, work)
+    model = _chat_model(preset, prompts, work, json_out)
     specs = group_requests(model, prompts, requests, samples, max_new_tokens)
     about = {"model": preset, "workload": f"{requests} prompts of {prompts.name} x {samples} samples, "
              f"temperature 0.7, at most {max_new_tokens} new tokens"}  # fmt: skip
