@@ -205,9 +205,10 @@ class Decoder:
         # a CUDA decode step (default kernels) reads the pages in place, or gathers its keys KV-head-major
         # as its products read them
         paged = self.paged_decode if seq == 1 else None
-        lengths = (positions[:, 0] + 1).to(torch.int32)  # a decode step's keys per row
+        lengths = positions[:, 0]  # with the paged kernel: a decode step's keys per row
         kv_major = gathered is None and self.kernels.kv_major(seq)
         if paged is not None:
+            lengths = (lengths + 1).to(torch.int32)
             gathered = None  # nothing to keep: the kernel reads the pool
         if gathered is not None:
             gathered.begin(pool, read, positions[:, 0], self.kernels)

@@ -36,15 +36,17 @@ class Speculator:
         token more than it accepts). The index learns each request's tokens since its last draft."""
         out = []
         for seq in seqs:
-            text = [*seq.spec.prompt_ids, *seq.output]
-            rid = seq.spec.id
+            rid, prompt = seq.spec.id, seq.spec.prompt_ids
             have = self.index.docs.get(rid)
-            if have is not None and len(have) > len(text):  # another request under a reused id
-                self.index.drop(rid)
+            if have is not None and not len(prompt) <= len(have) <= len(prompt) + len(seq.output):
+                self.index.drop(rid)  # another request under a reused id
                 have = None
-            self.index.extend(rid, text[len(have) if have is not None else 0 :])
+            if have is None:
+                self.index.extend(rid, [*prompt, *seq.output])
+            else:  # the tokens since its last draft only
+                self.index.extend(rid, seq.output[len(have) - len(prompt) :])
             k = min(self.k, seq.remaining - 1)
-            draft = self.index.propose(text, k) if k > 0 else None
+            draft = self.index.propose(self.index.docs[rid], k) if k > 0 else None
             out.append(list(draft.tokens) if draft is not None else [])
         return out
 
