@@ -306,17 +306,13 @@ class Replica:
         at = torch.tensor([[b, i] for b, n in enumerate(counts) for i in range(n)], device=dev)
         rows = self.decoder.logits(x[at[:, 0], at[:, 1]]).split(counts)  # one product (and gather) for all
         out = StepOutput("verify", retracted=retracted)
-        accepted = []
         for seq, d, row in zip(seqs, drafts, rows, strict=True):
             got = verify(self._poisoned(row, [seq] * len(row)), seq, d, self.eos_ids)
             draws: list[Draw | Failure] = [got] if isinstance(got, Failure) else list(got)
-            accepted.append(len(draws) - 1)
             for draw in draws:
                 self._append([seq], [draw], out)
                 if seq.finish is not None:
                     break
-        if self.speculator is not None:
-            self.speculator.counted(drafts, accepted)
         return out
 
     def _poisoned(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -27,9 +27,6 @@ from rollout_worker.scheduling.pages import pages_for
 class Speculator:
     k: int  # tokens drafted per request and verify step, at most
     index: DraftIndex = field(default_factory=DraftIndex)
-    verify_steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
 
     def drafts(self, seqs: list[Sequence]) -> list[list[int]]:
         """Each request's draft (possibly empty): never past its ``max_new_tokens`` (a verify step emits one
@@ -49,11 +46,6 @@ class Speculator:
             draft = self.index.propose(self.index.docs[rid], k) if k > 0 else None
             out.append(list(draft.tokens) if draft is not None else [])
         return out
-
-    def counted(self, drafts: list[list[int]], accepted: list[int]) -> None:
-        self.verify_steps += 1
-        self.drafted += sum(len(d) for d in drafts)
-        self.accepted += sum(accepted)
 
 
 def extra_pages(seqs: list[Sequence], drafts: list[list[int]], page_size: int) -> int:
