@@ -26,6 +26,7 @@ from rollout_profiler.planning.latency import LatencyModel
 from rollout_profiler.planning.planner import decide
 from rollout_profiler.planning.policy import PlannerPolicy, PodSnapshot, ReplicaState
 from rollout_profiler.planning.predictor import Prior, fit
+from rollout_profiler.planning.speculation import Speculation, SpeculativeLatency
 from rollout_profiler.profile import Profile
 from rollout_profiler.profiling.modelled import SHIPPED, build
 from rollout_profiler.sim.config import SimConfig, SimResult
@@ -129,6 +130,47 @@ def bench_workload(
     }
 
 
+def bench_speculation(
+    profile: Profile,
+    plain: dict[str, Any],
+    spec: Speculation,
+    runs: int,
+    admission: str,
+    say: Callable[[str], None] = _quiet,
+) -> dict[str, Any]:
+    """The static layouts and adaptive again, every replica speculating (:class:`SpeculativeLatency`, the
+    ``auto`` policy's choice per step at acceptance ``spec.accept``), beside ``plain`` (this workload's
+    :func:`bench_workload`): where layout and speculation together beat the best of either alone."""
+    name = plain["workload"]
+    model = SpeculativeLatency(profile, spec)
+    per: dict[str, list[float]] = {p: [] for p in (*STATICS, "adaptive")}
+    switches: list[int] = []
+    for seed in range(plain["runs"]):
+        prev = synthetic(name, seed + 1000) if name in RECIPES else None
+        prior = Prior.from_samples(prev.lengths, prev.caps) if prev is not None else None
+        res = simulate(model, load(name, seed), SimConfig(GPUS, admission=admission, prior=prior), list(per))
+        say(f"{profile.name} {name} seed {seed}, speculating: adaptive {res['adaptive'].latency_s:.1f} s")
+        for p, r in res.items():
+            per[p].append(r.latency_s)
+        switches.append(len(res["adaptive"].reconfigs))
+    mean = {k: statistics.fmean(v) for k, v in per.items()}
+    best_static = min(STATICS, key=lambda s: mean[s])
+    plain_best = min(plain["latency_s"][plain["best_static"]], plain["latency_s"]["adaptive"])
+    alone = min(mean[best_static], plain_best)  # speculation alone (best static layout), or layouts alone
+    a = mean["adaptive"]
+    return {
+        "accept": spec.accept,
+        "draft_tokens": spec.draft_tokens,
+        "tokens_per_verify": spec.tokens(spec.draft_tokens),
+        "latency_s": mean,
+        "switches_mean": statistics.fmean(switches),
+        "best_static": best_static,
+        "vs_plain_adaptive": a / plain["latency_s"]["adaptive"],
+        "vs_best_static_speculating": a / mean[best_static],
+        "vs_best_alone": a / alone,
+    }
+
+
 def _snapshot(mixed: bool, n: int = 1024, seed: int = 0) -> PodSnapshot:
     rng = np.random.default_rng(seed)
     gen = rng.integers(0, 4000, n) if mixed else np.full(n, 1000)
@@ -181,11 +223,17 @@ def run(
     admission: str = "paged",
     decide_calls: int = 2000,
     say: Callable[[str], None] = _quiet,
+    speculation: Speculation | None = None,
 ) -> dict[str, Any]:
-    """``say``: a line per simulated batch (model, workload, seed), as progress."""
+    """``say``: a line per simulated batch (model, workload, seed), as progress. With ``speculation``, each
+    workload also runs speculating (:func:`bench_speculation`)."""
     models = []
     for prof in profiles or default_profiles():
         model = LatencyModel(prof)
+        done = [bench_workload(model, w, runs, admission, say) for w in workloads]
+        if speculation is not None:
+            for w in done:
+                w["speculation"] = bench_speculation(prof, w, speculation, runs, admission, say)
         models.append(
             {
                 "profile": prof.name,
@@ -195,7 +243,7 @@ def run(
                 "gpus": GPUS,
                 "admission": admission,
                 "kv_capacity": prof.kv_capacity.to_dict() if prof.kv_capacity else None,
-                "workloads": [bench_workload(model, w, runs, admission, say) for w in workloads],
+                "workloads": done,
                 "decide": bench_decide(model, admission, decide_calls),
             }
         )
@@ -270,6 +318,22 @@ def report(d: dict[str, Any]) -> str:
                 f"{w['workload'][:19]:<19}{cells}{ratios}{best:>6}{w['break_even_switch_ms']:>10.0f}ms"
                 f"{'-' if sw is None else f'{sw:.0f}ms':>8}"
             )
+        specs = [w for w in m["workloads"] if "speculation" in w]
+        if specs:
+            sp = specs[0]["speculation"]
+            lines.append(
+                f"speculating (accept {sp['accept']:g}, {sp['draft_tokens']} draft tokens: "
+                f"{sp['tokens_per_verify']:.2f} tokens a full verify):"
+            )
+            heads = ("best st.", "adaptive", "a+s", "/plain a", "/best s", "/alone")
+            lines.append(f"{'workload':<19}" + "".join(f"{c:>9}" for c in heads))
+            for w in specs:
+                x = w["speculation"]
+                lines.append(
+                    f"{w['workload'][:19]:<19}{x['latency_s'][x['best_static']]:>9.2f}"
+                    f"{w['latency_s']['adaptive']:>9.2f}{x['latency_s']['adaptive']:>9.2f}"
+                    f"{x['vs_plain_adaptive']:>9.3f}{x['vs_best_static_speculating']:>9.3f}{x['vs_best_alone']:>9.3f}"
+                )
         for label in ("synchronous", "mixed"):
             x = m["decide"][label]
             lines.append(

@@ -3,10 +3,14 @@ saves on a real rollout, and that it changes no token.
 
 The workload is the main job's: chat prompts rendered with the model's template, a GRPO group of samples
 each (temperature 0.7, seeded, EOS honoured), run to ``max_new_tokens`` at most, on the deterministic
-kernels. Each layout runs with speculation off and on, alternating, ``runs`` times, fresh rank processes
-each; every speculating run's tokens must equal the run without speculation's (a difference fails the
-benchmark). Reported: generation seconds (first request submitted to last finished; medians), their
-ratio, decode and verify steps, and the tokens a request's verify step emitted on average.
+kernels. It is the second iteration of an RL loop: the same engine first runs the group with other seeds
+(the previous iteration, untimed), so drafts may come from those responses, the request's own tokens and
+its siblings, never from the timed samples' own earlier runs. Each layout runs with speculation off and
+under each policy (``auto``, ``always``), alternating, ``runs`` times, fresh rank processes each; every
+speculating run's tokens must equal the run without speculation's (a difference fails the benchmark).
+Reported: generation seconds of the timed iteration (first request submitted to last finished; medians),
+the tail's tokens/s (after three quarters of the requests finished), their ratios to off, decode and verify
+steps, and the tokens a request's verify step emitted on average.
 """
 
 from __future__ import annotations
@@ -29,22 +33,29 @@ from rollout_bench.record import host, write_json
 
 Echo = Callable[[str], Any]
 LAYOUTS = ("2x1", "1x2")
-MODES = ("none", "ngram")
+POLICIES = ("auto", "always")  # speculation's, each measured against off
 
 
 def group_requests(
-    model: Path, prompts: Path, n: int, samples: int, max_new_tokens: int
+    model: Path, prompts: Path, n: int, samples: int, max_new_tokens: int, iteration: int = 0
 ) -> list[RequestSpec]:
-    """``samples`` samples (temperature 0.7, seed 1000 x prompt + sample) of each of the first ``n``
-    prompts (:func:`~rollout_bench.lossless.chat_prompts`); EOS honoured."""
+    """``samples`` samples (temperature 0.7, seed 1000 x prompt + sample + 100 x ``iteration``) of each of
+    the first ``n`` prompts (:func:`~rollout_bench.lossless.chat_prompts`); EOS honoured."""
     return [
-        RequestSpec(f"p{pid}-s{j}", ids, max_new_tokens, Sampling(temperature=0.7, seed=1000 * i + j))
+        RequestSpec(
+            f"i{iteration}-p{pid}-s{j}",
+            ids,
+            max_new_tokens,
+            Sampling(temperature=0.7, seed=1000 * i + j + 100 * iteration),
+        )
         for i, (pid, ids) in enumerate(chat_prompts(model, prompts, n))
         for j in range(samples)
     ]
 
 
-def _run(model: Path, layout: str, spec: str, draft: int, specs: list[RequestSpec]) -> BatchResult:
+def _run(
+    model: Path, layout: str, mode: str, draft: int, specs: list[RequestSpec], before: list[RequestSpec]
+) -> BatchResult:
     lay = Layout.parse(layout)
     cfg = EngineConfig.load(
         str(model),
@@ -52,10 +63,11 @@ def _run(model: Path, layout: str, spec: str, draft: int, specs: list[RequestSpe
         lay,
         dtype="float32",
         deterministic=True,
-        speculative_algorithm=spec,
+        speculative_algorithm="none" if mode == "off" else "ngram",
         speculative_num_draft_tokens=draft,
+        speculative_policy="always" if mode == "off" else mode,
     )
-    return run_batch(cfg, specs)
+    return run_batch(cfg, specs, before=before)
 
 
 def run_spec_bench(
@@ -66,14 +78,18 @@ def run_spec_bench(
     json_out: Path | None,
     echo: Echo,
     about: dict[str, Any],
+    before: list[RequestSpec] | None = None,
+    policies: tuple[str, ...] = POLICIES,
 ) -> dict[str, Any]:
-    measured: dict[tuple[str, str], list[BatchResult]] = {(lay, m): [] for lay in LAYOUTS for m in MODES}
+    """Off and each of ``policies`` at each layout, ``runs`` times; ``before`` runs first on each engine."""
+    modes = ("off", *policies)
+    measured: dict[tuple[str, str], list[BatchResult]] = {(lay, m): [] for lay in LAYOUTS for m in modes}
     reference: dict[str, dict[str, list[int]]] = {}
     for i in range(runs):
         t0 = time.perf_counter()
         for lay in LAYOUTS:
-            for mode in MODES:
-                res = _run(model, lay, mode, draft, specs)
+            for mode in modes:
+                res = _run(model, lay, mode, draft, specs, before or [])
                 measured[(lay, mode)].append(res)
                 tokens = res.tokens()
                 ref = reference.setdefault(lay, tokens)
@@ -83,12 +99,15 @@ def run_spec_bench(
                         f"{lay}, speculation {mode}: {len(differ)} sample(s) differ: {differ[:3]}"
                     )
         echo(f"run {i + 1}/{runs}: {time.perf_counter() - t0:.1f} s")
-    rows = [_row(lay, measured[(lay, "none")], measured[(lay, "ngram")]) for lay in LAYOUTS]
+    rows = [
+        _row(lay, mode, measured[(lay, "off")], measured[(lay, mode)]) for lay in LAYOUTS for mode in modes
+    ]
     report = {
         **about,
         "runs": runs,
         "draft_tokens": draft,
         "requests": len(specs),
+        "requests_before": len(before or []),
         "tokens": sum(len(t) for t in reference[LAYOUTS[0]].values()),
         "host": host(),
         "rows": rows,
@@ -100,37 +119,44 @@ def run_spec_bench(
     return report
 
 
-def _row(layout: str, off: list[BatchResult], on: list[BatchResult]) -> dict[str, Any]:
+def _tail_rate(r: BatchResult) -> float:
+    return r.tail_tokens / r.tail_s if r.tail_s > 0 else 0.0
+
+
+def _row(layout: str, mode: str, off: list[BatchResult], on: list[BatchResult]) -> dict[str, Any]:
     off_s = statistics.median(r.gen_s for r in off)
     on_s = statistics.median(r.gen_s for r in on)
+    off_tail = statistics.median(_tail_rate(r) for r in off)
+    on_tail = statistics.median(_tail_rate(r) for r in on)
     last = on[-1]
     return {
         "layout": layout,
-        "off_s": off_s,
-        "on_s": on_s,
-        "off_all_s": [r.gen_s for r in off],
-        "on_all_s": [r.gen_s for r in on],
+        "policy": mode,
+        "s": on_s,
+        "all_s": [r.gen_s for r in on],
         "speedup": off_s / on_s,
-        "decode_steps_off": len(off[-1].step_ms),
-        "decode_steps_on": len(last.step_ms),
+        "tail_tokens_per_s": on_tail,
+        "tail_speedup": on_tail / off_tail if off_tail > 0 else None,
+        "decode_steps": len(last.step_ms),
         "verify_steps": last.verify_steps,
         "accept_length": last.verify_tokens / last.verify_requests if last.verify_requests else None,
     }
 
 
 def _print(report: dict[str, Any], echo: Echo) -> None:
+    before = f", after {report['requests_before']} earlier ones" if report.get("requests_before") else ""
     echo(
         f"\nspeculative decoding (n-gram, {report['draft_tokens']} draft tokens): {report['requests']}"
-        f" requests, {report['tokens']} tokens, median of {report['runs']} runs; tokens identical"
+        f" requests{before}, {report['tokens']} tokens, median of {report['runs']} runs; tokens identical"
     )
     echo(
-        f"{'layout':>7} {'off s':>8} {'on s':>8} {'speedup':>8} {'decode steps off/on':>20}"
-        f" {'verify':>7} {'accept':>7}"
+        f"{'layout':>7} {'policy':>7} {'s':>8} {'speedup':>8} {'tail tok/s':>11} {'tail x':>7}"
+        f" {'decode':>7} {'verify':>7} {'accept':>7}"
     )
     for r in report["rows"]:
-        acc = r["accept_length"]
+        acc, tail = r["accept_length"], r["tail_speedup"]
         echo(
-            f"{r['layout']:>7} {r['off_s']:>8.2f} {r['on_s']:>8.2f} {r['speedup']:>7.2f}x"
-            f" {r['decode_steps_off']:>9}/{r['decode_steps_on']:<10} {r['verify_steps']:>7}"
-            f" {'-' if acc is None else f'{acc:.2f}':>7}"
+            f"{r['layout']:>7} {r['policy']:>7} {r['s']:>8.2f} {r['speedup']:>7.2f}x"
+            f" {r['tail_tokens_per_s']:>11.1f} {'-' if tail is None else f'{tail:.2f}x':>7}"
+            f" {r['decode_steps']:>7} {r['verify_steps']:>7} {'-' if acc is None else f'{acc:.2f}':>7}"
         )

@@ -118,6 +118,7 @@ def _planner(d: dict[str, Any]) -> list[str]:
                 "pred. err: the planner's predicted time to finish against the simulated run's, at a quarter,"
                 " half and three quarters of a batch (median of the absolute errors, mean over seeds).",
             ]
+        lines += _speculating(m["workloads"])
         lines += [
             "",
             f"A decision (`decide()`, 8 ranks, 1,024 running requests of mixed lengths): p50 "
@@ -132,6 +133,43 @@ def _planner(d: dict[str, Any]) -> list[str]:
         ]
         lines.append("")
     return lines[:-1]
+
+
+def _speculating(workloads: list[dict[str, Any]]) -> list[str]:
+    """``bench planner --spec-accept``: the static layouts and adaptive again, speculating, beside plain."""
+    spec = [w for w in workloads if "speculation" in w]
+    if not spec:
+        return []
+    x0 = spec[0]["speculation"]
+    head = ("workload", "best static", "adaptive", "best static, spec.", "adaptive, spec.", "vs adaptive",
+            "vs best static, spec.", "vs the best alone", "switches")  # fmt: skip
+    rows = []
+    for w in spec:
+        x = w["speculation"]
+        best = x["best_static"]
+        rows.append(
+            (
+                w["workload"],
+                f"{w['latency_s'][w['best_static']]:.1f} (TP{w['best_static'].split(':')[1]})",
+                f"{w['latency_s']['adaptive']:.1f}",
+                f"{x['latency_s'][best]:.1f} (TP{best.split(':')[1]})",
+                f"{x['latency_s']['adaptive']:.1f}",
+                f"{x['vs_plain_adaptive']:.3f}",
+                f"{x['vs_best_static_speculating']:.3f}",
+                f"{x['vs_best_alone']:.3f}",
+                f"{x['switches_mean']:.1f}",
+            )
+        )
+    return [
+        "",
+        "Speculating (every replica, the `auto` policy's choice each step; a drafted token accepted with "
+        f"chance {x0['accept']:g}, at most {x0['draft_tokens']} drafted: {x0['tokens_per_verify']:.2f} "
+        "tokens from a verify step that accepts all; a verify step of B requests costs a decode step of "
+        "B x (1 + width) rows), generation seconds; the ratios are adaptive's with speculation; *the best "
+        "alone*: the faster of the best static layout speculating and the layouts without speculation:",
+        "",
+        *_table(head, "l" + "r" * (len(head) - 1), rows),
+    ]
 
 
 def _percent(x: float | None) -> str:
@@ -175,26 +213,33 @@ def _invariance(d: dict[str, Any]) -> list[str]:
 
 
 def _spec(d: dict[str, Any]) -> list[str]:
-    """``rolloutctl bench spec``: generation seconds with speculative decoding off and on, per layout."""
+    """``rolloutctl bench spec``: generation seconds and the tail's tokens/s with speculative decoding off and
+    under each policy, per layout."""
     rows = [
         (
             r["layout"],
-            f"{r['off_s']:.2f} s",
-            f"{r['on_s']:.2f} s",
+            r["policy"],
+            f"{r['s']:.2f} s",
             f"{r['speedup']:.2f}x",
-            f"{r['decode_steps_off']} / {r['decode_steps_on']}",
+            f"{r['tail_tokens_per_s']:.1f}",
+            "-" if r["tail_speedup"] is None else f"{r['tail_speedup']:.2f}x",
+            r["decode_steps"],
             r["verify_steps"],
             "-" if r["accept_length"] is None else f"{r['accept_length']:.2f}",
         )
         for r in d["rows"]
     ]
-    head = ("layout", "off", "n-gram", "speed-up", "decode steps off / on", "verify steps", "tokens a verify")
+    head = ("layout", "speculation", "generation", "vs off", "tail tokens/s", "tail vs off", "decode steps",
+            "verify steps", "tokens a verify")  # fmt: skip
+    before = d.get("requests_before")
     return [
-        f"{d['model']}, {d['requests']} requests ({d['workload']}), {d['tokens']} tokens, "
-        f"{d['draft_tokens']} draft tokens; median of {d['runs']} runs of generation; every run's tokens "
-        "identical with and without speculation",
+        f"{d['model']}, {d['requests']} requests ({d['workload']})"
+        + (f", after an earlier iteration of {before} requests on the same engine" if before else "")
+        + f", {d['tokens']} tokens, {d['draft_tokens']} draft tokens; median of {d['runs']} runs of"
+        " generation; the tail: after three quarters of the requests finished; every run's tokens identical"
+        " with and without speculation",
         "",
-        *_table(head, "lrrrrrr", rows),
+        *_table(head, "llrrrrrrr", rows),
     ]
 
 
@@ -249,10 +294,13 @@ def render_results(results: Path = RESULTS) -> str:
     return "\n".join(line for p in dated for line in _folder(p)).rstrip("\n")
 
 
-def _newest(results: Path, kind: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """The newest result of ``kind``: its folder's index, its entry and its data."""
+def _newest(
+    results: Path, kind: str, rank: Callable[[dict[str, Any]], int] = lambda data: 0
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The newest result of ``kind`` among those ``rank`` ranks highest: its folder's index, its entry and
+    its data."""
     found = [
-        (index, r)
+        (index, r, json.loads((p / r["file"]).read_text()))
         for p in results.iterdir()
         if (p / "index.json").is_file()
         for index in [json.loads((p / "index.json").read_text()) | {"folder": p}]
@@ -261,13 +309,13 @@ def _newest(results: Path, kind: str) -> tuple[dict[str, Any], dict[str, Any], d
     ]
     if not found:
         raise ValueError(f"no {kind} result under {results}")
-    index, entry = max(found, key=lambda x: (x[0]["date"], x[0]["folder"].name))
-    return index, entry, json.loads((index["folder"] / entry["file"]).read_text())
+    return max(found, key=lambda x: (rank(x[2]), x[0]["date"], x[0]["folder"].name))
 
 
 def readme_results(results: Path = RESULTS) -> str:
-    """The README's one table: the newest planner benchmark's first model, adaptive against static layouts."""
-    index, entry, data = _newest(results, "planner")
+    """The README's one table: the planner benchmark over the most workloads (the newest of those; a run
+    over a few workloads does not replace it), its first model, adaptive against static layouts."""
+    index, entry, data = _newest(results, "planner", lambda d: len(d["models"][0]["workloads"]))
     m = data["models"][0]
     runs = max(w["runs"] for w in m["workloads"])
     lines = [

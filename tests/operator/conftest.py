@@ -15,7 +15,7 @@ def served(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
     calls: list[Any] = []
 
-    def record(settings: Any, cfg: Any) -> int:
+    def record(settings: Any, cfg: Any, corpus: list[str] | None = None) -> int:
         calls.append((settings, cfg))
         return 0
 

@@ -3,6 +3,7 @@ address without an API key: each refused in one line naming the flag (exit 2), b
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,39 @@ def test_bad_server_flags_are_one_line_naming_the_flag_before_anything_starts(
     code, _, err = run(monkeypatch, capsys, "serve", "--model", str(tiny64), *args)
     assert code == 2 and err.startswith(f"error: {flag}: ") and message in err, err
     assert err.count("\n") == 1 and served == []
+
+
+def test_a_bad_corpus_file_is_refused_naming_the_flag_and_line(
+    served: list[Any],
+    tiny64: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--speculative-ngram-external-corpus-path`` (SGLang's): without speculation, with a line that is not
+    a JSON string, or with a model that has no tokenizer, one line naming the flag, and nothing starts; a
+    good file starts the server."""
+    flag = "--speculative-ngram-external-corpus-path"
+    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    good.write_text('"one document"\n"another"\n')
+    bad.write_text('"one document"\n42\n')
+    base = ("serve", "--model", str(tiny64))
+    ngram = ("--speculative-algorithm", "ngram")
+    cases = [
+        ((flag, str(good)), "needs speculative decoding"),
+        ((flag, str(bad), *ngram), f"{bad}:2: expected a JSON string, got int"),
+        ((flag, str(tmp_path / "none.jsonl"), *ngram), "not found"),
+    ]
+    bare = tmp_path / "bare"  # the model without its tokenizer
+    shutil.copytree(tiny64, bare, ignore=shutil.ignore_patterns("tokenizer*"))
+    for args, message in cases:
+        code, _, err = run(monkeypatch, capsys, *base, *args)
+        assert code == 2 and err.startswith(f"error: {flag}: ") and message in err, err
+    code, _, err = run(monkeypatch, capsys, "serve", "--model", str(bare), flag, str(good), *ngram)
+    assert code == 2 and err.startswith(f"error: {flag}: ") and "has no tokenizer.json" in err, err
+    assert served == []
+    code, _, err = run(monkeypatch, capsys, *base, flag, str(good), *ngram)
+    assert code == 0 and len(served) == 1, err
 
 
 @pytest.mark.parametrize("how", ["--allow-unauthenticated", "--api-key-file", "ROLLOUT_API_KEY"])

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from rollout_bench import planner as bench_planner
+from rollout_bench.tables import KINDS
 from rollout_operator.cli.main import app
 from rollout_worker.errors import UserError
 from typer.testing import CliRunner
@@ -99,7 +100,8 @@ def test_cli_prints_error_and_exits_2(tmp_path: Path) -> None:
 
 def test_bench_planner_small(tmp_path: Path, lengths: Path) -> None:
     out = tmp_path / "b.json"
-    args = ("--workload", str(lengths), "--runs", "1", "--decide-calls", "20", "--json", str(out))
+    args = ("--workload", str(lengths), "--runs", "1", "--decide-calls", "20", "--json", str(out),
+            "--spec-accept", "0.5")  # fmt: skip
     r = CliRunner().invoke(app, ["bench", "planner", "--profile", str(PROFILE), *args])
     code, text, exc = r.exit_code, r.stdout, r.exception
     assert code == 0, (text, exc)
@@ -121,8 +123,18 @@ def test_bench_planner_small(tmp_path: Path, lengths: Path) -> None:
     assert "decide() 8 ranks, 1,024 running (synchronous, memory model in)" in text
     assert "Llama-3.1-8B (llama-3.1-8b-h100x8-modelled, modelled), 8 GPUs, admission paged" in text
     assert {a["aim"] for a in d["aims"]} >= {"adaptive within 1.5% of the count-balanced oracle"}
+    x = w["speculation"]  # the same runs, speculating: faster, and the ratios follow the figures
+    assert x["accept"] == 0.5 and x["latency_s"]["adaptive"] < lat["adaptive"]
+    assert all(x["latency_s"][s] < lat[s] for s in bench_planner.STATICS)
+    assert x["vs_plain_adaptive"] == pytest.approx(x["latency_s"]["adaptive"] / lat["adaptive"])
+    alone = min(x["latency_s"][x["best_static"]], lat["adaptive"], lat[w["best_static"]])
+    assert x["vs_best_alone"] == pytest.approx(x["latency_s"]["adaptive"] / alone)
+    assert "speculating (accept 0.5, 4 draft tokens" in text
+    assert "| workload | best static | adaptive | best static, spec." in "\n".join(KINDS["planner"](d))
     code, _, exc = invoke("bench", "planner", "--workload", "deepscaler-1k")
     assert code != 0 and isinstance(exc, UserError) and "deepscaler-1k" in str(exc)
+    code, _, exc = invoke("bench", "planner", "--workload", str(lengths), "--spec-accept", "1.5")
+    assert code != 0 and isinstance(exc, UserError) and "--spec-accept" in str(exc)
 
 
 def test_simulate_default_policies_follow_the_gpus(lengths: Path) -> None:
@@ -133,3 +145,25 @@ def test_simulate_default_policies_follow_the_gpus(lengths: Path) -> None:
     assert code == 0, (out, exc)
     rows = [line.split()[0] for line in out.splitlines()[2:] if line.strip()]
     assert rows == ["static:1", "static:2", "adaptive", "oracle", "free-switch", "tail-bound"], out
+
+
+def test_simulate_speculating_is_faster_and_says_so(lengths: Path) -> None:
+    base = (
+        "simulate",
+        "--profile",
+        str(PROFILE),
+        "--workload",
+        str(lengths),
+        "--policies",
+        "static:1",
+        "--json",
+    )
+    code, plain, exc = invoke(*base)
+    assert code == 0, (plain, exc)
+    code, spec, exc = invoke(*base, "--spec-accept", "0.5", "--draft-tokens", "3")
+    assert code == 0, (spec, exc)
+    p, s = json.loads(plain), json.loads(spec)
+    assert p["speculation"] is None and s["speculation"] == {"accept": 0.5, "draft_tokens": 3}
+    assert s["results"]["static:1"]["latency_s"] < p["results"]["static:1"]["latency_s"]
+    code, _, exc = invoke(*base, "--spec-accept", "0.5", "--draft-tokens", "0")
+    assert code != 0 and isinstance(exc, UserError) and "--draft-tokens" in str(exc)

@@ -40,6 +40,7 @@ SAMPLES: dict[str, Any] = {
     "paged_attention": False,
     "speculative_algorithm": "ngram",
     "speculative_num_draft_tokens": 6,
+    "speculative_policy": "always",
 }
 
 
@@ -141,6 +142,7 @@ def test_job_field_reaches_the_engine_through_the_pod_arguments(
 def test_max_prefill_tokens_reaches_the_replicas(tiny64: Path) -> None:
     """The setting no surface could set before: the ranks' admission limit is the configured one."""
     import torch
+    from rollout_worker.drafting.corpus import corpus_index
     from rollout_worker.engine.config import EngineConfig
     from rollout_worker.engine.model.weights import random_shard
     from rollout_worker.engine.rank.rank_state import make_replica
@@ -148,5 +150,7 @@ def test_max_prefill_tokens_reaches_the_replicas(tiny64: Path) -> None:
     cfg = EngineConfig.load(str(tiny64), 1, max_prefill_tokens=300)
     assert cfg.engine.max_prefill_tokens == 300
     weights = random_shard(cfg.model, 1, 0, torch.float64, torch.device("cpu"))
-    rep = make_replica(cfg, 0, Layout(1, 1), weights, {Layout(1, 1): [None]}, torch.device("cpu"), False)
+    rep = make_replica(
+        cfg, 0, Layout(1, 1), weights, {Layout(1, 1): [None]}, torch.device("cpu"), False, corpus_index()
+    )
     assert rep.limits.max_prefill_tokens == 300

@@ -14,6 +14,7 @@ spec:
   engine: {device: cpu, maxBatch: 64, kvBudgetTokens: null, pageSize: 1, prefixCache: true,
            maxPrefillTokens: 8192, contextLength: 0, deterministic: false, packedWeights: auto,
            pagedAttention: true, speculativeAlgorithm: none, speculativeNumDraftTokens: 4,
+           speculativePolicy: auto,
            collectiveTimeoutSeconds: 120, cudaGraphs: true}
   pods: 1
   gpusPerPod: 2

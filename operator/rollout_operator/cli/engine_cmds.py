@@ -384,22 +384,40 @@ def bench_spec_cmd(
     draft_tokens: Annotated[int, setting_option("speculative_num_draft_tokens")] = setting_default(
         "bench spec", "speculative_num_draft_tokens"
     ),
-    runs: Annotated[int, typer.Option(help="Alternated runs of each layout, off and on.")] = 3,
+    runs: Annotated[int, typer.Option(help="Alternated runs of each layout, off and each policy.")] = 3,
+    policies: Annotated[
+        str, typer.Option(help="Comma list of speculation policies measured against off: auto, always.")
+    ] = "auto,always",
+    earlier: Annotated[
+        bool,
+        typer.Option(
+            help="Run the group with other seeds first on the same engine (the RL loop's previous iteration, "
+            "untimed: drafts may come from it)."
+        ),
+    ] = True,
     work: Annotated[Path, typer.Option(help="Where checkpoints are cached.")] = Path("build/models"),
     json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON here.")] = None,
 ) -> None:
-    """Speculative decoding (n-gram drafts) off and on, at 2x1 and 1x2 on 2 ranks, the deterministic
-    kernels in float32: generation seconds, steps, tokens a verify step emits; fails when a token differs."""
-    from rollout_bench.spec import group_requests, run_spec_bench
+    """Speculative decoding (n-gram drafts) off and under each policy, at 2x1 and 1x2 on 2 ranks, the
+    deterministic kernels in float32, on the second iteration of a GRPO loop: generation seconds, the tail's
+    tokens/s, steps, tokens a verify step emits; fails when a token differs."""
+    from rollout_bench.spec import POLICIES, group_requests, run_spec_bench
 
     for flag, value in (("--requests", requests), ("--samples", samples), ("--runs", runs)):
         if value < 1:
             raise UserError(f"must be >= 1, got {value}", flag)
     if max_new_tokens < 2:
         raise UserError(f"must be >= 2 (a draft needs room), got {max_new_tokens}", "--max-new-tokens")
+    chosen = tuple(p.strip() for p in policies.split(",") if p.strip())
+    unknown = [p for p in chosen if p not in POLICIES]
+    if unknown or not chosen or len(set(chosen)) < len(chosen):
+        raise UserError(
+            f"expected a comma list of {', '.join(POLICIES)} without repeats, got {policies!r}", "--policies"
+        )
     check_setting("speculative_num_draft_tokens", draft_tokens, "--speculative-num-draft-tokens")
     model = _chat_model(preset, prompts, work, json_out)
-    specs = group_requests(model, prompts, requests, samples, max_new_tokens)
+    specs = group_requests(model, prompts, requests, samples, max_new_tokens, iteration=1)
+    before = group_requests(model, prompts, requests, samples, max_new_tokens, iteration=0) if earlier else []
     about = {"model": preset, "workload": f"{requests} prompts of {prompts.name} x {samples} samples, "
              f"temperature 0.7, at most {max_new_tokens} new tokens"}  # fmt: skip
-    run_spec_bench(model, specs, runs, draft_tokens, json_out, typer.echo, about)
+    run_spec_bench(model, specs, runs, draft_tokens, json_out, typer.echo, about, before, chosen)

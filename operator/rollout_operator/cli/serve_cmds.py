@@ -62,8 +62,24 @@ def serve_cmd(
         settings = ServerSettings(model=shape.model, api_key=key, **server)
     except ValidationError as exc:
         raise user_error(exc, dotted) from None
-    code = serve(settings, cfg)
+    code = serve(settings, cfg, _corpus(settings, cfg))
     sys.exit(code)
+
+
+def _corpus(settings: ServerSettings, cfg: Any) -> list[str]:
+    """The documents of ``--speculative-ngram-external-corpus-path``, checked before anything starts."""
+    path = settings.speculative_ngram_external_corpus_path
+    if path is None:
+        return []
+    field = "speculative_ngram_external_corpus_path"
+    if cfg.engine.speculative_algorithm == "none":
+        raise UserError("a corpus needs speculative decoding: add --speculative-algorithm ngram", field)
+    from rollout_worker.data.jsonl import read_strings
+
+    docs = read_strings(path, field)
+    if not (Path(settings.model) / "tokenizer.json").is_file():
+        raise UserError(f"{settings.model} has no tokenizer.json to tokenize the corpus with", field)
+    return docs
 
 
 def _cost_model(path: Path | None) -> Any:

@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rollout_worker.config.engine_settings import DTYPES, check_setting
@@ -16,6 +16,9 @@ from rollout_worker.errors import UserError
 
 from rollout_operator.cli.args import bench_group, needs_engine
 from rollout_operator.cli.engine_opts import setting_default, setting_option
+
+if TYPE_CHECKING:
+    from rollout_profiler.planning.speculation import Speculation
 
 ADMISSION_HELP = (
     "KV admission: engine (reserve prompt + max_new_tokens), sglang (optimistic, preempts the newest) or "
@@ -31,6 +34,17 @@ FLAGS = {
     "max_batch": "--max-batch",
     "workload": "--workload",
 }
+
+
+SpecAccept = Annotated[
+    float | None,
+    typer.Option(
+        help="Every replica speculates (the engine's auto policy; bench planner: the static layouts and "
+        "adaptive run again so), a drafted token accepted with this chance (bench spec measures it as tokens "
+        "a verify step emits)."
+    ),
+]
+DraftTokens = Annotated[int, typer.Option(help="With --spec-accept: the widest draft verified.")]
 
 
 @contextmanager
@@ -99,6 +113,8 @@ def simulate_cmd(
         int, setting_option("max_batch", note="0 = only KV memory limits")
     ] = setting_default("simulate", "max_batch"),
     memory: Annotated[bool, typer.Option(help="Limit each replica to the profile's KV capacity.")] = True,
+    spec_accept: SpecAccept = None,
+    draft_tokens: DraftTokens = 4,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
     plot: Annotated[
         Path | None, typer.Option(help="Write a PNG of unfinished requests and TP over time.")
@@ -110,6 +126,7 @@ def simulate_cmd(
     """
     from rollout_profiler.planning.latency import LatencyModel
     from rollout_profiler.planning.predictor import Prior
+    from rollout_profiler.planning.speculation import SpeculativeLatency
     from rollout_profiler.profile import Profile
     from rollout_profiler.sim.config import SimConfig
     from rollout_profiler.sim.report import plot_png, table
@@ -126,6 +143,7 @@ def simulate_cmd(
         raise UserError(f"must be >= 0, got {seed}", "--seed")
     if plot is not None:
         check_writable(plot, "--plot")
+    spec = _speculation(spec_accept, draft_tokens)
     with flags():
         names = parse_policies(policies, gpus) if policies is not None else []
         cfg_args: dict[str, Any] = dict(
@@ -147,7 +165,7 @@ def simulate_cmd(
         with flags({"workload": "--prior"}):
             prev = load(prior)
         pri = Prior.from_samples(prev.lengths, prev.caps)
-    model = LatencyModel(prof)
+    model = LatencyModel(prof) if spec is None else SpeculativeLatency(prof, spec)
     names = names or default_policies(gpus, (lay.tp for lay in model.layouts))
     with flags():
         cfg = SimConfig(gpus, max_batch=max_batch or None, prior=pri, **cfg_args)
@@ -160,6 +178,9 @@ def simulate_cmd(
             "profile": prof.name,
             "gpus": gpus,
             "admission": admission,
+            "speculation": None
+            if spec is None
+            else {"accept": spec.accept, "draft_tokens": spec.draft_tokens},
             "workload": wl.summary(),
             "results": {k: r.to_dict() for k, r in results.items()},
         }
@@ -170,10 +191,21 @@ def simulate_cmd(
             f"{s['name']}: {s['requests']} requests, mean {s['mean']:.0f} tokens, "
             f"{s['at_cap'] * 100:.1f}% at cap; "
             f"{gpus} GPUs, profile {prof.name} ({prof.method}), admission {admission}"
+            + ("" if spec is None else f", speculating (accept {spec.accept:g}, {spec.draft_tokens} drafted)")
         )
         typer.echo(table(results))
     if plot is not None:
         typer.echo(f"wrote {plot}", err=as_json)
+
+
+def _speculation(accept: float | None, draft_tokens: int) -> Speculation | None:
+    """``--spec-accept`` and ``--draft-tokens``, checked (None: no speculation)."""
+    if accept is None:
+        return None
+    from rollout_profiler.planning.speculation import Speculation
+
+    with flags({"spec_accept": "--spec-accept", "draft_tokens": "--draft-tokens"}):
+        return Speculation(accept, draft_tokens)
 
 
 def bench_planner_cmd(
@@ -193,8 +225,11 @@ def bench_planner_cmd(
     ] = None,
     admission: Annotated[str, typer.Option(help=ADMISSION_HELP)] = "paged",
     decide_calls: Annotated[int, typer.Option(help="decide() calls timed per snapshot.")] = 2000,
+    spec_accept: SpecAccept = None,
+    draft_tokens: DraftTokens = 4,
 ) -> None:
-    """One table per model: static TP 1/2/4/8, adaptive, oracles and bounds per workload; decide() latency."""
+    """One table per model: static TP 1/2/4/8, adaptive, oracles and bounds per workload; decide() latency;
+    with --spec-accept, the same speculating."""
     from rollout_bench import planner as bench_planner
     from rollout_profiler.sim.workloads import load
 
@@ -206,6 +241,7 @@ def bench_planner_cmd(
 
     if admission not in ADMISSIONS:
         raise UserError(f"must be one of {', '.join(ADMISSIONS)}, got {admission!r}", "--admission")
+    speculation = _speculation(spec_accept, draft_tokens)
     workloads = list(workload or bench_planner.WORKLOADS)
     with flags():
         for w in workloads:
@@ -213,7 +249,13 @@ def bench_planner_cmd(
     profiles = bench_planner.load_profiles(list(profile or []))
     with flags():
         result = bench_planner.run(
-            profiles, workloads, runs, admission, decide_calls, say=lambda line: typer.echo(line, err=True)
+            profiles,
+            workloads,
+            runs,
+            admission,
+            decide_calls,
+            say=lambda line: typer.echo(line, err=True),
+            speculation=speculation,
         )
     typer.echo(bench_planner.report(result))
     if json_out is not None:

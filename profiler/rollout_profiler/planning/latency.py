@@ -237,7 +237,9 @@ class LatencyModel:
             self._stacks[key] = _Table.stacked([self.table(lay) for lay in layouts])
         stack = self._stacks[key]
         if stack is None:
-            return np.stack([self.step_ms_many(lay, batch[s], context[s]) for s, lay in enumerate(layouts)])
+            return np.stack(
+                [LatencyModel.step_ms_many(self, lay, batch[s], context[s]) for s, lay in enumerate(layouts)]
+            )  # (this class's: a subclass's step_ms_many may answer another question)
         rows = np.repeat(np.arange(len(layouts)) * len(stack.batches), batch.shape[1])
         out = stack.value_many(batch.ravel(), context.ravel(), rows)
         return out.reshape(batch.shape)

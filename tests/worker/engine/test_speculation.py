@@ -39,7 +39,7 @@ def _workload() -> list[RequestSpec]:
 
 
 def _run(model: Path, dtype: str, spec: str, **kw: object) -> BatchResult:
-    cfg = config(model, 2, "2x1", dtype=dtype, speculative_algorithm=spec, **kw)
+    cfg = config(model, 2, "2x1", dtype=dtype, speculative_algorithm=spec, speculative_policy="always", **kw)
     return run_batch(cfg, _workload())
 
 
@@ -72,13 +72,21 @@ def test_speculation_emits_the_tokens_and_logprobs_of_plain_decoding(
 @pytest.mark.parametrize("method", ["migrate", "recompute"])
 def test_speculation_survives_a_switch_and_retraction_unchanged(tiny64: Path, method: str) -> None:
     """A layout switch mid-request (2x1 -> 1x2 by migration or recomputation) and retractions under a small
-    KV budget, with drafting on: the tokens of plain decoding on the same path."""
+    KV budget, with drafting on: the tokens of plain decoding on the same path. Under the ``auto`` policy
+    too, whose choice each step rests on the leader's measured step times: the 1x2 replica's two ranks
+    take it from their leader, or they would run different passes and the run would fail."""
     switch = [Trigger(unfinished_at_most=6, layout=Layout(1, 2), method=method)]
     kw: dict[str, object] = {"kv_budget_tokens": 160, "page_size": 4}
     runs = {
-        spec: run_batch(config(tiny64, 2, "2x1", speculative_algorithm=spec, **kw), _workload(), switch)
-        for spec in ("none", "ngram")
+        (spec, policy): run_batch(
+            config(tiny64, 2, "2x1", speculative_algorithm=spec, speculative_policy=policy, **kw),
+            _workload(),
+            switch,
+        )
+        for spec, policy in (("none", "auto"), ("ngram", "always"), ("ngram", "auto"))
     }
-    assert _outputs(runs["ngram"]) == _outputs(runs["none"])
-    assert runs["ngram"].verify_steps > 0 and [str(e.dst) for e in runs["ngram"].reconfigs] == ["1x2"]
-    assert runs["ngram"].retractions > 0
+    plain, always, auto = runs[("none", "auto")], runs[("ngram", "always")], runs[("ngram", "auto")]
+    assert _outputs(always) == _outputs(plain) and _outputs(auto) == _outputs(plain)
+    assert always.verify_steps > 0 and [str(e.dst) for e in always.reconfigs] == ["1x2"]
+    assert [str(e.dst) for e in auto.reconfigs] == ["1x2"]
+    assert always.retractions > 0

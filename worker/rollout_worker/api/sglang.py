@@ -218,6 +218,21 @@ class AbortRequest(Body):
     abort_all: bool = False
 
 
+class AddCorpusRequest(Body):
+    """SGLang's ``/add_external_corpus``: documents (text) for speculative decoding to draft from."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    corpus_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    documents: Annotated[list[str], Field(min_length=1)]
+
+
+class RemoveCorpusRequest(Body):
+    model_config = ConfigDict(extra="ignore")
+
+    corpus_id: Annotated[str, Field(min_length=1, max_length=256)]
+
+
 class PauseRequest(Body):
     model_config = ConfigDict(extra="ignore")
 

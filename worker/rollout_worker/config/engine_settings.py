@@ -36,6 +36,7 @@ Device = Literal["cpu", "cuda"]
 DEVICES: tuple[str, ...] = get_args(Device)
 PackedWeights = Literal["auto", "on", "off"]
 SpeculativeAlgorithm = Literal["none", "ngram"]
+SpeculativePolicy = Literal["auto", "always"]
 ENV_PREFIX = "ROLLOUT_SERVE_"  # `rolloutctl serve`'s variables
 
 
@@ -96,7 +97,13 @@ class EngineSettings(BaseModel):
         "or the deterministic kernels). SGLang's --speculative-algorithm.",
     )
     speculative_num_draft_tokens: int = Field(
-        4, ge=1, le=16, description="Tokens drafted per request and verify step (SGLang's name)."
+        4, ge=1, le=16, description="Tokens drafted per request and verify step, at most (SGLang's name)."
+    )
+    speculative_policy: SpeculativePolicy = Field(
+        "auto",
+        description="auto | always: with speculation on, verify a step's drafts only where the expected "
+        "tokens per unit of step time beat plain decoding (from the replica's measured step times and each "
+        "request's acceptance so far: off in a compute-bound bulk phase or where drafts miss), or always.",
     )
     cuda_graphs: bool = Field(
         True,

@@ -28,3 +28,15 @@ def iter_jsonl(path: str | Path, what: str) -> Iterator[tuple[str, int, Any]]:
         except json.JSONDecodeError as exc:
             raise UserError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
         yield where, n, obj
+
+
+def read_strings(path: str | Path, what: str) -> list[str]:
+    """Every line of ``path`` a JSON string (SGLang's corpus files); an error names the file and line."""
+    out = []
+    for where, _, obj in iter_jsonl(path, what):
+        if not isinstance(obj, str):
+            raise UserError(f"{where}: expected a JSON string, got {type(obj).__name__}", what)
+        out.append(obj)
+    if not out:
+        raise UserError(f"{path}: no document in it", what)
+    return out

@@ -1,7 +1,8 @@
 """Typed messages between the driver (the process that owns the engine) and its rank processes.
 
 Driver -> rank, through each rank's inbox, applied at a step boundary:
-    Submit, Abort, Pause, Resume, ReleaseMemory, ResumeMemory, FlushCache, Join/LeaveWeightGroup, Shutdown
+    Submit, Abort, Pause, Resume, ReleaseMemory, ResumeMemory, FlushCache, AddCorpus, RemoveCorpus,
+    Join/LeaveWeightGroup, Shutdown
     (per replica: every rank of a replica applies the same messages at the same step), and the *global*
     commands Reconfigure, LoadWeights and ReceiveWeights, at which every rank meets.
 Rank -> driver, through one shared pipe written under a lock (so messages are ordered causally):
@@ -135,6 +136,21 @@ class FlushCache:
 
 
 @dataclass(frozen=True, slots=True)
+class AddCorpus:
+    """Documents (token ids) every rank adds to its draft corpus under ``corpus_id``."""
+
+    corpus_id: str
+    documents: tuple[tuple[int, ...], ...]
+    ticket: int
+
+
+@dataclass(frozen=True, slots=True)
+class RemoveCorpus:
+    corpus_id: str
+    ticket: int
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown:
     pass
 
@@ -152,6 +168,8 @@ Command = (
     | ReleaseMemory
     | ResumeMemory
     | FlushCache
+    | AddCorpus
+    | RemoveCorpus
     | Shutdown
 )
 GLOBAL_COMMANDS = (Reconfigure, LoadWeights, ReceiveWeights)

@@ -21,7 +21,7 @@ from rollout_worker.engine.config import EngineConfig
 from rollout_worker.engine.driver.engine import Engine
 from rollout_worker.engine.messages import Faults
 from rollout_worker.engine.model.tokenizer import TextCodec
-from rollout_worker.errors import EngineError
+from rollout_worker.errors import EngineError, UserError
 from rollout_worker.server.deps import ServerState
 from rollout_worker.server.metrics import Metrics
 from rollout_worker.server.routes import absent, chat, control, generate, info, openai, planner, weight_sync
@@ -32,7 +32,9 @@ from rollout_worker.web.middleware import ApiKey, BodyLimit
 log = logging.getLogger(__name__)
 
 
-def create_app(settings: ServerSettings, cfg: EngineConfig, faults: Faults | None = None) -> FastAPI:
+def create_app(
+    settings: ServerSettings, cfg: EngineConfig, faults: Faults | None = None, corpus: list[str] | None = None
+) -> FastAPI:
     state = ServerState(
         settings,
         cfg,
@@ -59,7 +61,7 @@ def create_app(settings: ServerSettings, cfg: EngineConfig, faults: Faults | Non
         state.bridge.bind(engine, loop)
         state.metrics.engine = engine
         state.engine = engine
-        starting = asyncio.create_task(_start(state, engine))
+        starting = asyncio.create_task(_start(state, engine, corpus or []))
         try:
             yield
         finally:
@@ -100,11 +102,22 @@ def _chat_template(settings: ServerSettings) -> ChatTemplate | None:
         return None
 
 
-async def _start(state: ServerState, engine: Engine) -> None:
+async def _start(state: ServerState, engine: Engine, corpus: list[str]) -> None:
+    """Start the engine, then add the external corpus (``/health`` answers 503 until both are done)."""
+    path = str(state.settings.speculative_ngram_external_corpus_path)
+    if corpus:
+        state.loading = f"the external corpus {path}"
     try:
         await asyncio.to_thread(engine.start)
         log.info("engine ready: %d ranks, layout %s", state.cfg.world, engine.layout)
-    except EngineError as exc:
+        if corpus and state.codec is not None:  # (the command checked both)
+            codec = state.codec
+            loaded = await asyncio.to_thread(
+                lambda: engine.add_corpus(path, [codec.encode(d) for d in corpus])
+            )
+            log.info("external corpus %s: %d documents, %d tokens", path, len(corpus), loaded)
+        state.loading = None
+    except (EngineError, UserError) as exc:
         _fail_soon(state, str(exc))
 
 

@@ -36,6 +36,7 @@ class ServerState:
     weights_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one weight update at a time
     chat: ChatTemplate | None = None  # the model's chat template (None: it has none, or it does not parse)
     exit_code: int | None = None
+    loading: str | None = None  # what the server loads before it serves (an external corpus): /health 503
     request_exit: Callable[[int], None] = lambda code: None
 
     @property

@@ -38,20 +38,21 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def serve(settings: ServerSettings, cfg: EngineConfig) -> int:
+def serve(settings: ServerSettings, cfg: EngineConfig, corpus: list[str] | None = None) -> int:
     """Serve until stopped; the exit code is 1 when the engine failed (a rank died), else 0.
 
     The socket is bound first: a taken port or a bad host is a UserError (exit 2, one line) before the
-    tokenizer loads or a rank starts, so nothing is left to stop."""
+    tokenizer loads or a rank starts, so nothing is left to stop. ``corpus``: documents speculative decoding
+    drafts from, added once the engine is ready."""
     sock = listen(settings.host, settings.port)
     try:
-        return _serve(settings, cfg, sock)
+        return _serve(settings, cfg, sock, corpus or [])
     finally:
         sock.close()
 
 
-def _serve(settings: ServerSettings, cfg: EngineConfig, sock: socket.socket) -> int:
-    app = create_app(settings, cfg)
+def _serve(settings: ServerSettings, cfg: EngineConfig, sock: socket.socket, corpus: list[str]) -> int:
+    app = create_app(settings, cfg, corpus=corpus)
     config = uvicorn.Config(
         app,
         log_level="info",

@@ -50,6 +50,11 @@ class ServerSettings(BaseModel):
     access_log: bool = Field(
         False, description="Log every HTTP request (one line each; costs CPU under load)."
     )
+    speculative_ngram_external_corpus_path: Path | None = Field(
+        None,
+        description="JSON Lines of strings (SGLang's): documents speculative decoding drafts from from the "
+        "start, as /add_external_corpus adds them (needs --speculative-algorithm ngram).",
+    )
     failure_grace_seconds: float = Field(
         2.0, ge=0, description="After a rank dies, answer 503 this long, then exit non-zero."
     )

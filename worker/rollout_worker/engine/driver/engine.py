@@ -2,7 +2,8 @@
 
 Verbs (thread-safe; the slow ones block their caller, never the reader thread): ``submit`` (generate),
 ``abort``, ``pause`` / ``resume``, ``set_plan``, ``reconfigure``, ``state``, ``update_weights``,
-``join_weight_group`` / ``leave_weight_group``, ``release_memory`` / ``resume_memory``, ``shutdown``;
+``join_weight_group`` / ``leave_weight_group``, ``release_memory`` / ``resume_memory``, ``add_corpus`` /
+``remove_corpus``, ``shutdown``;
 ``snapshot``, ``status`` and what the engine is doing (``paused``, ``released``, ``joining``) for readers.
 Progress reaches the caller through ``listener``, called on the driver's reader thread once per rank report
 with the updates of every request it touched. The HTTP server and ``rolloutctl generate`` are both clients
@@ -29,6 +30,7 @@ from rollout_worker.api.state import EngineState
 from rollout_worker.engine import messages as m
 from rollout_worker.engine.config import EngineConfig
 from rollout_worker.engine.driver import memory_verbs, snapshot
+from rollout_worker.engine.driver.corpus_verbs import CorpusVerbs
 from rollout_worker.engine.driver.lifecycle import Health, Status
 from rollout_worker.engine.driver.reader import Observer, Reader
 from rollout_worker.engine.driver.request_table import Decode, Update
@@ -58,6 +60,7 @@ class Engine:
         self.cfg = cfg
         self._shared = Shared(cfg, decode, faults, listener or (lambda updates: None), on_failure)
         self._reader = Reader(self._shared, observer or Observer())
+        self._corpora = CorpusVerbs(self._shared)
         self._weights = WeightVerbs(self._shared, lambda message: self.abort(None, message))
 
     @property
@@ -351,3 +354,17 @@ class Engine:
     def flush_cache(self) -> None:
         """Empty every replica's prefix cache (refused while requests are in flight)."""
         memory_verbs.flush_cache(self._shared)
+
+    def add_corpus(self, corpus_id: str, documents: Sequence[Sequence[int]]) -> int:
+        """Every rank adds ``documents`` (token ids) to speculative decoding's external corpus under
+        ``corpus_id``; returns the tokens added (refused when speculation is off, the id is taken, or the
+        corpora would exceed their bound)."""
+        return self._corpora.add(corpus_id, documents)
+
+    def remove_corpus(self, corpus_id: str) -> None:
+        """Every rank drops the external corpus ``corpus_id`` (refused when there is none)."""
+        self._corpora.remove(corpus_id)
+
+    def corpora(self) -> dict[str, int]:
+        """The external corpora held: id -> tokens."""
+        return self._corpora.held()

@@ -44,7 +44,7 @@ class Collector:
         self.left = len(self.outs)
         self.done = threading.Event()
         self.on_finish = on_finish
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # on_finish may read the counts
         if not self.left:
             self.done.set()
 
@@ -71,6 +71,20 @@ class Collector:
         with self._lock:
             return len(self.outs) - self.left
 
+    def generated(self) -> int:
+        with self._lock:
+            return sum(len(o.output_ids) for o in self.outs.values())
+
+
+class _Stage:
+    """The listener of the stage running now (the requests run before, then the batch)."""
+
+    def __init__(self, to: Collector) -> None:
+        self.to = to
+
+    def __call__(self, updates: list[Update]) -> None:
+        self.to(updates)
+
 
 @dataclass(slots=True)
 class BatchResult:
@@ -85,6 +99,8 @@ class BatchResult:
     verify_steps: int = 0  # decode steps that verified drafts (speculative decoding), every replica's
     verify_tokens: int = 0  # tokens those steps emitted (drafts accepted and the draw after them)
     verify_requests: int = 0  # requests those steps verified (a request in a step counts once)
+    tail_s: float = 0.0  # the tail: from the moment three quarters of the requests had finished to the end
+    tail_tokens: int = 0  # tokens generated in the tail
 
     def tokens(self) -> dict[str, list[int]]:
         """Each request's output ids, by request id."""
@@ -124,19 +140,30 @@ def run_batch(
     on_reconfig: Callable[[ReconfigEvent], None] | None = None,
     faults: Faults | None = None,
     concurrency: int | None = None,
+    before: Sequence[RequestSpec] = (),
 ) -> BatchResult:
     """Generate every request; ``triggers`` form the plan (switch when unfinished drops to n or fewer).
     With ``concurrency``, at most that many requests are in flight: a new one is submitted as one finishes
-    (a closed loop, as that many clients of a server would run)."""
+    (a closed loop, as that many clients of a server would run). ``before``: requests the same engine runs
+    to the end first (an earlier iteration of an RL loop), outside the result and its timing."""
     CheckpointIndex(cfg.model_dir, cfg.model).verify()  # fail before starting any rank
     pending = list(reversed(specs))
     engine: Engine | None = None
+    tail_at = len(specs) - len(specs) // 4  # finished requests at which the tail starts
+    tail: list[tuple[float, int]] = []  # (time, tokens generated) when it started
 
     def next_one() -> None:
         if pending and engine is not None:
             engine.submit(pending.pop())
 
-    col = Collector([s.id for s in specs], on_finish=next_one if concurrency else None)
+    def on_finish() -> None:
+        if concurrency:
+            next_one()
+        if not tail and col.finished() >= tail_at:
+            tail.append((time.perf_counter(), col.generated()))
+
+    col = Collector([s.id for s in specs], on_finish=on_finish)
+    first = Collector([s.id for s in before])
     step_ms: list[float] = []
     prefill_ms: list[float] = []
     retractions = verify_steps = verify_tokens = verify_requests = 0
@@ -155,9 +182,21 @@ def run_batch(
 
     t0 = time.perf_counter()
     observer = Observer(on_report=on_report, on_switch=on_reconfig)
-    engine = Engine(cfg, listener=col, observer=observer, faults=faults)
+    listener = _Stage(first if before else col)
+    engine = Engine(cfg, listener=listener, observer=observer, faults=faults)
     try:
         engine.start()
+        if before:
+            for spec in before:
+                engine.submit(spec)
+            while not first.done.wait(0.1) and engine.status.health is not Health.FAILED:
+                pass
+            if engine.status.health is Health.FAILED:
+                raise EngineError(engine.status.failure or "engine failed")
+            listener.to = col
+            step_ms.clear()
+            prefill_ms.clear()
+            retractions = verify_steps = verify_tokens = verify_requests = 0
         t_gen = time.perf_counter()
         for _ in range(min(len(pending), concurrency or len(pending))):
             next_one()
@@ -168,7 +207,8 @@ def run_batch(
             if on_progress is not None and time.monotonic() - last >= progress_every_s:
                 on_progress(engine.state(), col.finished())
                 last = time.monotonic()
-        gen_s = time.perf_counter() - t_gen
+        t_end = time.perf_counter()
+        gen_s = t_end - t_gen
         status = engine.status
         if status.health is Health.FAILED:
             raise EngineError(status.failure or "engine failed")
@@ -191,4 +231,6 @@ def run_batch(
         verify_steps,
         verify_tokens,
         verify_requests,
+        t_end - tail[0][0] if tail else 0.0,
+        col.generated() - tail[0][1] if tail else 0,
     )

@@ -61,8 +61,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     # The quickstart's model: one Llama-3.2-3B layer (hidden 3072, 24 heads, 8 KV heads) and a 16k vocabulary,
     # 0.76 GB of float32 weights. A decode step reads every weight, and one CPU core reads them at about half
-    # the rate two do: a lone TP=1 replica steps 1.3x (batch 1) to 1.7x (batch 8) slower than TP=2 on 2
-    # cores, while the few collectives of one layer stay cheap (profiles/wide-cpu-2core-measured.json).
+    # the rate two do: a lone TP=1 replica steps slower than TP=2 on 2 cores, while the few collectives of
+    # one layer stay cheap (the figures: profiles/wide-cpu-2core-measured.json).
     "wide": {
         **_LLAMA,
         "hidden_size": 3072,

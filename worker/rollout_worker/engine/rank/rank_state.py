@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 from rollout_worker.config.model_config import ModelConfig
+from rollout_worker.drafting.corpus import corpus_index
+from rollout_worker.drafting.suffix_index import DraftIndex
 from rollout_worker.engine.config import EngineConfig
 from rollout_worker.engine.kernels.choice import Kernels
 from rollout_worker.engine.messages import Faults
@@ -53,6 +55,7 @@ class RankState:
     step: int = 0
     paused: bool = False
     faults: Faults | None = field(default=None, repr=False)
+    corpus: DraftIndex = field(default_factory=corpus_index)  # speculation's external corpus
 
     @property
     def model(self) -> ModelConfig:
@@ -75,15 +78,16 @@ class RankState:
     def sync_device(self) -> torch.device:
         return self.device if self.backend == "nccl" else torch.device("cpu")
 
-    def group_sync(self, count: int, faulted: int = 0) -> tuple[int, int]:
-        """The leader's ``count`` and ``faulted`` to every rank of this replica's TP group (one small
-        broadcast): how the serving loop agrees, each step, on how many inbox commands to apply, and checks
-        that its ranks aborted the same requests for their own failures (``faulted``: a digest of them)."""
-        t = torch.tensor([count, faulted], dtype=torch.int64, device=self.sync_device)
+    def group_sync(self, count: int, faulted: int = 0, cost: int = 0) -> tuple[int, int, int]:
+        """The leader's ``count``, ``faulted`` and ``cost`` to every rank of this replica's TP group (one
+        small broadcast): how the serving loop agrees, each step, on how many inbox commands to apply,
+        checks that its ranks aborted the same requests for their own failures (``faulted``: a digest of
+        them), and shares the leader's pass cost ratio (speculation's ``auto`` policy decides from it)."""
+        t = torch.tensor([count, faulted, cost], dtype=torch.int64, device=self.sync_device)
         leader = self.layout.ranks_of(self.replica_index)[0]
         dist.broadcast(t, src=leader, group=self.groups[self.layout][self.replica_index])
         got = t.tolist()
-        return int(got[0]), int(got[1])
+        return int(got[0]), int(got[1]), int(got[2])
 
     def pstate(self, lay: Layout) -> ParallelState:
         return parallel_state(self.rank, lay, self.groups, self.stage_cpu)
@@ -94,7 +98,9 @@ class RankState:
 
     def make_replica(self, lay: Layout, weights: Weights) -> Replica:
         """This rank's replica of ``weights`` at ``lay``."""
-        rep = make_replica(self.cfg, self.rank, lay, weights, self.groups, self.device, self.stage_cpu)
+        rep = make_replica(
+            self.cfg, self.rank, lay, weights, self.groups, self.device, self.stage_cpu, self.corpus
+        )
         rep.poison = self.faults.poison(self.rank) if self.faults is not None else None
         return rep
 
@@ -158,6 +164,7 @@ def make_replica(
     groups: Groups,
     device: torch.device,
     stage_cpu: bool,
+    corpus: DraftIndex,
 ) -> Replica:
     m = cfg.model
     decoder = make_decoder(cfg, weights, parallel_state(rank, lay, groups, stage_cpu))
@@ -183,7 +190,11 @@ def make_replica(
                 log.info("rank %d, layout %s: decode steps run eagerly: %s", rank, lay, why)
         else:
             graphs = DecodeGraphs(cfg.engine.max_batch)
-    spec = Speculator(eng.speculative_num_draft_tokens) if eng.speculative_algorithm == "ngram" else None
+    spec = (
+        Speculator(eng.speculative_num_draft_tokens, auto=eng.speculative_policy == "auto", corpus=corpus)
+        if eng.speculative_algorithm == "ngram"
+        else None
+    )
     return Replica(decoder, pool, limits, m.eos_token_ids, graphs, speculator=spec)
 
 
@@ -200,7 +211,8 @@ def build_state(rank: int, cfg: EngineConfig, faults: Faults | None = None) -> R
     device, backend, stage_cpu = device_for(rank, cfg)
     groups = create_groups(cfg, backend)
     weights = load_weights(cfg, cfg.model_dir, cfg.layout, rank, device)
-    replica = make_replica(cfg, rank, cfg.layout, weights, groups, device, stage_cpu)
+    corpus = corpus_index()
+    replica = make_replica(cfg, rank, cfg.layout, weights, groups, device, stage_cpu, corpus)
     replica.poison = faults.poison(rank) if faults is not None else None
     return RankState(
         rank=rank,
@@ -215,4 +227,5 @@ def build_state(rank: int, cfg: EngineConfig, faults: Faults | None = None) -> R
         costs=cfg.costs,
         weights_path=cfg.model_dir,
         faults=faults,
+        corpus=corpus,
     )

@@ -55,6 +55,7 @@ class StepOutput:
     finished: list[tuple[str, Finish]] = field(default_factory=list)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     failed: list[tuple[str, str]] = field(default_factory=list)  # (rid, why) aborted by their own failure
+    pass_rows: int = 0  # token rows a decode or verify pass computed (padding included)
 
 
 class Replica:
@@ -278,20 +279,21 @@ class Replica:
 
     def decode(self) -> StepOutput:
         retracted = self._retract_for_step()
-        if self.speculator is not None:
-            drafts = self.speculator.drafts(self.running)
+        spec = self.speculator
+        if spec is not None:
+            drafts = spec.plan(self.running)
             room = extra_pages(self.running, drafts, self.pool.page_size) <= self.pool.free_pages
             if any(drafts) and room:
-                return self._verify(drafts, retracted)
+                return self._verify(spec, drafts, retracted)
         seqs = list(self.running)
         logits = self.step_logits()
-        out = StepOutput("decode", retracted=retracted)
+        out = StepOutput("decode", retracted=retracted, pass_rows=len(seqs))
         self._append(seqs, sample(self._poisoned(logits, seqs), seqs, self.eos_ids), out)
         if not self.running and self.gathered is not None:
             self.gathered.clear()  # the batch is done: its copy goes
         return out
 
-    def _verify(self, drafts: list[list[int]], retracted: list[str]) -> StepOutput:
+    def _verify(self, spec: Speculator, drafts: list[list[int]], retracted: list[str]) -> StepOutput:
         """A decode step that verifies each running request's drafts (:mod:`speculation`): one pass over
         its last token and drafts, then the tokens plain decoding would emit, 1 to k+1 a request, each
         recorded as a decode step records its token (a finish ends the run)."""
@@ -305,14 +307,17 @@ class Replica:
         counts = [1 + len(d) for d in drafts]
         at = torch.tensor([[b, i] for b, n in enumerate(counts) for i in range(n)], device=dev)
         rows = self.decoder.logits(x[at[:, 0], at[:, 1]]).split(counts)  # one product (and gather) for all
-        out = StepOutput("verify", retracted=retracted)
+        out = StepOutput("verify", retracted=retracted, pass_rows=len(seqs) * max(counts))
+        emitted = []
         for seq, d, row in zip(seqs, drafts, rows, strict=True):
             got = verify(self._poisoned(row, [seq] * len(row)), seq, d, self.eos_ids)
             draws: list[Draw | Failure] = [got] if isinstance(got, Failure) else list(got)
+            emitted.append(0 if isinstance(got, Failure) else len(got))
             for draw in draws:
                 self._append([seq], [draw], out)
                 if seq.finish is not None:
                     break
+        spec.learn(seqs, drafts, emitted)
         return out
 
     def _poisoned(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rollout_worker.drafting.corpus import add_corpus, remove_corpus
 from rollout_worker.engine import messages as m
 from rollout_worker.engine.config import EngineConfig
 from rollout_worker.engine.finish import PAUSE_ABORT, Finish
@@ -42,6 +43,7 @@ from rollout_worker.engine.rank.rank_state import RankState, build_state, device
 from rollout_worker.engine.rank.reconfigure import reconfigure
 from rollout_worker.engine.rank.rendezvous import join
 from rollout_worker.engine.rank.sequence import Sequence
+from rollout_worker.engine.rank.speculation import PassCost
 from rollout_worker.errors import UserError
 from rollout_worker.proc import die_with_parent, when_gone
 
@@ -69,6 +71,7 @@ class RankLoop:
         self.step_ms: list[float] = []
         self.faulted = 0  # digest of the requests this replica aborted for their own failures
         self.weight_groups = weight_sync.TrainerGroups(st.rank, outbox.send)  # groups with trainers
+        self.pass_cost = PassCost()  # the leader's fit of its decode and verify passes' times
 
     @property
     def idle(self) -> bool:
@@ -89,19 +92,28 @@ class RankLoop:
     def take(self, block: bool) -> list[m.Command]:
         st = self.st
         if st.layout.tp == 1:
+            self._set_cost(self.pass_cost.ratio())
             return self._drain(block)
         if st.is_leader:
             msgs = self._drain(block)
-            self.st.group_sync(len(msgs), self.faulted)
+            _, _, cost = self.st.group_sync(len(msgs), self.faulted, self.pass_cost.ratio())
+            self._set_cost(cost)
             return msgs
         first = [self.inbox.get()] if block else []
-        k, faulted = self.st.group_sync(0, self.faulted)
+        k, faulted, cost = self.st.group_sync(0, self.faulted)
+        self._set_cost(cost)
         if faulted != self.faulted:
             raise RuntimeError(
                 f"the ranks of replica {st.replica_index} disagree on which requests failed "
                 f"(rank {st.rank} saw a failure its leader did not, or the reverse)"
             )
         return first + [self.inbox.get() for _ in range(k - len(first))]
+
+    def _set_cost(self, ratio: int) -> None:
+        """Every rank of the replica speculates from its leader's pass cost ratio (the same on all)."""
+        spec = self.st.replica.speculator
+        if spec is not None:
+            spec.ratio = ratio
 
     def _drain(self, block: bool) -> list[m.Command]:
         """Everything in the inbox now (at least one message when ``block``), up to a global command."""
@@ -143,6 +155,14 @@ class RankLoop:
             self.memory(cmd)
         elif isinstance(cmd, m.FlushCache):
             rep.pool.flush_cache()
+            if rep.speculator is not None:
+                rep.speculator.forget_requests()  # as SGLang's flush resets its n-gram cache
+            self.outbox.send(m.Done(cmd.ticket, st.rank, True))
+        elif isinstance(cmd, m.AddCorpus):
+            add_corpus(st.corpus, cmd.corpus_id, cmd.documents)
+            self.outbox.send(m.Done(cmd.ticket, st.rank, True))
+        elif isinstance(cmd, m.RemoveCorpus):
+            remove_corpus(st.corpus, cmd.corpus_id)
             self.outbox.send(m.Done(cmd.ticket, st.rank, True))
         elif isinstance(cmd, m.Shutdown):
             self.stopping = True
@@ -150,6 +170,7 @@ class RankLoop:
     def reconfigure(self, cmd: m.Reconfigure) -> None:
         self.flush()  # the driver learns of everything before the switch first
         self.st, event, placements = reconfigure(self.st, cmd.target, cmd.method, cmd.reason)
+        self.pass_cost = PassCost()  # another layout, other step times
         self.faulted = 0  # every rank meets here; the new groups start agreeing afresh
         if self.st.rank == 0:
             self.outbox.send(m.Switched(cmd.ticket, event, tuple(placements), self.st.epoch, self.st.step))
@@ -236,6 +257,8 @@ class RankLoop:
                 log.warning("request %s aborted at step %d: %s", rid, st.step, why)
         if not st.is_leader:
             return
+        if out.pass_rows:
+            self.pass_cost.add(out.pass_rows, ms)
         self.retracted += out.retracted
         report = m.StepReport(
             replica=st.replica_index,

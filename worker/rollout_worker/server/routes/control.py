@@ -1,10 +1,12 @@
-"""SGLang's control endpoints: abort, pause / continue, flush, weight updates, memory release. Every one
+"""SGLang's control endpoints: abort, pause / continue, flush, weight updates, memory release, the external
+corpus of speculative decoding. Every one
 answers with a JSON body (slime calls ``.json()`` on them)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +17,10 @@ from rollout_worker.api.load_format import BUCKET
 from rollout_worker.api.sglang import (
     MEMORY_TAGS,
     AbortRequest,
+    AddCorpusRequest,
     MemoryRequest,
     PauseRequest,
+    RemoveCorpusRequest,
     UpdateTensorRequest,
     UpdateWeightsRequest,
     WeightVersionRequest,
@@ -62,6 +66,39 @@ async def flush_cache(request: Request) -> JSONResponse:
         return JSONResponse({"success": False, "message": msg}, status_code=400)
     await state.bridge.call(engine.flush_cache)
     return JSONResponse({"success": True, "message": "Cache flushed."})
+
+
+@router.post("/add_external_corpus", summary="Add documents speculative decoding drafts from")
+async def add_external_corpus(body: AddCorpusRequest, request: Request) -> dict[str, Any]:
+    state = server_state(request)
+    engine = state.ready_engine()
+    if state.codec is None:
+        raise UserError("the model has no tokenizer: documents cannot be tokenized", "documents")
+    codec, corpus_id = state.codec, body.corpus_id or f"corpus-{uuid.uuid4().hex[:12]}"
+
+    def add() -> int:  # in a worker thread: tokenizing a large corpus must not hold up other requests
+        return engine.add_corpus(corpus_id, [codec.encode(text) for text in body.documents])
+
+    loaded = await state.bridge.call(add)
+    return {
+        "success": True,
+        "corpus_id": corpus_id,
+        "loaded_token_count": loaded,
+        "message": f"added {len(body.documents)} document(s), {loaded} tokens",
+    }
+
+
+@router.post("/remove_external_corpus", summary="Drop an external corpus")
+async def remove_external_corpus(body: RemoveCorpusRequest, request: Request) -> dict[str, Any]:
+    state = server_state(request)
+    engine = state.ready_engine()
+    await state.bridge.call(lambda: engine.remove_corpus(body.corpus_id))
+    return {"success": True, "message": f"removed corpus {body.corpus_id!r}"}
+
+
+@router.get("/list_external_corpora", summary="The external corpora held, with their tokens")
+async def list_external_corpora(request: Request) -> dict[str, Any]:
+    return {"success": True, "corpus_token_counts": server_state(request).ready_engine().corpora()}
 
 
 def _checkpoint_in_root(state: ServerState, raw: str) -> Path:

@@ -26,9 +26,12 @@ def _health(state: ServerState) -> tuple[int, dict[str, Any]]:
     body: dict[str, Any] = {"status": status.health.value}
     if status.failure:
         body["message"] = status.failure
+    elif state.loading is not None:
+        body["message"] = f"loading {state.loading}"
     elif state.engine is not None and status.serving:
         body.update(_doing(state.engine))
-    return (200 if status.serving and state.exit_code is None else 503), body
+    ok = status.serving and state.exit_code is None and state.loading is None
+    return (200 if ok else 503), body
 
 
 def _doing(engine: Engine) -> dict[str, Any]:
