@@ -78,6 +78,7 @@ def test_the_operator_killed_mid_job_and_a_sidecar_away_for_a_while(
     assert second.metric("rollout_operator_jobs_created_total") == 0  # the job was the first operator's
 
 
+@pytest.mark.long
 def test_suspend_mid_job_deletes_the_pods_and_resume_completes_with_nothing_lost(
     cluster: Cluster, tiny64: Path, prompts: Path, tmp_path: Path
 ) -> None:

@@ -202,6 +202,7 @@ def _decoding(out: Path, since: float) -> bool:
     return all(g.get("running", 0) > 0 for g in got)
 
 
+@pytest.mark.long
 def test_ctrl_c_then_sigkill_of_the_runner_stop_every_child_and_reruns_resume(
     tiny64: Path, prompts: Path, reference: Path, tmp_path: Path
 ) -> None:

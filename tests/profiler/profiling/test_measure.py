@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 from tests.conftest import run_cli as cli
 
 
+@pytest.mark.long
 @pytest.mark.multiproc
 def test_profile_tiny_two_ranks_predicts_held_out_points(tmp_path: Path) -> None:
     db = f"sqlite:///{tmp_path / 'p.db'}"

@@ -86,6 +86,7 @@ def test_real_model_batch_sizes_change_nothing(
         assert outputs(_run(smollm2, "1x1", chats, max_batch=max_batch)) == real_reference, max_batch
 
 
+@pytest.mark.long
 def test_small_batch_sizes_change_nothing(small32: Path) -> None:
     """``small``, 64 requests: one at a time (batch 1), all in one batch of up to 64 (every size on the way
     down as they finish), and at TP 2 in batches of up to 64."""

@@ -114,6 +114,7 @@ def _until_released(s: Served) -> httpx.Response | None:
     return r
 
 
+@pytest.mark.long
 def test_requests_racing_a_memory_release_and_resume(ctl: Served) -> None:
     """Requests (streamed and not) sent back to back while memory is released and resumed 20 times: each
     completes with the tokens it gets alone, or is refused with the documented error (503 memory released,

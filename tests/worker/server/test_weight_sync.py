@@ -172,6 +172,7 @@ def _join_an_impostor(s: Served, reply: bytes, name: str, reference: list[list[i
         assert error["field"] == "master_address" and f"127.0.0.1:{port}" in error["message"], error
 
 
+@pytest.mark.long
 def test_a_join_that_meets_no_trainer_stalls_nothing(ctl: Served, root: Path) -> None:
     """``/init_weights_update_group`` pointed at a listener that is not a trainer (it accepts and says
     nothing, or answers garbage): the ranks wait for it beside their step loops, so generation goes on and

@@ -95,8 +95,9 @@ def test_linear_rows_do_not_depend_on_the_batch(kernel: str, out: int, k: int) -
             i = _row_of(batch, row)
             assert torch.equal(linear(batch, w)[i], alone[0]), batch.shape
             default_differs |= not torch.equal(default(batch, w)[i], alone_default[0])
-    # sgemm's 1-row and 4-row kernels round differently; oneDNN's 1-row kernel differs where K > 1024
-    assert default_differs or (kernel == "packed" and k <= 1024)
+    # sgemm's 1-row and 4-row kernels round differently (the case this kernel exists for); whether oneDNN's
+    # packed 1-row kernel differs depends on the CPU (on AVX-512 where K > 1024; on an AVX2 CPU it did not)
+    assert default_differs or kernel == "packed"
 
 
 @kernels
