@@ -106,6 +106,7 @@ def test_suspend_mid_job_deletes_the_pods_and_resume_completes_with_nothing_lost
     assert "Suspended" in reasons and "Resumed" in reasons, reasons
 
 
+@pytest.mark.long
 def test_a_pod_failing_repeatedly_fails_the_job_after_the_backoff_limit(
     cluster: Cluster, prompts: Path, tmp_path: Path
 ) -> None:

@@ -66,6 +66,7 @@ def _without_layouts(out: Path) -> list[dict[str, object]]:
     return sorted(recs, key=lambda r: (str(r["prompt_id"]), int(str(r["sample"]))))
 
 
+@pytest.mark.long
 def test_the_planner_switches_honestly_and_the_outputs_equal_static(
     tiny64: Path, prompts: Path, reference: Path, tmp_path: Path
 ) -> None:

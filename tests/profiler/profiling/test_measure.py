@@ -57,6 +57,7 @@ def test_profile_tiny_two_ranks_predicts_held_out_points(tmp_path: Path) -> None
     assert err["median"] < 0.25, err
 
 
+@pytest.mark.long
 @pytest.mark.multiproc
 def test_shard_equivalent_profile(tmp_path: Path) -> None:
     out = tmp_path / "se.json"

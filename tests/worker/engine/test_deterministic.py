@@ -66,6 +66,7 @@ def small32(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.long
 def test_small_through_both_chains_is_bitwise_equal(small32: Path) -> None:
     """``small`` (8 heads over 4 KV heads, 1536 intermediate): both chains of switches (every layout of 2
     and 4 ranks on the way) against two TP=1 replicas."""

@@ -115,6 +115,7 @@ def test_logits_match_transformers_gguf_load(smollm2: Path, reference: tuple[Any
         assert rel < 1e-4, rel
 
 
+@pytest.mark.long
 @pytest.mark.multiproc
 def test_greedy_matches_transformers_on_20_chat_prompts(smollm2: Path, reference: tuple[Any, Any]) -> None:
     model, _ = reference
